@@ -1,0 +1,90 @@
+"""Attention kernels: plain tensors in, plain tensors out (no autograd, no distributed).
+
+`attn_fwd` / `attn_bwd` dispatch to the Triton FlashAttention-2 kernels on CUDA and to the
+PyTorch reference on CPU. Force either with the `backend=` argument or the environment
+variable `RINGFLASH_KERNEL_BACKEND` (`auto`, `triton`, `reference`). On CPU the Triton
+kernels run only under the interpreter (`TRITON_INTERPRET=1`, set before Triton is imported);
+that is how the test suite checks them without a GPU.
+
+Conventions (DESIGN.md, layer 1): q `(B, Nq, H, D)`, k and v `(B, Nk, Hkv, D)` with H % Hkv == 0,
+any strides with a contiguous last dim; lse `(B, H, Nq)` float32, natural log.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kernels.reference import ref_attn_bwd, ref_attn_fwd
+
+BACKENDS = ("auto", "triton", "reference")
+
+__all__ = ["BACKENDS", "attn_bwd", "attn_fwd", "ref_attn_bwd", "ref_attn_fwd", "resolve_backend"]
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def resolve_backend(backend: str | None, device: torch.device) -> str:
+    """The backend that will run for tensors on `device`: `"triton"` or `"reference"`."""
+    choice = backend or os.environ.get("RINGFLASH_KERNEL_BACKEND", "auto")
+    if choice not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {choice!r}")
+    if choice == "auto":
+        return "triton" if device.type == "cuda" else "reference"
+    if choice == "triton" and device.type != "cuda" and not _interpreting():
+        raise ValueError(
+            f"backend='triton' on a {device.type} tensor needs the Triton interpreter: "
+            "set TRITON_INTERPRET=1 before importing triton, or use backend='reference'"
+        )
+    return choice
+
+
+def attn_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention forward: returns `o` like q and `lse (B, H, Nq)` float32 (natural log).
+
+    Rows with no visible key give `o = 0`, `lse = -inf`.
+    """
+    if resolve_backend(backend, q.device) == "reference":
+        return ref_attn_fwd(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    from kernels.attn_fwd import triton_attn_fwd
+
+    return triton_attn_fwd(q, k, v, causal=causal, softmax_scale=softmax_scale)
+
+
+def attn_bwd(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    grad_dtype: torch.dtype | None = None,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention backward: returns `dq` like q, `dk`, `dv` like k, in `grad_dtype` (default q's).
+
+    `o` and `lse` may be global (from a ring merge); P and delta are recomputed from them.
+    """
+    if resolve_backend(backend, q.device) == "reference":
+        return ref_attn_bwd(
+            do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale, grad_dtype=grad_dtype
+        )
+    from kernels.attn_bwd import triton_attn_bwd
+
+    return triton_attn_bwd(
+        do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale, grad_dtype=grad_dtype
+    )

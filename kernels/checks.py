@@ -1,0 +1,88 @@
+"""Input validation shared by the Triton kernels and the PyTorch reference.
+
+Every public kernel entry point calls these first, so a bad call fails the same way
+whichever backend runs it, with a message that names the argument.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
+    """Check q `(B, Nq, H, D)` and k, v `(B, Nk, Hkv, D)` against the kernel contract."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have 4 dims (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dim (stride 1), got strides {t.stride()}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name}.dtype must equal q.dtype ({q.dtype}), got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device ({q.device}), got {t.device}")
+    B, Nq, H, D = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    Bk, Nk, Hkv, Dk = k.shape
+    if Bk != B:
+        raise ValueError(f"k.shape[0] (batch) must equal q.shape[0] = {B}, got {Bk}")
+    if Dk != D:
+        raise ValueError(f"k.shape[3] (head_dim) must equal q.shape[3] = {D}, got {Dk}")
+    if not 1 <= D <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be in [1, {MAX_HEAD_DIM}], got {D}")
+    if Hkv == 0 or H % Hkv != 0:
+        raise ValueError(
+            f"the number of query heads (q.shape[2] = {H}) must be a multiple of the number of "
+            f"key/value heads (k.shape[2] = {Hkv})"
+        )
+    if causal and Nq != Nk:
+        raise ValueError(
+            f"causal=True needs as many queries as keys (a diagonal block), got q.shape[1] = {Nq} "
+            f"and k.shape[1] = {Nk}"
+        )
+
+
+def check_bwd(
+    do: torch.Tensor, q: torch.Tensor, o: torch.Tensor, lse: torch.Tensor
+) -> None:
+    """Check the backward's extra inputs: `do` and `o` like `q`, `lse (B, H, Nq)` float32."""
+    for name, t in (("do", do), ("o", o)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.shape != q.shape:
+            raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(t.shape)}")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device ({q.device}), got {t.device}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dim (stride 1), got strides {t.stride()}")
+    B, Nq, H, _ = q.shape
+    if not isinstance(lse, torch.Tensor):
+        raise TypeError(f"lse must be a torch.Tensor, got {type(lse).__name__}")
+    if lse.shape != (B, H, Nq):
+        raise ValueError(f"lse must have shape (batch, heads, seqlen_q) = {(B, H, Nq)}, got {tuple(lse.shape)}")
+    if lse.dtype != torch.float32:
+        raise TypeError(f"lse must be float32, got {lse.dtype}")
+    if lse.device != q.device:
+        raise ValueError(f"lse must be on q's device ({q.device}), got {lse.device}")
+
+
+def resolve_scale(softmax_scale: float | None, head_dim: int) -> float:
+    """`softmax_scale` or the default `1/sqrt(head_dim)`; rejects non-positive or non-finite values."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    scale = float(softmax_scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
+    return scale
