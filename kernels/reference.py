@@ -60,7 +60,6 @@ def ref_attn_fwd(
     check_qkv(q, k, v, causal)
     scale = resolve_scale(softmax_scale, q.shape[-1])
     B, Nq, H, _ = q.shape
-    Hkv = k.shape[2]
     s = _scores(q, k, causal, scale)  # (B, Hkv, G, Nq, Nk)
     lse = torch.logsumexp(s, dim=-1)  # -inf where a row sees nothing (or Nk == 0)
     p = _probabilities(s, lse)
@@ -91,7 +90,7 @@ def ref_attn_bwd(
     check_bwd(do, q, o, lse)
     scale = resolve_scale(softmax_scale, q.shape[-1])
     out_dtype = grad_dtype or q.dtype
-    B, Nq, H, D = q.shape
+    B, Nq, H, _ = q.shape
     Hkv = k.shape[2]
     s = _scores(q, k, causal, scale)
     lse_g = lse.view(B, Hkv, H // Hkv, Nq)

@@ -1,0 +1,271 @@
+"""FlashAttention-2 backward in Triton: `(dq, dk, dv)` from `do`, the inputs, and `(o, lse)`.
+
+Three launches, none with atomics, so gradients are deterministic:
+1. `_bwd_preprocess`: `delta = rowsum(do·o)` per query row (float32), from the `o` it is given.
+2. `_bwd_dkdv`: one program per (key block, batch·kv-head). Key/value blocks are the outer loop
+   (FA2 order); the program streams every query block of every query head that shares this kv
+   head (GQA), recomputing `P = exp(S·scale − lse)`, and accumulates dK, dV on chip.
+3. `_bwd_dq`: one program per (query block, batch·head) streams key blocks and accumulates dQ.
+   Recomputing S and dP once more costs 2 of 7 matmuls; it buys dQ without a race or atomics.
+
+`o` and `lse` need not be the ones this block produced: with the global (ring-merged) ones the
+per-block gradients sum to the exact full gradient. A row with `lse = -inf` saw no key anywhere;
+it is treated as `+inf` here so that its P is exactly 0 instead of `exp(+inf)`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.checks import check_bwd, check_qkv, resolve_scale
+from kernels.launch_utils import (
+    LOG2E,
+    bhnd_strides,
+    block_d,
+    dot_precision,
+    upcast_dots,
+)
+from kernels.tiles import load_tile, store_tile
+from kernels.tuning import Tile, launch
+
+
+@triton.jit
+def _bwd_preprocess(
+    O, DO, Delta,
+    stride_ob, stride_on, stride_oh, stride_dob, stride_don, stride_doh,
+    H, Nq,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    start_m = tl.program_id(0)
+    off_bh = tl.program_id(1)
+    off_b = off_bh // H
+    off_h = off_bh % H
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    o = load_tile(O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :],
+                  offs_m, offs_d, Nq, True, HEAD_DIM, BLOCK_D)
+    do = load_tile(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_don
+                   + offs_d[None, :], offs_m, offs_d, Nq, True, HEAD_DIM, BLOCK_D)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(Delta + off_bh * Nq + offs_m, delta, mask=offs_m < Nq)
+
+
+@triton.jit
+def _load_lse2(LSE, rows, Nq):
+    # lse in base 2 for exp2; rows past the end and rows that saw no key get +inf so P = 0.
+    lse = tl.load(LSE + rows, mask=rows < Nq, other=float("inf"))
+    return tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634  # log2(e)
+
+
+@triton.jit
+def _dkdv_inner(
+    dk, dv, k, v, Q, DO, LSE, Delta,
+    stride_qn, stride_don, offs_n, offs_d, lo, hi, Nq, qk_scale,
+    CAUSAL: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Accumulate dK, dV of one key block over query blocks [lo, hi) of one query head.
+
+    Works on transposed scores `S^T (BLOCK_N, BLOCK_M)` so that dV = P^T·dO and dK = dS^T·Q are
+    plain products with the key block as rows.
+    """
+    offs_m0 = tl.arange(0, BLOCK_M)
+    for start_m in range(lo, hi, BLOCK_M):
+        rows = start_m + offs_m0
+        # Query rows past Nq load as zeros with lse = +inf, so they contribute exactly nothing.
+        q = load_tile(Q + rows[:, None] * stride_qn + offs_d[None, :], rows, offs_d, Nq, True,
+                      HEAD_DIM, BLOCK_D)
+        do = load_tile(DO + rows[:, None] * stride_don + offs_d[None, :], rows, offs_d, Nq, True,
+                       HEAD_DIM, BLOCK_D)
+        if UPCAST:
+            q = q.to(tl.float32)
+            do = do.to(tl.float32)
+        lse2 = _load_lse2(LSE, rows, Nq)
+        delta = tl.load(Delta + rows, mask=rows < Nq, other=0.0)
+        p_t = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - lse2[None, :])
+        if MASKED and CAUSAL:
+            p_t = tl.where(rows[None, :] >= offs_n[:, None], p_t, 0.0)
+        dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dkdv(
+    Q, K, V, DO, LSE, Delta, DK, DV,
+    stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
+    stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+    Hkv, Nq, Nk, qk_scale, softmax_scale,
+    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    start_n = tl.program_id(0) * BLOCK_N
+    off_bh = tl.program_id(1)
+    off_b = off_bh // Hkv
+    off_hkv = off_bh % Hkv
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+
+    k = load_tile(K + off_b * stride_kb + off_hkv * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :],
+                  offs_n, offs_d, Nk, True, HEAD_DIM, BLOCK_D)
+    v = load_tile(V + off_b * stride_vb + off_hkv * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :],
+                  offs_n, offs_d, Nk, True, HEAD_DIM, BLOCK_D)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    # Causal: query blocks before this key block see none of it; the ones overlapping it
+    # (BLOCK_N is a multiple of BLOCK_M) need the mask; every later one sees all of it.
+    lo = start_n if CAUSAL else 0
+    diag_end = tl.minimum(start_n + BLOCK_N, Nq) if CAUSAL else 0
+    for g in range(GROUP):  # the query heads sharing this kv head, in a fixed order
+        off_h = off_hkv * GROUP + g
+        q_base = Q + off_b * stride_qb + off_h * stride_qh
+        do_base = DO + off_b * stride_dob + off_h * stride_doh
+        row_base = (off_b * Hkv * GROUP + off_h) * Nq
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, Delta + row_base,
+                             stride_qn, stride_don, offs_n, offs_d, lo, diag_end, Nq, qk_scale,
+                             CAUSAL, True, UPCAST, BLOCK_M, HEAD_DIM, BLOCK_D, PRECISION)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, Delta + row_base,
+                             stride_qn, stride_don, offs_n, offs_d, tl.maximum(lo, diag_end), Nq, Nq,
+                             qk_scale, CAUSAL, False, UPCAST, BLOCK_M, HEAD_DIM, BLOCK_D, PRECISION)
+
+    dk_ptrs = DK + off_b * stride_dkb + off_hkv * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :]
+    dv_ptrs = DV + off_b * stride_dvb + off_hkv * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :]
+    store_tile(dk_ptrs, (dk * softmax_scale).to(DK.dtype.element_ty), offs_n, offs_d, Nk, HEAD_DIM, BLOCK_D)
+    store_tile(dv_ptrs, dv.to(DV.dtype.element_ty), offs_n, offs_d, Nk, HEAD_DIM, BLOCK_D)
+
+
+@triton.jit
+def _dq_inner(
+    dq, q, do, lse2, delta, K, V, stride_kn, stride_vn, offs_m, offs_d, lo, hi, Nk, qk_scale,
+    CAUSAL: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Accumulate dQ of one query block over key blocks [lo, hi)."""
+    offs_n0 = tl.arange(0, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n0
+        k = load_tile(K + cols[:, None] * stride_kn + offs_d[None, :], cols, offs_d, Nk, MASKED,
+                      HEAD_DIM, BLOCK_D)
+        v = load_tile(V + cols[:, None] * stride_vn + offs_d[None, :], cols, offs_d, Nk, MASKED,
+                      HEAD_DIM, BLOCK_D)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse2[:, None])
+        if MASKED:
+            visible = cols[None, :] < Nk
+            if CAUSAL:
+                visible = visible & (offs_m[:, None] >= cols[None, :])
+            p = tl.where(visible, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+    return dq
+
+
+@triton.jit
+def _bwd_dq(
+    Q, K, V, DO, LSE, Delta, DQ,
+    stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
+    stride_dqb, stride_dqn, stride_dqh,
+    H, Nq, Nk, qk_scale, softmax_scale,
+    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    start_m = tl.program_id(0) * BLOCK_M
+    off_bh = tl.program_id(1)
+    off_b = off_bh // H
+    off_h = off_bh % H
+    off_hkv = off_h // GROUP
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+
+    q = load_tile(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :],
+                  offs_m, offs_d, Nq, True, HEAD_DIM, BLOCK_D)
+    do = load_tile(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_don
+                   + offs_d[None, :], offs_m, offs_d, Nq, True, HEAD_DIM, BLOCK_D)
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    lse2 = _load_lse2(LSE + off_bh * Nq, offs_m, Nq)
+    delta = tl.load(Delta + off_bh * Nq + offs_m, mask=offs_m < Nq, other=0.0)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    k_base = K + off_b * stride_kb + off_hkv * stride_kh
+    v_base = V + off_b * stride_vb + off_hkv * stride_vh
+    if CAUSAL:
+        split = start_m  # BLOCK_M is a multiple of BLOCK_N: keys before the block are all visible
+        hi = tl.minimum(start_m + BLOCK_M, Nk)
+    else:
+        split = (Nk // BLOCK_N) * BLOCK_N
+        hi = Nk
+    dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, 0, split,
+                   Nk, qk_scale, CAUSAL, False, UPCAST, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, split, hi,
+                   Nk, qk_scale, CAUSAL, True, UPCAST, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION)
+
+    dq_ptrs = DQ + off_b * stride_dqb + off_h * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :]
+    store_tile(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), offs_m, offs_d, Nq, HEAD_DIM, BLOCK_D)
+
+
+def triton_attn_bwd(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    grad_dtype: torch.dtype | None = None,
+    tiles: dict[str, Tile] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of attention with the Triton kernels.
+
+    `do, o` like `q (B, Nq, H, D)`; `k, v (B, Nk, Hkv, D)`; `lse (B, H, Nq)` float32 natural log.
+    Returns `dq (B, Nq, H, D)`, `dk, dv (B, Nk, Hkv, D)`, contiguous, in `grad_dtype`
+    (default q's dtype; the ring asks for float32 to accumulate across steps).
+    """
+    check_qkv(q, k, v, causal)
+    check_bwd(do, q, o, lse)
+    scale = resolve_scale(softmax_scale, q.shape[-1])
+    out_dtype = grad_dtype or q.dtype
+    B, Nq, H, D = q.shape
+    Nk, Hkv = k.shape[1], k.shape[2]
+    dq = torch.empty(q.shape, dtype=out_dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=out_dtype, device=q.device)
+    dv = torch.empty(v.shape, dtype=out_dtype, device=q.device)
+    if Nq == 0 or Nk == 0 or B * H == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    lse = lse.contiguous()
+    delta = torch.empty_like(lse)
+    BD = block_d(D)
+    _bwd_preprocess[(triton.cdiv(Nq, 64), B * H)](
+        o, do, delta, *bhnd_strides(o), *bhnd_strides(do), H, Nq, HEAD_DIM=D, BLOCK_M=64, BLOCK_D=BD,
+    )
+    common = dict(
+        HEAD_DIM=D, GROUP=H // Hkv, CAUSAL=causal, UPCAST=upcast_dots(q.dtype),
+        PRECISION=dot_precision(q.dtype), BLOCK_D=BD,
+    )
+    strides_in = (*bhnd_strides(q), *bhnd_strides(k), *bhnd_strides(v), *bhnd_strides(do))
+    tiles = tiles or {}
+    launch("dkdv", _bwd_dkdv, lambda meta: (triton.cdiv(Nk, meta["BLOCK_N"]), B * Hkv),
+           (q, k, v, do, lse, delta, dk, dv, *strides_in, *bhnd_strides(dk), *bhnd_strides(dv),
+            Hkv, Nq, Nk, scale * LOG2E, scale), common, tiles.get("dkdv"))
+    launch("dq", _bwd_dq, lambda meta: (triton.cdiv(Nq, meta["BLOCK_M"]), B * H),
+           (q, k, v, do, lse, delta, dq, *strides_in, *bhnd_strides(dq), H, Nq, Nk, scale * LOG2E, scale),
+           common, tiles.get("dq"))
+    return dq, dk, dv

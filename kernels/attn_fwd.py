@@ -1,0 +1,154 @@
+"""FlashAttention-2 forward in Triton: `(o, lse)` for a block of queries against a block of keys.
+
+FA2 loop order: one program per (query block, batch·head); it streams key/value blocks through
+on-chip memory keeping the online-softmax state in the paper's notation:
+`m_i` running row max, `l_i` running row sum of exp, `acc` unnormalised output, all float32.
+Scores are scaled by `softmax_scale·log2(e)` once so the inner loop uses `exp2`; the LSE is
+converted back to natural log on the way out.
+
+Causal attention is split into two stages so that only the blocks that straddle the diagonal
+(or the ragged end of the key sequence) pay for a mask: stage 1 runs the fully visible blocks
+without one, stage 2 the rest with it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.checks import check_qkv, resolve_scale
+from kernels.launch_utils import (
+    LOG2E,
+    bhnd_strides,
+    block_d,
+    dot_precision,
+    upcast_dots,
+)
+from kernels.tiles import load_tile, store_tile
+from kernels.tuning import Tile, launch
+
+
+@triton.jit
+def _fwd_inner(
+    acc, l_i, m_i, q,
+    k_ptrs, v_ptrs, stride_kn, stride_vn,
+    offs_m, offs_n, offs_d, lo, hi, Nk, qk_scale,
+    CAUSAL: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Fold key/value blocks [lo, hi) into the online-softmax state (acc, l_i, m_i)."""
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        k = load_tile(k_ptrs + start_n * stride_kn, cols, offs_d, Nk, MASKED, HEAD_DIM, BLOCK_D)
+        v = load_tile(v_ptrs + start_n * stride_vn, cols, offs_d, Nk, MASKED, HEAD_DIM, BLOCK_D)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if MASKED:
+            visible = cols[None, :] < Nk
+            if CAUSAL:
+                visible = visible & (offs_m[:, None] >= cols[None, :])
+            qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        if MASKED:
+            # A row can see no key of this block; while it has seen none at all, m is -inf
+            # and exp2(-inf - -inf) would be NaN. Shift such rows by 0 instead.
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(qk - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    Q, K, V, O, LSE,
+    stride_qb, stride_qn, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_ob, stride_on, stride_oh,
+    H, Nq, Nk, qk_scale,
+    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    start_m = tl.program_id(0)
+    off_bh = tl.program_id(1)
+    off_b = off_bh // H
+    off_h = off_bh % H
+    off_hkv = off_h // GROUP  # GQA: query heads share key/value heads, nothing is repeated
+
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+
+    q_ptrs = Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :]
+    q = load_tile(q_ptrs, offs_m, offs_d, Nq, True, HEAD_DIM, BLOCK_D)
+    if UPCAST:
+        q = q.to(tl.float32)
+    k_ptrs = K + off_b * stride_kb + off_hkv * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
+    v_ptrs = V + off_b * stride_vb + off_hkv * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :]
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    if CAUSAL:
+        # Keys before this query block are visible to all of it; the block on the diagonal is not.
+        # BLOCK_M is a multiple of BLOCK_N, so the split falls on a key-block boundary.
+        split = start_m * BLOCK_M
+        hi = tl.minimum(split + BLOCK_M, Nk)
+    else:
+        split = (Nk // BLOCK_N) * BLOCK_N  # full key blocks, then a ragged tail
+        hi = Nk
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
+                               offs_m, offs_n, offs_d, 0, split, Nk, qk_scale,
+                               CAUSAL, False, UPCAST, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
+                               offs_m, offs_n, offs_d, split, hi, Nk, qk_scale,
+                               CAUSAL, True, UPCAST, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION)
+
+    # Rows that saw no key (l_i == 0) get o = 0 and lse = -inf rather than 0/0.
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)  # ln 2
+
+    o_ptrs = O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :]
+    store_tile(o_ptrs, o.to(O.dtype.element_ty), offs_m, offs_d, Nq, HEAD_DIM, BLOCK_D)
+    tl.store(LSE + off_bh * Nq + offs_m, lse, mask=offs_m < Nq)
+
+
+def triton_attn_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    tile: Tile | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of `q (B, Nq, H, D)` over `k, v (B, Nk, Hkv, D)` with the Triton kernel.
+
+    Returns `o (B, Nq, H, D)` (contiguous, q's dtype) and `lse (B, H, Nq)` float32, natural log.
+    """
+    check_qkv(q, k, v, causal)
+    scale = resolve_scale(softmax_scale, q.shape[-1])
+    B, Nq, H, D = q.shape
+    Nk, Hkv = k.shape[1], k.shape[2]
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
+    if Nq == 0 or B * H == 0:
+        return o, lse
+    args = (q, k, v, o, lse, *bhnd_strides(q), *bhnd_strides(k), *bhnd_strides(v), *bhnd_strides(o),
+            H, Nq, Nk, scale * LOG2E)
+    consts = dict(HEAD_DIM=D, GROUP=H // Hkv, CAUSAL=causal, UPCAST=upcast_dots(q.dtype),
+                  PRECISION=dot_precision(q.dtype), BLOCK_D=block_d(D))
+    launch("fwd", _attn_fwd_kernel, lambda meta: (triton.cdiv(Nq, meta["BLOCK_M"]), B * H), args, consts, tile)
+    return o, lse
+

@@ -1,0 +1,82 @@
+"""Block shapes for the Triton kernels: a tuned table by default, autotuning on request.
+
+Autotuning on every new shape costs seconds of compilation per candidate, on every fresh
+process; training and the ring see a handful of shapes, over and over. So the launchers take
+their tiles from `TUNED`, measured once per head dim with `launch/tune_kernels.py` on an H100
+(see docs/PERF_NOTES.md), and `RINGFLASH_AUTOTUNE=1` switches to `triton.autotune` over
+`CANDIDATES` (cached per sequence length for the life of the process) for other devices.
+
+A tile is `(outer, inner, num_warps, num_stages)`: for the forward and dQ kernels `outer` is the
+query block and `inner` the key block; for dK/dV it is the other way round. `outer` is always a
+multiple of `inner`, which the causal split into masked and unmasked stages relies on.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import triton
+
+from kernels.launch_utils import interpreting
+
+Tile = tuple[int, int, int, int]
+KERNELS = ("fwd", "dkdv", "dq")
+
+CANDIDATES: dict[str, list[Tile]] = {
+    "fwd": [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3),
+            (64, 32, 4, 4), (128, 64, 8, 2), (128, 128, 8, 2)],
+    "dkdv": [(128, 32, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3), (128, 32, 4, 3),
+             (128, 64, 8, 2), (64, 32, 4, 2)],
+    "dq": [(128, 32, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3), (128, 32, 4, 3),
+           (128, 64, 8, 2), (64, 32, 4, 2)],
+}
+
+# (kernel, BLOCK_D) -> tile. Measured on H100, bf16, causal, B·N = 32k, H·D = 2048.
+TUNED: dict[tuple[str, int], Tile] = {
+    ("fwd", 32): (128, 64, 4, 3), ("fwd", 64): (128, 64, 4, 3), ("fwd", 128): (128, 64, 8, 3),
+    ("fwd", 256): (64, 64, 8, 2),
+    ("dkdv", 32): (128, 32, 4, 3), ("dkdv", 64): (128, 32, 4, 3), ("dkdv", 128): (128, 32, 8, 3),
+    ("dkdv", 256): (64, 32, 8, 2),
+    ("dq", 32): (128, 32, 4, 3), ("dq", 64): (128, 32, 4, 3), ("dq", 128): (128, 32, 8, 3),
+    ("dq", 256): (64, 32, 8, 2),
+}
+
+INTERPRETER_TILE: Tile = (64, 32, 4, 1)  # several key blocks per query block even on tiny shapes
+
+
+def candidates(kernel: str, block_d: int) -> list[Tile]:
+    """Tiles worth trying: at head dim 256 the large ones exhaust shared memory."""
+    return [t for t in CANDIDATES[kernel] if block_d < 256 or t[0] * t[1] <= 64 * 64]
+
+
+def tile_for(kernel: str, block_d: int) -> Tile:
+    if interpreting():
+        return INTERPRETER_TILE
+    return TUNED[(kernel, min(max(block_d, 32), 256))]
+
+
+def _as_config(kernel: str, tile: Tile) -> triton.Config:
+    outer, inner, warps, stages = tile
+    names = ("BLOCK_N", "BLOCK_M") if kernel == "dkdv" else ("BLOCK_M", "BLOCK_N")
+    return triton.Config({names[0]: outer, names[1]: inner}, num_warps=warps, num_stages=stages)
+
+
+_autotuned: dict[tuple[str, int], Callable] = {}
+
+
+def launch(kernel: str, jit_fn, grid: Callable[[dict], tuple], args: tuple, consts: dict,
+           tile: Tile | None = None) -> None:
+    """Launch `jit_fn` with the tile for `kernel` (or `tile`, as the tuning script does)."""
+    block_d = consts["BLOCK_D"]
+    if tile is None and os.environ.get("RINGFLASH_AUTOTUNE", "0") == "1" and not interpreting():
+        key = (kernel, block_d)
+        if key not in _autotuned:
+            configs = [_as_config(kernel, t) for t in candidates(kernel, block_d)]
+            _autotuned[key] = triton.autotune(
+                configs=configs, key=["Nq", "Nk", "CAUSAL", "GROUP", "HEAD_DIM"])(jit_fn)
+        _autotuned[key][grid](*args, **consts)
+        return
+    config = _as_config(kernel, tile or tile_for(kernel, block_d))
+    meta = {**consts, **config.kwargs}
+    jit_fn[grid(meta)](*args, **meta, num_warps=config.num_warps, num_stages=config.num_stages)

@@ -1,0 +1,147 @@
+"""Kernel benchmark: ringflash's Triton kernels against torch SDPA (flash, cuDNN) and FlexAttention.
+
+    python launch/bench_kernels.py                      # the full table, appended to BENCHMARKS.md
+    python launch/bench_kernels.py --seqlens 4096 --head-dims 128 --no-flex   # quicker
+
+bf16, B·N = 32k tokens, H·D = 2048, causal and not. FLOPs in FlashAttention's convention
+(forward 4·B·H·N²·D, halved when causal; backward 2.5× forward). Each implementation is timed in
+its native layout (SDPA and Flex take (B, H, N, D); ours (B, N, H, D)), the backward without the
+forward, through `torch.autograd.grad` for the peers. Also measures a dense bf16 matmul, the
+ceiling every attention kernel here is chasing, in the same run. Needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from benchlib import REPO, attn_flops, markdown_table, record, time_ms
+
+from kernels.attn_bwd import triton_attn_bwd
+from kernels.attn_fwd import triton_attn_fwd
+
+
+def _ours(q, k, v, do, causal):
+    # (B, H, N, D) inputs viewed as (B, N, H, D) with the same storage would be strided; give our
+    # kernels their native contiguous layout instead, as SDPA gets its own.
+    q, k, v, do = (t.transpose(1, 2).contiguous() for t in (q, k, v, do))
+    o, lse = triton_attn_fwd(q, k, v, causal=causal)
+    fwd = lambda: triton_attn_fwd(q, k, v, causal=causal)
+    bwd = lambda: triton_attn_bwd(do, q, k, v, o, lse, causal=causal)
+    return fwd, bwd
+
+
+def _sdpa(backend):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    chosen = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+
+    def make(q, k, v, do, causal):
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+
+        def fwd():
+            with sdpa_kernel(chosen):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+        o = fwd()
+        bwd = lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+        return fwd, bwd
+
+    return make
+
+
+def _flex(q, k, v, do, causal):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    compiled = torch.compile(flex_attention, dynamic=False)
+    N = q.shape[2]
+    mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, N, N) if causal else None
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    fwd = lambda: compiled(q, k, v, block_mask=mask)
+    o = fwd()
+    bwd = lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+    return fwd, bwd
+
+
+def matmul_tflops(n: int = 8192) -> float:
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    return 2 * n**3 / time_ms(lambda: a @ b) * 1e-9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384])
+    ap.add_argument("--tokens", type=int, default=32768, help="B·N")
+    ap.add_argument("--hidden", type=int, default=2048, help="H·D")
+    ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (it compiles for ~1 min)")
+    ap.add_argument("--plot", default=str(REPO / "docs" / "bench_kernels.png"))
+    args = ap.parse_args()
+
+    impls = {"ringflash": _ours, "sdpa-flash": _sdpa("flash"), "sdpa-cudnn": _sdpa("cudnn")}
+    if not args.no_flex:
+        impls["flex"] = _flex
+    rows, points = [], []
+    for D in args.head_dims:
+        for N in args.seqlens:
+            for causal in (True, False):
+                B, H = args.tokens // N, args.hidden // D
+                g = torch.Generator(device="cuda").manual_seed(0)
+                q, k, v, do = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, generator=g)
+                               for _ in range(4))
+                f_fwd, f_bwd = (attn_flops(B, H, N, N, D, causal, m) for m in ("fwd", "bwd"))
+                measured = {}
+                for name, make in impls.items():
+                    try:
+                        fwd, bwd = make(q, k, v, do, causal)
+                        t_f, t_b = time_ms(fwd), time_ms(bwd)
+                    except Exception as e:  # a peer that does not support this shape or device
+                        print(f"{name} D={D} N={N} causal={causal}: n/a ({type(e).__name__}: {e})")
+                        continue
+                    measured[name] = (f_fwd / t_f * 1e-9, f_bwd / t_b * 1e-9, (f_fwd + f_bwd) / (t_f + t_b) * 1e-9)
+                    torch.cuda.empty_cache()
+                base = measured.get("sdpa-flash", (float("nan"),) * 3)[2]
+                for name, (tf, tb, tfb) in measured.items():
+                    rows.append((name, D, N, B, H, "yes" if causal else "no", tf, tb, tfb, tfb / base))
+                    points.append((name, D, causal, N, tfb))
+                print(markdown_table(["impl", "D", "N", "B", "H", "causal", "fwd", "bwd", "fwd+bwd", "vs flash"],
+                                     rows[-len(measured):]), flush=True)
+    ceiling = matmul_tflops()
+    table = markdown_table(
+        ["impl", "D", "N", "B", "H", "causal", "fwd TFLOP/s", "bwd TFLOP/s", "fwd+bwd TFLOP/s",
+         "fwd+bwd ÷ sdpa-flash"], rows)
+    record(f"Kernels: bf16 attention, B·N = {args.tokens}, H·D = {args.hidden}", table,
+           notes=f"Dense bf16 matmul (8192³) in the same run: {ceiling:.0f} TFLOP/s.")
+    _plot(points, Path(args.plot))
+
+
+def _plot(points, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    panels = sorted({(D, causal) for _, D, causal, _, _ in points})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), squeeze=False)
+    for ax, (D, causal) in zip(axes[0], panels):
+        for name in dict.fromkeys(p[0] for p in points):
+            xs = [(N, t) for n, d, c, N, t in points if (n, d, c) == (name, D, causal)]
+            if xs:
+                ax.plot(*zip(*sorted(xs)), marker="o", label=name)
+        ax.set(title=f"D={D}, {'causal' if causal else 'full'}", xlabel="sequence length",
+               ylabel="fwd+bwd TFLOP/s", xscale="log")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+if __name__ == "__main__":
+    main()

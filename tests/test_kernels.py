@@ -1,0 +1,225 @@
+"""The attention kernels (Triton, and the PyTorch reference) against a float64 ground truth.
+
+On CPU the Triton kernels run under TRITON_INTERPRET=1 (tests/conftest.py) on small shapes that
+still cover every code path: ragged lengths, several key blocks per query block, the causal
+diagonal, GQA, every supported head dim, fp16/bf16/fp32. The `gpu` tests repeat this at
+realistic sizes on CUDA, with every output poisoned with NaN before the launch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from truth import TOL, attention_f64, lse_err, rel_err
+
+from kernels import attn_bwd, attn_fwd, resolve_backend
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# (B, Nq, Nk, H, Hkv, D): odd lengths, GQA/MQA, every head dim at least once.
+SHAPES = [
+    (1, 97, 97, 2, 1, 32),
+    (2, 128, 128, 4, 2, 64),
+    (1, 77, 77, 3, 3, 96),
+    (1, 64, 64, 2, 1, 128),
+    (1, 45, 45, 1, 1, 256),
+]
+NONCAUSAL_SHAPES = [(1, 50, 113, 4, 2, 64), (2, 130, 33, 2, 1, 32)]
+
+
+def _inputs(shape, dtype, device="cpu", seed=0):
+    B, Nq, Nk, H, Hkv, D = shape
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, generator=g).to(device=device, dtype=dtype)
+    return mk(B, Nq, H, D), mk(B, Nk, Hkv, D), mk(B, Nk, Hkv, D), mk(B, Nq, H, D)
+
+
+def _check_all(q, k, v, do, causal, backend, scale=None):
+    truth = attention_f64(q, k, v, causal, scale, do=do)
+    o, lse = attn_fwd(q, k, v, causal=causal, softmax_scale=scale, backend=backend)
+    dq, dk, dv = attn_bwd(do, q, k, v, o, lse, causal=causal, softmax_scale=scale, backend=backend)
+    tol = TOL[q.dtype]
+    assert o.dtype == q.dtype and lse.dtype == torch.float32 and lse.shape == truth["lse"].shape
+    assert dq.dtype == q.dtype and dk.shape == k.shape and dv.shape == v.shape
+    errs = {"o": rel_err(o, truth["o"]), "dq": rel_err(dq, truth["dq"]), "dk": rel_err(dk, truth["dk"]),
+            "dv": rel_err(dv, truth["dv"])}
+    assert all(e < tol for e in errs.values()), f"{errs} exceed {tol}"
+    assert lse_err(lse, truth["lse"]) < 10 * tol
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_matches_float64(shape, causal, dtype, backend):
+    q, k, v, do = _inputs(shape, dtype)
+    _check_all(q, k, v, do, causal, backend)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", NONCAUSAL_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_nq_differs_from_nk(shape, dtype, backend):
+    q, k, v, do = _inputs(shape, dtype, seed=1)
+    _check_all(q, k, v, do, False, backend, scale=0.3)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_any_strides(backend):
+    """q, k, v as views into one packed `(B, N, 3, H, D)` tensor, as a fused QKV projection gives."""
+    B, N, H, D = 2, 70, 4, 64
+    qkv = torch.randn(B, N, 3, H, D, generator=torch.Generator().manual_seed(3))
+    q, k, v = qkv.unbind(2)
+    assert not q.is_contiguous()
+    do = torch.randn(B, N, H, D).transpose(0, 1).contiguous().transpose(0, 1)  # batch-minor strides
+    _check_all(q, k, v, do, True, backend)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_backward_with_global_lse_sums_to_full_gradient(backend):
+    """Split K/V in two, merge the halves' (o, lse), run each half's backward with the *merged*
+    o and lse: the halves' dq sum, and their dk/dv concatenate, to the unsplit gradients.
+    This is the property the ring backward rests on."""
+    q, k, v, do = _inputs((2, 96, 96, 4, 2, 64), torch.float32, seed=4)
+    cut = 41
+    halves = [(k[:, :cut], v[:, :cut]), (k[:, cut:], v[:, cut:])]
+    parts = [attn_fwd(q, kh, vh, backend=backend) for kh, vh in halves]
+    (o1, l1), (o2, l2) = parts
+    lse = torch.logaddexp(l1, l2)
+    w1 = torch.exp(l1 - lse).transpose(1, 2).unsqueeze(-1)  # (B, N, H, 1)
+    w2 = torch.exp(l2 - lse).transpose(1, 2).unsqueeze(-1)
+    o = o1 * w1 + o2 * w2
+    grads = [attn_bwd(do, q, kh, vh, o, lse, backend=backend) for kh, vh in halves]
+    truth = attention_f64(q, k, v, False, do=do)
+    assert rel_err(o, truth["o"]) < TOL[torch.float32]
+    assert lse_err(lse, truth["lse"]) < 1e-5
+    assert rel_err(grads[0][0] + grads[1][0], truth["dq"]) < TOL[torch.float32]
+    assert rel_err(torch.cat([grads[0][1], grads[1][1]], 1), truth["dk"]) < TOL[torch.float32]
+    assert rel_err(torch.cat([grads[0][2], grads[1][2]], 1), truth["dv"]) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_rows_with_no_visible_key(backend):
+    """No keys: o = 0 and lse = -inf. Rows whose (global) lse is -inf get zero gradient, never NaN."""
+    q, k, v, do = _inputs((1, 33, 0, 2, 2, 64), torch.float32)
+    o, lse = attn_fwd(q, k, v, backend=backend)
+    assert torch.equal(o, torch.zeros_like(o)) and torch.isneginf(lse).all()
+
+    q, k, v, do = _inputs((1, 50, 50, 2, 1, 32), torch.float32, seed=5)
+    o, lse = attn_fwd(q, k, v, causal=True, backend=backend)
+    lse = lse.clone()
+    lse[:, :, 7:19] = float("-inf")
+    dq, dk, dv = attn_bwd(do, q, k, v, o, lse, causal=True, backend=backend)
+    assert all(torch.isfinite(t).all() for t in (dq, dk, dv))
+    assert torch.equal(dq[:, 7:19], torch.zeros_like(dq[:, 7:19]))
+
+
+def test_grad_dtype_float32():
+    q, k, v, do = _inputs((1, 40, 40, 2, 2, 32), torch.bfloat16)
+    o, lse = attn_fwd(q, k, v, causal=True, backend="triton")
+    grads = attn_bwd(do, q, k, v, o, lse, causal=True, grad_dtype=torch.float32, backend="triton")
+    assert all(g.dtype == torch.float32 for g in grads)
+
+
+def test_dispatcher(monkeypatch):
+    cpu = torch.device("cpu")
+    assert resolve_backend(None, cpu) == "reference"
+    assert resolve_backend("triton", cpu) == "triton"  # allowed: the interpreter is on in tests
+    monkeypatch.setenv("RINGFLASH_KERNEL_BACKEND", "triton")
+    assert resolve_backend(None, cpu) == "triton"
+    with pytest.raises(ValueError, match="backend must be one of"):
+        resolve_backend("cudnn", cpu)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        resolve_backend("triton", cpu)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize(
+    ("make", "exc", "match"),
+    [
+        (lambda q, k, v: (q[0], k, v), ValueError, "q must have 4 dims"),
+        (lambda q, k, v: (q, k.half(), v), TypeError, "k.dtype must equal q.dtype"),
+        (lambda q, k, v: (q.long(), k, v), TypeError, "q must be float16, bfloat16 or float32"),
+        (lambda q, k, v: (q, k[..., :16], v[..., :16]), ValueError, "head_dim"),
+        (lambda q, k, v: (q, torch.randn(2, 8, 3, 32), torch.randn(2, 8, 3, 32)), ValueError,
+         "multiple of the number of key/value heads"),
+        (lambda q, k, v: (q, k, v[:, :5]), ValueError, "k and v must have the same shape"),
+        (lambda q, k, v: (q, k[:1], v[:1]), ValueError, "batch"),
+        (lambda q, k, v: (q, k[:, :5], v[:, :5]), ValueError, "causal=True needs as many queries"),
+        (lambda q, k, v: (q.transpose(2, 3), k, v), ValueError, "contiguous last dim|4 dims|head_dim"),
+        (lambda q, k, v: tuple(torch.randn(2, 8, h, 300) for h in (4, 2, 2)),
+         ValueError, "head_dim must be in"),
+    ],
+)
+def test_bad_input_names_the_argument(make, exc, match, backend):
+    q, k, v, _ = _inputs((2, 8, 8, 4, 2, 32), torch.float32)
+    q, k, v = make(q, k, v)
+    with pytest.raises(exc, match=match):
+        attn_fwd(q, k, v, causal=True, backend=backend)
+
+
+def test_bad_backward_input():
+    q, k, v, do = _inputs((1, 8, 8, 2, 2, 32), torch.float32)
+    o, lse = attn_fwd(q, k, v)
+    with pytest.raises(TypeError, match="lse must be float32"):
+        attn_bwd(do, q, k, v, o, lse.half())
+    with pytest.raises(ValueError, match="lse must have shape"):
+        attn_bwd(do, q, k, v, o, lse[:, :1])
+    with pytest.raises(ValueError, match="do must have q's shape"):
+        attn_bwd(do[:, :4], q, k, v, o, lse)
+    with pytest.raises(ValueError, match="softmax_scale must be a positive"):
+        attn_fwd(q, k, v, softmax_scale=-1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: realistic sizes, outputs poisoned with NaN so an element the kernel never writes fails.
+
+
+@pytest.fixture
+def poisoned_outputs(monkeypatch):
+    """Make the launchers' `torch.empty` return NaN-filled float tensors."""
+    import kernels.attn_bwd as bwd_mod
+    import kernels.attn_fwd as fwd_mod
+
+    real_empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    class PoisonedTorch:
+        def __getattr__(self, name):
+            return nan_empty if name == "empty" else getattr(torch, name)
+
+        empty_like = staticmethod(lambda t, **kw: nan_empty(t.shape, dtype=kw.get("dtype", t.dtype),
+                                                            device=t.device))
+
+    monkeypatch.setattr(fwd_mod, "torch", PoisonedTorch())
+    monkeypatch.setattr(bwd_mod, "torch", PoisonedTorch())
+
+
+GPU_SHAPES = [
+    (2, 1024, 1024, 16, 16, 128),
+    (1, 4096, 4096, 8, 2, 64),
+    (1, 2049, 2049, 4, 1, 96),
+    (1, 1000, 3001, 4, 2, 32),
+    (1, 1536, 1536, 4, 4, 256),
+    (1, 16384, 16384, 2, 1, 128),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_gpu_matches_float64(shape, causal, dtype, poisoned_outputs):
+    if causal and shape[1] != shape[2]:
+        pytest.skip("causal needs Nq == Nk")
+    q, k, v, do = _inputs(shape, dtype, device="cuda", seed=7)
+    _check_all(q, k, v, do, causal, "triton")
+
+
+@pytest.mark.gpu
+def test_gpu_float32_and_global_lse(poisoned_outputs):
+    q, k, v, do = _inputs((1, 1000, 1000, 4, 2, 64), torch.float32, device="cuda", seed=8)
+    _check_all(q, k, v, do, True, "triton")
