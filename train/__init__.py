@@ -1,0 +1,6 @@
+"""Layer 3: a small decoder-only LM trained with ring attention (see DESIGN.md).
+
+from train.config import load_config
+from train.trainer import train
+train(load_config("configs/tiny_cpu.toml", ["--train.steps=50"]))
+"""

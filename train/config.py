@@ -1,0 +1,286 @@
+"""Run configuration: a tree of dataclasses read from TOML and overridable on the command line.
+
+    [model]            ModelConfig       the transformer's shape
+    [data]             DataConfig        which task or corpus, sequence length, batch
+    [parallel]         ParallelConfig    context-parallel degree and ring layout
+    [train]            TrainConfig       optimizer, schedule, precision, step counts
+    [checkpoint]       CheckpointConfig  where and how often to save, what to resume
+    [logging]          LoggingConfig     run directory, TensorBoard, progress bar
+
+Precedence is CLI > file > defaults: `load_config("configs/x.toml", ["--train.lr=1e-3"])`.
+Every field carries its documentation in `metadata["help"]` (printed by `launch/train.py --help`);
+unknown sections or keys and values of the wrong type raise `ConfigError` naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser, published as tomli
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown, of the wrong type or inconsistent."""
+
+
+def opt(default, help: str, choices: tuple[str, ...] | None = None):
+    """A config field: its default, its documentation and (for strings) the allowed values."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = opt(256, "Vocabulary size; 256 for byte-level text and passkey, >= 50257 for GPT-2 .bin.")
+    dim: int = opt(128, "Width of the residual stream.")
+    n_layers: int = opt(4, "Number of transformer blocks.")
+    n_heads: int = opt(4, "Query heads; head_dim = dim / n_heads.")
+    n_kv_heads: int = opt(2, "Key/value heads (GQA); must divide n_heads.")
+    ffn_dim: int = opt(0, "SwiGLU hidden width; 0 means 8/3·dim rounded up to a multiple of 64.")
+    rope_theta: float = opt(10000.0, "RoPE base; raise it (e.g. 5e5) for very long contexts.")
+    norm_eps: float = opt(1e-5, "RMSNorm epsilon.")
+    tie_embeddings: bool = opt(True, "Share the token embedding with the output projection.")
+    init_std: float = opt(0.02, "Std of the normal init; residual projections get std/sqrt(2·n_layers).")
+
+
+@dataclass
+class DataConfig:
+    kind: str = opt(
+        "passkey",
+        "passkey (synthetic, no download), text (bytes of a file or directory) or bin (nanoGPT uint16 token files).",
+        ("passkey", "text", "bin"),
+    )
+    path: str = opt(
+        "",
+        "text: a file or a directory of files; bin: a .bin file or a directory holding train.bin. Unused for passkey.",
+    )
+    seq_len: int = opt(512, "Tokens per sequence, the whole context before it is sharded over cp.")
+    batch_size: int = opt(4, "Sequences per data-parallel rank per micro-step.")
+    seed: int = opt(1234, "Seed of the sampler; batch i is a pure function of (seed, i).")
+    passkey_digits: int = opt(5, "Length of the random decimal pass key.")
+    passkey_loss: str = opt(
+        "answer",
+        "answer: loss on the pass key digits only; all: on every token "
+        "(the repeated filler is learned first, then the key).",
+        ("answer", "all"),
+    )
+    eval_buckets: int = opt(8, "Passkey depth buckets; a multiple of 2·cp puts every bucket in one rank's shard.")
+    eval_samples: int = opt(16, "Passkey evaluation sequences per depth bucket.")
+
+
+@dataclass
+class ParallelConfig:
+    cp: int = opt(1, "Context-parallel degree; data-parallel degree = world size / cp.")
+    layout: str = opt(
+        "zigzag",
+        "How a sequence is cut over the cp ranks: zigzag balances causal work, contiguous is the plain split.",
+        ("zigzag", "contiguous"),
+    )
+    backend: str = opt("auto", "Process-group backend; auto means nccl on CUDA, gloo on CPU.", ("auto", "nccl", "gloo"))
+
+
+@dataclass
+class TrainConfig:
+    steps: int = opt(200, "Optimizer steps of the whole run (the LR schedule spans them).")
+    stop_at: int = opt(0, "Stop after this step (0: run to `steps`); a later --resume continues.")
+    grad_accum: int = opt(1, "Micro-steps per optimizer step.")
+    lr: float = opt(3e-3, "Peak learning rate.")
+    min_lr_ratio: float = opt(0.1, "Cosine decay ends at lr · min_lr_ratio.")
+    warmup_steps: int = opt(20, "Linear warm-up steps.")
+    weight_decay: float = opt(0.1, "AdamW decoupled weight decay, on matrices only.")
+    beta1: float = opt(0.9, "AdamW beta1.")
+    beta2: float = opt(0.95, "AdamW beta2.")
+    grad_clip: float = opt(1.0, "Clip the global gradient norm to this (0: no clipping).")
+    device: str = opt("auto", "auto (cuda if available), cuda or cpu.", ("auto", "cuda", "cpu"))
+    dtype: str = opt(
+        "auto", "Autocast dtype; auto means bfloat16 on CUDA, float32 on CPU.", ("auto", "bfloat16", "float32")
+    )
+    activation_checkpointing: bool = opt(False, "Recompute each block in the backward pass.")
+    compile: bool = opt(False, "torch.compile each block; attention stays eager (graph break).")
+    seed: int = opt(0, "Seed of the parameter init (identical on every rank).")
+    eval_every: int = opt(0, "Passkey evaluation every N steps and at the end (0: only at the end).")
+
+
+@dataclass
+class CheckpointConfig:
+    enabled: bool = opt(True, "Save checkpoints (at `interval` and at the end of the run).")
+    dir: str = opt("", "Checkpoint directory; empty means <logging.dir>/checkpoints.")
+    interval: int = opt(0, "Save every N steps (0: only at the end of the run).")
+    keep: int = opt(2, "Keep the last K complete checkpoints.")
+    resume: str = opt(
+        "", "Empty: start fresh; 'latest': the latest complete checkpoint in dir (fresh if none); or a checkpoint path."
+    )
+
+
+@dataclass
+class LoggingConfig:
+    dir: str = opt("runs/default", "Run directory: TensorBoard events and, by default, checkpoints.")
+    log_every: int = opt(10, "One summary line every N steps.")
+    tensorboard: bool = opt(True, "Write TensorBoard scalars to <dir>.")
+    progress_bar: bool = opt(True, "tqdm progress bar with ETA on rank 0.")
+    peak_tflops: float = opt(
+        0.0, "Peak dense bf16 TFLOP/s per device for MFU; 0 guesses from the GPU name (no MFU on CPU)."
+    )
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _fields(section) -> dict[str, tuple[dataclasses.Field, type]]:
+    hints = typing.get_type_hints(type(section))
+    return {f.name: (f, hints[f.name]) for f in dataclasses.fields(section)}
+
+
+def _coerce(key: str, value, typ: type, from_cli: bool):
+    """`value` as `typ`, or ConfigError. CLI values arrive as strings and are parsed here."""
+    if from_cli:
+        try:
+            if typ is bool:
+                if value.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError
+                return value.lower() in ("true", "1")
+            return typ(value)
+        except ValueError:
+            raise ConfigError(f"{key}: expected {typ.__name__}, got {value!r}") from None
+    # TOML values already have types; bool is a subclass of int, so it is checked first.
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, bool) != (typ is bool) or not isinstance(value, typ):
+        raise ConfigError(f"{key}: expected {typ.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _set(cfg: Config, key: str, value, from_cli: bool) -> None:
+    parts = key.split(".")
+    if len(parts) != 2:
+        raise ConfigError(f"{key}: expected section.key (one of {', '.join(_sections())})")
+    section_name, name = parts
+    if section_name not in _sections():
+        raise ConfigError(f"{key}: unknown section {section_name!r}; sections: {', '.join(_sections())}")
+    section = getattr(cfg, section_name)
+    fields = _fields(section)
+    if name not in fields:
+        raise ConfigError(f"{key}: unknown key; [{section_name}] has {', '.join(fields)}")
+    f, typ = fields[name]
+    value = _coerce(key, value, typ, from_cli)
+    choices = f.metadata.get("choices")
+    if choices and value not in choices:
+        raise ConfigError(f"{key}: must be one of {', '.join(choices)}, got {value!r}")
+    setattr(section, name, value)
+
+
+def _sections() -> list[str]:
+    return [f.name for f in dataclasses.fields(Config)]
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
+    """`["--train.lr=1e-3", "--data.kind", "text"]` -> `[("train.lr", "1e-3"), ("data.kind", "text")]`."""
+    pairs, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg.split("=")[0]:
+            raise ConfigError(f"{arg}: expected an override of the form --section.key=value")
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+        elif i + 1 < len(args):
+            key, value = arg[2:], args[i + 1]
+            i += 1
+        else:
+            raise ConfigError(f"{arg}: missing value")
+        pairs.append((key, value))
+        i += 1
+    return pairs
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults, then the TOML file at `path`, then `--section.key=value` overrides; validated."""
+    cfg = Config()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        with open(path, "rb") as fh:
+            try:
+                table = tomllib.load(fh)
+            except tomllib.TOMLDecodeError as e:
+                raise ConfigError(f"{path}: invalid TOML: {e}") from None
+        for section_name, section in table.items():
+            if not isinstance(section, dict):
+                raise ConfigError(f"{section_name}: expected a [section] table, got a bare key")
+            for name, value in section.items():
+                _set(cfg, f"{section_name}.{name}", value, from_cli=False)
+    for key, value in parse_overrides(overrides or []):
+        _set(cfg, key, value, from_cli=True)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Checks that need more than one field; the world size is checked later, by ParallelDims."""
+    m, d, p, t = cfg.model, cfg.data, cfg.parallel, cfg.train
+    positive = {
+        "model.vocab_size": m.vocab_size,
+        "model.dim": m.dim,
+        "model.n_layers": m.n_layers,
+        "model.n_heads": m.n_heads,
+        "model.n_kv_heads": m.n_kv_heads,
+        "data.seq_len": d.seq_len,
+        "data.batch_size": d.batch_size,
+        "parallel.cp": p.cp,
+        "train.steps": t.steps,
+        "train.grad_accum": t.grad_accum,
+        "data.eval_buckets": d.eval_buckets,
+        "checkpoint.keep": cfg.checkpoint.keep,
+        "logging.log_every": cfg.logging.log_every,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{key}: must be >= 1, got {value}")
+    if m.dim % m.n_heads or (m.dim // m.n_heads) % 2:
+        raise ConfigError(f"model.dim ({m.dim}) must be n_heads ({m.n_heads}) times an even head_dim")
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(f"model.n_kv_heads ({m.n_kv_heads}) must divide model.n_heads ({m.n_heads})")
+    chunks = 2 * p.cp if p.layout == "zigzag" else p.cp
+    if d.seq_len % chunks:
+        raise ConfigError(
+            f"data.seq_len ({d.seq_len}) must be divisible by {chunks} "
+            f"({'2·cp' if p.layout == 'zigzag' else 'cp'} for the {p.layout} layout, cp={p.cp})"
+        )
+    if d.kind in ("text", "bin") and not d.path:
+        raise ConfigError(f"data.path: required for data.kind = {d.kind!r}")
+    if not 0 <= t.stop_at <= t.steps:
+        raise ConfigError(f"train.stop_at ({t.stop_at}) must be in [0, train.steps = {t.steps}]")
+    if not 0 <= t.warmup_steps <= t.steps:
+        raise ConfigError(f"train.warmup_steps ({t.warmup_steps}) must be in [0, train.steps = {t.steps}]")
+
+
+def describe() -> str:
+    """Every option with its default and documentation, for `--help`."""
+    lines = []
+    for section_name in _sections():
+        lines.append(f"[{section_name}]")
+        section = getattr(Config(), section_name)
+        for name, (f, typ) in _fields(section).items():
+            lines.append(
+                f"  --{section_name}.{name}={getattr(section, name)!r}  ({typ.__name__})  {f.metadata['help']}"
+            )
+    return "\n".join(lines)
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,193 @@
+"""Training data: a synthetic passkey task (the default), byte-level text, nanoGPT token files.
+
+Every source maps a sample index to one sequence, `(inputs (L,), labels (L,))` int64, labels
+shifted by one and -100 where no loss is taken. `DataLoader` turns (step, micro-step, dp rank)
+into sample indices, so a batch is a pure function of the seed and the step: resuming needs only
+the step, and every cp rank of a dp group builds the same global sequences before taking its shard.
+
+The passkey task (Mohtashami & Jaggi, 2023): a pass key hidden at some depth of a long, repetitive
+filler, asked for at the very end:
+
+    ...The sun is yellow. Here we go. The pass key is #71432. Remember it. #71432 is the pass key.
+    There and back again. The grass is green. ... What is the pass key? The pass key is #71432
+
+Only the final key is unpredictable from local context, so a model that answers it has learned to
+attend across the whole sequence, and so across every cp rank's shard.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from train.config import ConfigError, DataConfig
+
+IGNORE = -100  # label of positions that take no loss (F.cross_entropy's ignore_index)
+
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+KEY = "The pass key is #{key}. Remember it. #{key} is the pass key. "
+QUERY = "What is the pass key? The pass key is #"
+
+
+def _bytes(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(s.encode()), dtype=torch.uint8).long()
+
+
+@dataclass
+class PasskeySample:
+    tokens: torch.Tensor  # (L + 1,) int64 bytes; the last `digits` tokens are the answer
+    key_pos: int  # position of the key's first digit in the sequence
+    bucket: int  # depth bucket of key_pos: floor(key_pos · buckets / L)
+
+
+class PasskeyTask:
+    """Byte-level passkey retrieval sequences of `seq_len + 1` tokens (vocab 256)."""
+
+    def __init__(self, cfg: DataConfig):
+        self.L, self.digits, self.buckets = cfg.seq_len, cfg.passkey_digits, cfg.eval_buckets
+        self.loss_on_all, self.seed = cfg.passkey_loss == "all", cfg.seed
+        self.key_len = len(KEY.format(key="0" * self.digits))
+        self.prefix_len = KEY.index("#") + 1  # key sentence bytes before the first digit
+        self.tail_len = len(QUERY) + self.digits
+        self.filler_len = self.L + 1 - self.key_len - self.tail_len
+        # The last bucket must be reachable: the key sentence and the query fit in one bucket.
+        if self.key_len + self.tail_len > self.L // self.buckets:
+            raise ConfigError(
+                f"data.seq_len ({self.L}) too short for passkey with {self.buckets} buckets: each bucket "
+                f"({self.L // self.buckets} tokens) must hold the key and the query "
+                f"({self.key_len + self.tail_len} tokens); raise seq_len or lower data.eval_buckets"
+            )
+        reps = math.ceil((self.filler_len + len(FILLER)) / len(FILLER))
+        self.filler = _bytes(FILLER * reps)
+
+    def make(self, rng: random.Random, key_pos: int) -> PasskeySample:
+        """The sequence whose key's first digit sits at `key_pos`, filler and key drawn from `rng`."""
+        key = "".join(rng.choice("0123456789") for _ in range(self.digits))
+        phase = rng.randrange(len(FILLER))  # so that absolute position says nothing about the filler
+        filler = self.filler[phase : phase + self.filler_len]
+        at = key_pos - self.prefix_len
+        tokens = torch.cat([filler[:at], _bytes(KEY.format(key=key)), filler[at:], _bytes(QUERY + key)])
+        return PasskeySample(tokens, key_pos, key_pos * self.buckets // self.L)
+
+    def key_range(self, bucket: int | None = None) -> range:
+        """Feasible first-digit positions, optionally restricted to one depth bucket."""
+        lo, hi = self.prefix_len, self.prefix_len + self.filler_len  # key sentence anywhere in the filler
+        if bucket is not None:
+            lo = max(lo, math.ceil(bucket * self.L / self.buckets))
+            hi = min(hi, math.ceil((bucket + 1) * self.L / self.buckets) - 1)
+        return range(lo, hi + 1)
+
+    def labels(self, tokens: torch.Tensor) -> torch.Tensor:
+        labels = tokens[1:].clone()
+        if not self.loss_on_all:
+            labels[: -self.digits] = IGNORE
+        return labels
+
+    def __call__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rng = random.Random(f"passkey:{self.seed}:{index}")
+        sample = self.make(rng, rng.choice(self.key_range()))
+        return sample.tokens[:-1], self.labels(sample.tokens)
+
+    def eval_set(self, bucket: int, n: int) -> list[PasskeySample]:
+        """`n` fixed evaluation sequences with keys spread evenly over depth bucket `bucket`."""
+        rng = random.Random(f"passkey-eval:{self.seed}:{bucket}")
+        positions = self.key_range(bucket)
+        return [self.make(rng, positions[(2 * i + 1) * len(positions) // (2 * n)]) for i in range(n)]
+
+
+class TokenWindows:
+    """Random windows of `seq_len + 1` tokens from one long token array (bytes or uint16)."""
+
+    def __init__(self, tokens: np.ndarray, cfg: DataConfig, vocab_size: int, what: str):
+        if len(tokens) < cfg.seq_len + 1:
+            raise ConfigError(
+                f"data.path: {what} holds {len(tokens)} tokens, fewer than data.seq_len + 1 = {cfg.seq_len + 1}"
+            )
+        self.tokens, self.L, self.seed = tokens, cfg.seq_len, cfg.seed
+        self.vocab_size, self.what = vocab_size, what
+
+    def __call__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = random.Random(f"window:{self.seed}:{index}").randrange(len(self.tokens) - self.L)
+        window = torch.from_numpy(self.tokens[start : start + self.L + 1].astype(np.int64))
+        if int(window.max()) >= self.vocab_size:
+            raise ConfigError(f"{self.what} holds token {int(window.max())} but model.vocab_size is {self.vocab_size}")
+        return window[:-1], window[1:]
+
+
+def _text_tokens(path: Path) -> np.ndarray:
+    """Bytes of a file, or of every file under a directory (sorted, concatenated)."""
+    if path.is_file():
+        return np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size else np.zeros(0, np.uint8)
+    files = sorted(p for p in path.rglob("*") if p.is_file())
+    if not files:
+        raise ConfigError(f"data.path: directory {path} holds no files")
+    return np.frombuffer(b"".join(p.read_bytes() for p in files), dtype=np.uint8)
+
+
+def _bin_tokens(path: Path) -> tuple[np.ndarray, Path]:
+    """nanoGPT's format: a flat array of uint16 token ids (`train.bin` when given a directory)."""
+    if path.is_dir():
+        path = path / "train.bin"
+        if not path.is_file():
+            raise ConfigError(f"data.path: directory {path.parent} has no train.bin")
+    if path.stat().st_size % 2:
+        raise ConfigError(f"data.path: {path} has an odd number of bytes; not a uint16 token file")
+    return np.memmap(path, dtype=np.uint16, mode="r"), path
+
+
+def build_source(cfg: DataConfig, vocab_size: int):
+    """The sample source named by `cfg.kind`; a callable `index -> (inputs (L,), labels (L,))`."""
+    if cfg.kind == "passkey":
+        if vocab_size < 256:
+            raise ConfigError(f"model.vocab_size ({vocab_size}) must be >= 256 for byte-level passkey")
+        return PasskeyTask(cfg)
+    path = Path(cfg.path)
+    if not path.exists():
+        raise ConfigError(f"data.path: {path} does not exist (data.kind = {cfg.kind!r})")
+    if cfg.kind == "text":
+        if vocab_size < 256:
+            raise ConfigError(f"model.vocab_size ({vocab_size}) must be >= 256 for byte-level text")
+        return TokenWindows(_text_tokens(path), cfg, vocab_size, f"text {path}")
+    tokens, path = _bin_tokens(path)
+    return TokenWindows(tokens, cfg, vocab_size, f"token file {path}")
+
+
+class DataLoader:
+    """Micro-batches for one data-parallel rank, resumable exactly from `state_dict()`.
+
+    Sample index of sequence i in micro-step m of step s: ((s·accum + m)·dp + dp_rank)·B + i, so
+    dp ranks see disjoint samples and all cp ranks of one dp group see the same ones.
+    """
+
+    def __init__(self, source, batch_size: int, grad_accum: int, dp_rank: int, dp_size: int):
+        self.source, self.B, self.accum = source, batch_size, grad_accum
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.step = 0  # the next step to produce
+
+    def batch(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Full (unsharded) `inputs, labels (B, L)` int64 of one micro-step."""
+        first = ((step * self.accum + micro) * self.dp_size + self.dp_rank) * self.B
+        pairs = [self.source(first + i) for i in range(self.B)]
+        return torch.stack([x for x, _ in pairs]), torch.stack([y for _, y in pairs])
+
+    def next(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The `grad_accum` micro-batches of the next step."""
+        micros = [self.batch(self.step, m) for m in range(self.accum)]
+        self.step += 1
+        return micros
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "batch_size": self.B, "grad_accum": self.accum, "dp_size": self.dp_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        mine = self.state_dict()
+        for k in ("batch_size", "grad_accum", "dp_size"):
+            if state[k] != mine[k]:
+                # A different batch geometry maps steps to other samples: the run would not continue.
+                raise ConfigError(f"resume: checkpoint has data {k} = {state[k]}, this run has {mine[k]}")
+        self.step = state["step"]
