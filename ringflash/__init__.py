@@ -1,0 +1,32 @@
+"""ringflash: exact ring attention over torch.distributed on top of FlashAttention-2 kernels.
+
+    from ringflash import ring_flash_attn_func, shard, global_positions
+    q_local = shard(q, dim=1, rank=rank, world=world)          # (B, N/W, H, D), zigzag layout
+    o_local = ring_flash_attn_func(q_local, k_local, v_local, causal=True)
+
+Modules: `layout` (sharding and per-step schedule), `merge` (float32 (o, lse) merge), `comm`
+(the ring over NCCL or gloo), `ring` (forward/backward loop and autograd Function), `api`.
+LSE convention everywhere: float32, natural log, shape `(B, H, N)`.
+"""
+
+from ringflash import layout
+from ringflash.api import RingFlashAttention, ring_flash_attn_func
+from ringflash.comm import NullComm, RingComm
+from ringflash.layout import LAYOUTS, check_splittable, global_positions, shard, unshard
+from ringflash.merge import merge
+from ringflash.ring import RingFlashAttnFunc
+
+__all__ = [
+    "LAYOUTS",
+    "NullComm",
+    "RingComm",
+    "RingFlashAttention",
+    "RingFlashAttnFunc",
+    "check_splittable",
+    "global_positions",
+    "layout",
+    "merge",
+    "ring_flash_attn_func",
+    "shard",
+    "unshard",
+]

@@ -1,0 +1,160 @@
+"""Ring communication over a process group: send to the next rank, receive from the previous.
+
+`RingComm.send_recv(send, recv)` posts both transfers with `dist.batch_isend_irecv` and returns
+at once; `.wait()` on the result completes them. The ring loop posts step s+1's transfer before
+computing step s (double buffering), so the next block travels while this one is computed.
+
+How a buffer travels follows the group's backend and the buffer's device, and nothing outside
+this file branches on it:
+- NCCL, CUDA buffers: directly. The transfer runs on NCCL's stream, ordered after the work
+  already queued on the current stream; `wait()` only makes the current stream wait for it, so
+  the host never blocks (no host synchronisation inside the ring loop).
+- gloo, CPU buffers: directly (gloo works on its own threads).
+- gloo, CUDA buffers: staged through pinned host memory. This is how 2–4 ranks share one GPU
+  (NCCL refuses two ranks on one device). gloo reads host memory from its own thread as soon as
+  the send is posted, so the device-to-host copy must have finished first: one stream
+  synchronisation per transfer, at posting time, i.e. after the previous step's compute. The
+  copy back to the device is queued on the current stream in `wait()`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["NullComm", "RingComm"]
+
+
+class _Transfer:
+    """An in-flight send/recv pair; `wait()` completes it (and unstages a staged receive)."""
+
+    __slots__ = ("_host_recv", "_host_send", "_recv", "_works")
+
+    def __init__(self, works, recv=None, host_send=None, host_recv=None):
+        self._works = works
+        self._recv = recv
+        self._host_send = host_send  # kept alive until gloo has sent it
+        self._host_recv = host_recv
+
+    def wait(self) -> None:
+        for w in self._works:
+            w.wait()
+        if self._host_recv is not None:
+            # Pinned source: an async copy queued on the current stream, before the compute that
+            # reads `recv`. The caching host allocator keeps the block until the copy is done.
+            self._recv.copy_(self._host_recv, non_blocking=True)
+        self._works, self._host_send, self._host_recv = [], None, None
+
+
+def _backend_names(group) -> set[str]:
+    # "gloo", "nccl" or a per-device spec such as "cpu:gloo,cuda:nccl".
+    spec = str(dist.get_backend(group))
+    return {part.split(":")[-1].strip().lower() for part in spec.split(",")}
+
+
+class RingComm:
+    """The ring over `group` (None: the default group, or a single process if none is set up).
+
+    Attributes: `rank` and `world` within the group; `group`. Raises TypeError/ValueError naming
+    `group` if it is not a process group this rank belongs to.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None):
+        self.group = group
+        if group is None and not (dist.is_available() and dist.is_initialized()):
+            self.rank, self.world, self._names = 0, 1, set()
+            return
+        if group is dist.GroupMember.NON_GROUP_MEMBER:
+            raise ValueError(
+                "group: this rank is not a member of the process group it was given "
+                "(dist.new_group returns a placeholder on ranks outside the group)"
+            )
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
+        if not dist.is_initialized():
+            raise ValueError("group was given but torch.distributed is not initialised")
+        self.rank = dist.get_rank(group)
+        if self.rank < 0:
+            raise ValueError(f"group: this rank (global rank {dist.get_rank()}) is not a member of it")
+        self.world = dist.get_world_size(group)
+        self._names = _backend_names(group)
+        to_global = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
+        self.next_peer = to_global((self.rank + 1) % self.world)
+        self.prev_peer = to_global((self.rank - 1) % self.world)
+
+    def _staged(self, device: torch.device) -> bool:
+        if device.type == "cuda":
+            return "gloo" in self._names and "nccl" not in self._names
+        if self._names == {"nccl"}:
+            raise ValueError(
+                f"{device.type} tensors need a gloo group; this group's backend is NCCL only "
+                "(use CUDA tensors, or a group created with backend='gloo')"
+            )
+        return False
+
+    def send_recv(self, send: torch.Tensor, recv: torch.Tensor, tag: int = 0) -> _Transfer:
+        """Post: `send` to the next rank, the previous rank's buffer into `recv`. Returns at once.
+
+        Both buffers must be contiguous and alike; neither may be written until `wait()`, and
+        `recv` not read either. Concurrent transfers (K/V and dK/dV in the backward) take
+        different `tag`s so gloo can never pair one's send with the other's receive.
+        """
+        if self.world == 1:
+            raise RuntimeError("a ring of one rank has nobody to send to (a rank cannot send to itself)")
+        if not (send.is_contiguous() and recv.is_contiguous()):
+            raise ValueError("send and recv buffers must be contiguous")
+        if send.shape != recv.shape or send.dtype != recv.dtype or send.device != recv.device:
+            raise ValueError(
+                f"send and recv buffers must match: {send.shape}/{send.dtype}/{send.device} vs "
+                f"{recv.shape}/{recv.dtype}/{recv.device}"
+            )
+        host_send = host_recv = None
+        src, dst = send, recv
+        if self._staged(send.device):
+            host_send = torch.empty(send.shape, dtype=send.dtype, pin_memory=True)
+            host_recv = torch.empty(recv.shape, dtype=recv.dtype, pin_memory=True)
+            host_send.copy_(send, non_blocking=True)
+            torch.cuda.current_stream(send.device).synchronize()  # gloo reads host_send right away
+            src, dst = host_send, host_recv
+        ops = [
+            dist.P2POp(dist.isend, src, self.next_peer, self.group, tag),
+            dist.P2POp(dist.irecv, dst, self.prev_peer, self.group, tag),
+        ]
+        works = dist.batch_isend_irecv(ops)
+        return _Transfer(works, recv, host_send, host_recv)
+
+    def all_gather_ints(self, values: list[int], device: torch.device | None = None) -> list[list[int]]:
+        """Every rank's `values` (same length everywhere), in rank order: one small collective.
+
+        On a gloo group it runs on CPU; on an NCCL-only group on `device` (default: the current
+        CUDA device) and reading the result back is one host synchronisation.
+        """
+        if self.world == 1:
+            return [list(values)]
+        if "gloo" in self._names or "nccl" not in self._names:
+            device = torch.device("cpu")
+        elif device is None or device.type != "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())
+        t = torch.tensor(values, dtype=torch.int64, device=device)
+        out = [torch.empty_like(t) for _ in range(self.world)]
+        dist.all_gather(out, t, group=self.group)
+        return torch.stack(out).tolist()
+
+
+class NullComm:
+    """A stand-in ring with no communication: `send_recv` does nothing and the receiving buffer
+    keeps whatever it held. It runs the ring loop's exact per-step kernel work for `rank` of
+    `world` on local data, which is how the benchmark separates compute from communication.
+    Results are meaningless; timings are the point.
+    """
+
+    def __init__(self, rank: int, world: int):
+        if not 0 <= rank < world:
+            raise ValueError(f"rank must be in [0, world={world}), got {rank}")
+        self.rank, self.world, self.group = rank, world, None
+
+    def send_recv(self, send: torch.Tensor, recv: torch.Tensor, tag: int = 0) -> _Transfer:
+        return _Transfer([])
+
+    def all_gather_ints(self, values: list[int], device: torch.device | None = None) -> list[list[int]]:
+        return [list(values)] * self.world

@@ -1,0 +1,181 @@
+"""How a global sequence maps onto the ranks of a ring, and what each ring step computes.
+
+A layout cuts the global sequence into equal chunks and gives each rank some of them, in
+increasing order:
+- `contiguous`: W chunks, rank r holds chunk r.
+- `zigzag`: 2W chunks, rank r holds chunks r and 2W−1−r. Under causal attention every rank
+  then does the same work (an early chunk that sees little, a late chunk that sees a lot).
+With one rank every layout is the identity (any length is accepted).
+
+Because each rank's chunks are in increasing global order, local position i < j implies global
+position i < j, so a causal mask on local indices is exact on the diagonal block.
+
+`ring_schedule` derives, for every ring step, which rows of the local queries attend to which
+rows of the visiting key/value block and whether a causal mask applies, from the chunk ids
+alone. The ring loop (ring.py) is written once against that schedule; a new layout only has to
+say which chunks a rank holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+LAYOUTS = ("contiguous", "zigzag")
+
+__all__ = [
+    "LAYOUTS",
+    "Step",
+    "check_layout",
+    "check_splittable",
+    "chunk_ids",
+    "global_positions",
+    "ring_schedule",
+    "shard",
+    "unshard",
+]
+
+
+def check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def _check_rank(rank: int, world: int) -> None:
+    if not isinstance(world, int) or world < 1:
+        raise ValueError(f"world must be a positive int, got {world!r}")
+    if not isinstance(rank, int) or not 0 <= rank < world:
+        raise ValueError(f"rank must be an int in [0, world={world}), got {rank!r}")
+
+
+def chunk_ids(rank: int, world: int, layout: str = "zigzag") -> tuple[int, ...]:
+    """The global chunks rank `rank` holds, in increasing order (one chunk when world == 1)."""
+    check_layout(layout)
+    _check_rank(rank, world)
+    if world == 1 or layout == "contiguous":
+        return (rank,)
+    return (rank, 2 * world - 1 - rank)
+
+
+def _num_chunks(world: int, layout: str) -> int:
+    return world if world == 1 or layout == "contiguous" else 2 * world
+
+
+def check_splittable(seqlen: int, world: int, layout: str = "zigzag") -> None:
+    """Raise ValueError unless a global sequence of `seqlen` tokens splits evenly over `world` ranks."""
+    check_layout(layout)
+    _check_rank(0, world)
+    if not isinstance(seqlen, int) or seqlen < 1:
+        raise ValueError(f"seqlen must be a positive int, got {seqlen!r}")
+    n = _num_chunks(world, layout)
+    if seqlen % n:
+        raise ValueError(
+            f"layout={layout!r} over world={world} ranks cuts the sequence into {n} equal chunks, so "
+            f"the global seqlen must be a multiple of {n}; got seqlen={seqlen} "
+            f"(pad to {-(-seqlen // n) * n})"
+        )
+
+
+def shard(x: torch.Tensor, dim: int, rank: int, world: int, layout: str = "zigzag") -> torch.Tensor:
+    """This rank's part of the global tensor `x` along `dim` (the sequence dimension).
+
+    Returns `x` with `dim` of size `x.shape[dim] // world`: a view for `contiguous` (and for one
+    rank), a new tensor for `zigzag`. Inputs, labels and position ids must be sharded alike.
+    """
+    _check_rank(rank, world)
+    check_splittable(x.shape[dim], world, layout)
+    chunks = x.chunk(_num_chunks(world, layout), dim)
+    ids = chunk_ids(rank, world, layout)
+    return chunks[ids[0]] if len(ids) == 1 else torch.cat([chunks[i] for i in ids], dim)
+
+
+def unshard(shards: list[torch.Tensor], dim: int, layout: str = "zigzag") -> torch.Tensor:
+    """The global tensor from every rank's shard (`shards[r]` from rank r); inverse of `shard`."""
+    check_layout(layout)
+    world = len(shards)
+    if world < 1:
+        raise ValueError("shards must hold one tensor per rank, got an empty list")
+    sizes = {s.shape[dim] for s in shards}
+    if len(sizes) != 1:
+        raise ValueError(f"every shard must have the same size along dim {dim}, got {sorted(sizes)}")
+    pieces: dict[int, torch.Tensor] = {}
+    for rank, s in enumerate(shards):
+        ids = chunk_ids(rank, world, layout)
+        if s.shape[dim] % len(ids):
+            raise ValueError(
+                f"shard {rank} has {s.shape[dim]} rows along dim {dim}, not divisible "
+                f"into its {len(ids)} chunks under layout={layout!r}"
+            )
+        pieces.update(zip(ids, s.chunk(len(ids), dim)))
+    return torch.cat([pieces[i] for i in range(len(pieces))], dim)
+
+
+def global_positions(
+    n_local: int, rank: int, world: int, layout: str = "zigzag", device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Global position ids `(n_local,)` int64 of this rank's tokens (for RoPE and for masks)."""
+    check_splittable(n_local * world, world, layout)
+    ids = chunk_ids(rank, world, layout)
+    c = n_local // len(ids)
+    return torch.cat([torch.arange(i * c, (i + 1) * c, device=device) for i in ids])
+
+
+@dataclass(frozen=True)
+class Step:
+    """One ring step's work: local query rows `q` attend to rows `kv` of the visiting block.
+
+    `causal` is True only on the diagonal block (the rank's own keys), where local order is
+    global order. Off the diagonal, a chunk is either wholly visible or wholly hidden.
+    """
+
+    q: slice
+    kv: slice
+    causal: bool
+
+    def rows(self, n: int) -> tuple[int, int]:
+        """(query rows, key rows) this step touches, out of n local rows each."""
+        return len(range(n)[self.q]), len(range(n)[self.kv])
+
+
+def _rows(chunks: list[int], ids: tuple[int, ...], c: int) -> slice:
+    # Local chunk indices -> a slice of local rows; they must be adjacent to give one block.
+    pos = sorted(ids.index(i) for i in chunks)
+    if pos != list(range(pos[0], pos[-1] + 1)):
+        raise NotImplementedError(f"visible chunks {chunks} are not adjacent in the local shard {ids}")
+    return slice(pos[0] * c, (pos[-1] + 1) * c)
+
+
+def ring_schedule(rank: int, world: int, n_local: int, causal: bool, layout: str = "zigzag") -> list[Step | None]:
+    """What rank `rank` computes at each of the `world` ring steps (None: nothing visible).
+
+    At step s the visiting key/value block is the one that started on rank (rank − s) mod world.
+    Non-causal: every step is the full block pair. Causal: step 0 is the diagonal (full, masked);
+    later steps keep only the query chunks that come after some key chunk, against the key
+    chunks that some query chunk comes after. For zigzag that is exactly DESIGN.md's schedule
+    (kv source j < rank: all queries vs the first key chunk; j > rank: the second query chunk
+    vs all keys), half a block pair at every step after the first.
+    """
+    check_splittable(n_local * world, world, layout)
+    mine = chunk_ids(rank, world, layout)
+    c = n_local // len(mine)
+    full = slice(0, n_local)
+    steps: list[Step | None] = []
+    for s in range(world):
+        if not causal:
+            steps.append(Step(full, full, False))
+            continue
+        if s == 0:
+            steps.append(Step(full, full, True))
+            continue
+        theirs = chunk_ids((rank - s) % world, world, layout)
+        pairs = [(qi, ki) for qi in mine for ki in theirs if qi > ki]  # chunk qi sees all of ki
+        if not pairs:
+            steps.append(None)
+            continue
+        qs = sorted({qi for qi, _ in pairs})
+        ks = sorted({ki for _, ki in pairs})
+        if len(pairs) != len(qs) * len(ks):  # visible pairs must form one rectangle
+            raise NotImplementedError(f"layout {layout!r} gives a non-rectangular step {pairs}")
+        steps.append(Step(_rows(qs, mine, c), _rows(ks, theirs, c), False))
+    return steps
