@@ -32,13 +32,15 @@ CANDIDATES: dict[str, list[Tile]] = {
            (128, 64, 8, 2), (64, 32, 4, 2)],
 }
 
-# (kernel, BLOCK_D) -> tile. Measured on H100, bf16, causal, B·N = 32k, H·D = 2048.
+# (kernel, BLOCK_D) -> tile. Measured with launch/tune_kernels.py on an H100 (Triton 3.6), bf16,
+# N = 16k, B·N = 32k, H·D = 2048, causal and not (docs/PERF_NOTES.md has the sweep). Head dims
+# 32 and 256 were not swept: 32 takes 64's tiles, 256 small ones that fit in shared memory.
 TUNED: dict[tuple[str, int], Tile] = {
     ("fwd", 32): (128, 64, 4, 3), ("fwd", 64): (128, 64, 4, 3), ("fwd", 128): (128, 64, 8, 3),
     ("fwd", 256): (64, 64, 8, 2),
-    ("dkdv", 32): (128, 32, 4, 3), ("dkdv", 64): (128, 32, 4, 3), ("dkdv", 128): (128, 32, 8, 3),
+    ("dkdv", 32): (128, 32, 4, 3), ("dkdv", 64): (128, 32, 4, 3), ("dkdv", 128): (128, 64, 8, 3),
     ("dkdv", 256): (64, 32, 8, 2),
-    ("dq", 32): (128, 32, 4, 3), ("dq", 64): (128, 32, 4, 3), ("dq", 128): (128, 32, 8, 3),
+    ("dq", 32): (64, 64, 4, 3), ("dq", 64): (64, 64, 4, 3), ("dq", 128): (128, 64, 8, 3),
     ("dq", 256): (64, 32, 8, 2),
 }
 
