@@ -7,6 +7,7 @@ FLOPs follow FlashAttention's convention: forward `4·B·H·N²·D` (halved when
 from __future__ import annotations
 
 import datetime
+import os
 import platform
 import subprocess
 from collections.abc import Callable, Sequence
@@ -35,6 +36,9 @@ def time_ms(fn: Callable[[], object], warmup_ms: float = 100, rep_ms: float = 50
 
 
 def git_commit() -> str:
+    """HEAD's short hash; `RINGFLASH_COMMIT` wins (the GPU machines get the tree without .git)."""
+    if os.environ.get("RINGFLASH_COMMIT"):
+        return os.environ["RINGFLASH_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                              text=True, check=True).stdout.strip()
