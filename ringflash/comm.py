@@ -142,10 +142,12 @@ class RingComm:
 
 
 class NullComm:
-    """A stand-in ring with no communication: `send_recv` does nothing and the receiving buffer
-    keeps whatever it held. It runs the ring loop's exact per-step kernel work for `rank` of
-    `world` on local data, which is how the benchmark separates compute from communication.
-    Results are meaningless; timings are the point.
+    """A stand-in ring with no communication, for measuring compute alone.
+
+    `send_recv` copies `send` into `recv` locally (so every step sees finite data: this rank's
+    own block again) instead of exchanging it, and `wait()` does nothing. The ring loop then runs
+    exactly the kernels rank `rank` of `world` would run, plus one device-local copy of a block
+    per step, which is negligible next to the block's attention. Results are meaningless.
     """
 
     def __init__(self, rank: int, world: int):
@@ -154,6 +156,7 @@ class NullComm:
         self.rank, self.world, self.group = rank, world, None
 
     def send_recv(self, send: torch.Tensor, recv: torch.Tensor, tag: int = 0) -> _Transfer:
+        recv.copy_(send)
         return _Transfer([])
 
     def all_gather_ints(self, values: list[int], device: torch.device | None = None) -> list[list[int]]:

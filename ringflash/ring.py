@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import torch
 
-import kernels
+# Bound once at import: `kernels.attn_fwd` as an attribute can be shadowed by the submodule of
+# the same name once the dispatcher lazily imports it.
+from kernels import attn_bwd, attn_fwd
 from ringflash.layout import ring_schedule
 from ringflash.merge import merge
 
@@ -46,7 +48,7 @@ def ring_forward(q, k, v, *, causal: bool, scale: float, layout: str, comm, back
     whole sequence. `comm` is a `RingComm` (or `NullComm`); `backend` goes to `kernels.attn_fwd`.
     """
     if comm.world == 1:
-        return kernels.attn_fwd(q, k, v, causal=causal, softmax_scale=scale, backend=backend)
+        return attn_fwd(q, k, v, causal=causal, softmax_scale=scale, backend=backend)
     steps = ring_schedule(comm.rank, comm.world, q.shape[1], causal, layout)
     kv = _packed_kv(k, v)
     o = lse = None
@@ -55,7 +57,7 @@ def ring_forward(q, k, v, *, causal: bool, scale: float, layout: str, comm, back
         # Post the next block's transfer first so that it travels while this one is computed.
         transfer = comm.send_recv(cur, nxt, _KV_TAG) if s + 1 < comm.world else None
         if step is not None:
-            o_blk, lse_blk = kernels.attn_fwd(
+            o_blk, lse_blk = attn_fwd(
                 q[:, step.q],
                 cur[0][:, step.kv],
                 cur[1][:, step.kv],
@@ -80,7 +82,7 @@ def ring_backward(do, q, k, v, o, lse, *, causal: bool, scale: float, layout: st
     accumulated in float32 across the ring.
     """
     if comm.world == 1:
-        return kernels.attn_bwd(do, q, k, v, o, lse, causal=causal, softmax_scale=scale, backend=backend)
+        return attn_bwd(do, q, k, v, o, lse, causal=causal, softmax_scale=scale, backend=backend)
     world = comm.world
     steps = ring_schedule(comm.rank, world, q.shape[1], causal, layout)
     kv = _packed_kv(k, v)
@@ -93,7 +95,7 @@ def ring_backward(do, q, k, v, o, lse, *, causal: bool, scale: float, layout: st
         kv_transfer = comm.send_recv(cur, nxt, _KV_TAG) if s + 1 < world else None
         if step is not None:
             qs, ks = step.q, step.kv
-            dq_blk, dk_blk, dv_blk = kernels.attn_bwd(
+            dq_blk, dk_blk, dv_blk = attn_bwd(
                 do[:, qs],
                 q[:, qs],
                 cur[0][:, ks],

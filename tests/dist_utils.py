@@ -20,6 +20,9 @@ Why it is built this way (each point cost someone a slow or hung CI run):
 - A short group timeout (`timeout_s`, default 30 s) makes a mismatched collective fail in
   seconds; the parent also gives up `timeout_s + 15` s after the start, kills what is left and
   reports which ranks never answered. Nothing outlives the call.
+- Autograd imports `torch.fx.experimental.symbolic_shapes` (and sympy) lazily, on the first
+  backward of some ops: ~0.4 s in *every* child. Importing it here, once, in the parent lets
+  every fork inherit it.
 - Results come back over one pipe per rank; keep them small (numbers, strings), compare
   tensors inside the ranks.
 """
@@ -39,6 +42,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.fx.experimental.symbolic_shapes  # (see above: inherited by forked ranks)
 
 __all__ = ["RankFailure", "run_ranks"]
 

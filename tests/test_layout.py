@@ -1,0 +1,104 @@
+"""ringflash.layout: sharding round trips, global positions, and the ring schedule's exactness."""
+
+import pytest
+import torch
+
+from ringflash import layout as L
+
+WORLDS = [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("name", L.LAYOUTS)
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_shard_unshard_round_trip(world, name, dim):
+    x = torch.randn(4 * world, 4 * world, 4 * world)
+    shards = [L.shard(x, dim, r, world, name) for r in range(world)]
+    assert all(s.shape[dim] == x.shape[dim] // world for s in shards)
+    assert torch.equal(L.unshard(shards, dim, name), x)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("name", L.LAYOUTS)
+def test_global_positions_match_shard_of_arange(world, name):
+    n = 6 * world
+    for r in range(world):
+        pos = L.global_positions(n // world, r, world, name)
+        assert pos.dtype == torch.int64
+        assert torch.equal(pos, L.shard(torch.arange(n), 0, r, world, name))
+        assert bool((pos[1:] > pos[:-1]).all()), "local order must be global order (causal diagonal)"
+
+
+def test_zigzag_chunks():
+    # 2W chunks; rank r holds r and 2W-1-r (DESIGN.md).
+    assert [L.chunk_ids(r, 4, "zigzag") for r in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
+    assert L.global_positions(4, 1, 2, "zigzag").tolist() == [2, 3, 4, 5]
+    assert L.global_positions(4, 0, 2, "zigzag").tolist() == [0, 1, 6, 7]
+
+
+def test_check_splittable_messages():
+    L.check_splittable(12, 3, "contiguous")
+    L.check_splittable(7, 1, "zigzag")  # one rank: any length
+    with pytest.raises(ValueError, match=r"multiple of 6.*seqlen=9.*pad to 12"):
+        L.check_splittable(9, 3, "zigzag")
+    with pytest.raises(ValueError, match="multiple of 4"):
+        L.check_splittable(10, 4, "contiguous")
+    with pytest.raises(ValueError, match="layout must be one of"):
+        L.check_splittable(8, 2, "ring")
+    with pytest.raises(ValueError, match="world"):
+        L.check_splittable(8, 0, "zigzag")
+    with pytest.raises(ValueError, match="seqlen"):
+        L.check_splittable(0, 2, "zigzag")
+    with pytest.raises(ValueError, match="rank"):
+        L.shard(torch.zeros(8), 0, 2, 2)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        L.shard(torch.zeros(6), 0, 0, 2, "zigzag")
+    with pytest.raises(ValueError, match="same size"):
+        L.unshard([torch.zeros(4), torch.zeros(2)], 0)
+
+
+def _visible(q_pos, k_pos, causal):
+    return (k_pos[None, :] <= q_pos[:, None]) if causal else torch.ones(len(q_pos), len(k_pos), dtype=torch.bool)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("name", L.LAYOUTS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_schedule_covers_exactly_the_visible_pairs(world, name, causal):
+    # For every rank and step, the step's (q rows, kv rows, causal) must cover exactly the
+    # (query, key) pairs the global mask allows: nothing missed, nothing masked computed.
+    n = 4
+    for r in range(world):
+        q_pos = L.global_positions(n, r, world, name)
+        for s, step in enumerate(L.ring_schedule(r, world, n, causal, name)):
+            k_pos = L.global_positions(n, (r - s) % world, world, name)
+            want = _visible(q_pos, k_pos, causal)
+            got = torch.zeros_like(want)
+            if step is not None:
+                block = torch.ones(n, n, dtype=torch.bool)[step.q, step.kv]
+                got[step.q, step.kv] = block.tril() if step.causal else block
+                assert not step.causal or s == 0, "only the diagonal block is masked"
+            assert torch.equal(got, want), f"rank {r} step {s}: {step}"
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_zigzag_causal_is_balanced_half_blocks(world):
+    # DESIGN.md: j < r -> all Q vs first KV chunk; j > r -> second Q chunk vs all KV; every step
+    # after the first is half a block pair on every rank.
+    n, h = 8, 4
+    for r in range(world):
+        steps = L.ring_schedule(r, world, n, True, "zigzag")
+        assert steps[0] == L.Step(slice(0, n), slice(0, n), True)
+        for s in range(1, world):
+            j = (r - s) % world
+            want = L.Step(slice(0, n), slice(0, h), False) if j < r else L.Step(slice(h, n), slice(0, n), False)
+            assert steps[s] == want
+            q_rows, kv_rows = steps[s].rows(n)
+            assert q_rows * kv_rows == n * n // 2
+
+
+def test_contiguous_causal_skips_later_blocks():
+    steps = L.ring_schedule(1, 4, 8, True, "contiguous")
+    # rank 1 sees kv from rank 0 (step 1) fully; ranks 3 and 2 (steps 2, 3) lie in its future.
+    assert steps[1] == L.Step(slice(0, 8), slice(0, 8), False)
+    assert steps[2] is None and steps[3] is None

@@ -1,0 +1,299 @@
+"""Ring attention over 1–4 gloo ranks equals float64 attention on the unsharded sequence.
+
+Every case builds the global q, k, v, do from a seed (the same on every rank), computes the
+float64 ground truth with tests/truth.py, runs the ring on each rank's shard, and compares o,
+lse, dq, dk, dv with the sharded truth (relative-norm tolerance per dtype, as in the kernel
+tests). Low-precision cases must also stay within 2× the error of one kernel call on the whole
+sequence, so the ring is held to the single-device standard, not just to the dtype's.
+
+CPU cases run fork-started gloo ranks (tests/dist_utils.py). GPU cases (`gpu`) run 2 and 4
+spawn-started gloo ranks sharing one GPU with CUDA tensors and the Triton kernels; the
+`multigpu` case runs launch/check_ring_nccl.py under torchrun with NCCL.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import RankFailure, run_ranks
+from truth import TOL, attention_f64, lse_err, rel_err
+
+import ringflash
+from kernels import attn_bwd, attn_fwd
+from ringflash import RingFlashAttention, ring_flash_attn_func, shard
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def make_case(
+    world,
+    layout="zigzag",
+    causal=True,
+    n_local=8,
+    B=2,
+    H=4,
+    Hkv=2,
+    D=16,
+    dtype=torch.float32,
+    backend="reference",
+    device="cpu",
+    seed=0,
+    scale=None,
+    strided=False,
+):
+    return dict(
+        world=world,
+        layout=layout,
+        causal=causal,
+        n_local=n_local,
+        B=B,
+        H=H,
+        Hkv=Hkv,
+        D=D,
+        dtype=dtype,
+        backend=backend,
+        device=device,
+        seed=seed,
+        scale=scale,
+        strided=strided,
+    )
+
+
+def global_inputs(c):
+    """Global q, k, v, do `(B, W·n_local, heads, D)` from the case's seed, on the case's device."""
+    g = torch.Generator().manual_seed(c["seed"])
+    N = c["world"] * c["n_local"]
+    shapes = [(c["B"], N, c["H"], c["D"]), (c["B"], N, c["Hkv"], c["D"]), (c["B"], N, c["Hkv"], c["D"])]
+    q, k, v = (torch.randn(s, generator=g).to(c["device"], c["dtype"]) for s in shapes)
+    do = torch.randn(shapes[0], generator=g).to(c["device"], c["dtype"])
+    return q, k, v, do
+
+
+def ring_exactness_worker(rank, world, c):
+    """Run case `c` on this rank; assert against the truth; return the relative errors."""
+    if c["device"] == "cuda":
+        torch.cuda.set_device(0)  # every rank shares the one GPU (gloo stages through host memory)
+    q, k, v, do = global_inputs(c)
+    truth = attention_f64(q, k, v, c["causal"], c["scale"], do)
+    L = c["layout"]
+    loc = [shard(t, 1, rank, world, L).detach().clone() for t in (q, k, v)]
+    if c["strided"]:  # q, k, v as views of one packed tensor, like a fused QKV projection's output
+        qkv = torch.cat(loc, dim=2)
+        H, Hkv = c["H"], c["Hkv"]
+        loc = [qkv[:, :, :H], qkv[:, :, H : H + Hkv], qkv[:, :, H + Hkv :]]
+    ql, kl, vl = (t.requires_grad_() for t in loc)
+    o, lse = ring_flash_attn_func(ql, kl, vl, c["causal"], c["scale"], layout=L, return_lse=True, backend=c["backend"])
+    o.backward(shard(do, 1, rank, world, L))
+    got = {"o": o, "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}
+    assert o.dtype == c["dtype"] and lse.dtype == torch.float32 and lse.shape == (c["B"], c["H"], c["n_local"])
+    assert all(g.dtype == c["dtype"] for g in got.values()), "gradients come back in the input dtype"
+    errs = {n: rel_err(x, shard(truth[n], 1, rank, world, L)) for n, x in got.items()}
+    errs["lse"] = lse_err(lse, shard(truth["lse"], 2, rank, world, L))
+    tol = TOL[c["dtype"]]
+    assert all(e < tol for n, e in errs.items() if n != "lse"), f"rank {rank}: {errs} exceed {tol}"
+    assert errs["lse"] < 10 * tol, f"rank {rank}: lse error {errs['lse']}"
+    if c["dtype"] != torch.float32:  # no worse than one kernel call on the whole sequence
+        o1, lse1 = attn_fwd(q, k, v, causal=c["causal"], softmax_scale=c["scale"], backend=c["backend"])
+        grads1 = attn_bwd(do, q, k, v, o1, lse1, causal=c["causal"], softmax_scale=c["scale"], backend=c["backend"])
+        single = dict(zip(("o", "dq", "dk", "dv"), (o1, *grads1)))
+        for n, x in single.items():
+            base = rel_err(shard(x, 1, rank, world, L), shard(truth[n], 1, rank, world, L))
+            assert errs[n] <= 2 * base + tol / 50, f"rank {rank}: {n} error {errs[n]:.2e} vs single {base:.2e}"
+    return errs
+
+
+CPU_CASES = [
+    make_case(w, layout, causal, H=4, Hkv=hkv)
+    for w in (1, 2, 3, 4)
+    for layout in ("contiguous", "zigzag")
+    for causal in (False, True)
+    for hkv in (4, 2)  # MHA and GQA
+] + [
+    make_case(3, "zigzag", True, H=4, Hkv=1, strided=True, scale=0.3),  # MQA, views of a packed QKV
+    make_case(2, "zigzag", True, dtype=torch.bfloat16, n_local=16),
+    make_case(3, "contiguous", True, dtype=torch.float16, n_local=12),
+]
+
+
+def _case_id(c):
+    return "-".join(
+        [
+            f"w{c['world']}",
+            c["layout"],
+            "causal" if c["causal"] else "full",
+            f"h{c['H']}kv{c['Hkv']}",
+            str(c["dtype"]).removeprefix("torch."),
+            c["backend"],
+        ]
+        + (["strided"] if c["strided"] else [])
+    )
+
+
+@pytest.mark.parametrize("case", CPU_CASES, ids=_case_id)
+def test_ring_matches_float64(case):
+    run_ranks(ring_exactness_worker, case["world"], (case,))
+
+
+# The Triton kernels under the interpreter (tests/conftest.py sets TRITON_INTERPRET=1 without CUDA).
+TRITON_CASES = [
+    make_case(2, "zigzag", True, n_local=32, H=4, Hkv=2, D=32, dtype=torch.bfloat16, backend="triton"),
+    make_case(3, "contiguous", False, n_local=18, B=1, H=2, Hkv=1, D=32, backend="triton"),
+]
+
+
+@pytest.mark.parametrize("case", TRITON_CASES, ids=_case_id)
+def test_ring_triton_kernels_interpreted(case):
+    if torch.cuda.is_available():
+        pytest.skip("covered by the gpu tests")
+    run_ranks(ring_exactness_worker, case["world"], (case,))
+
+
+def test_world_one_without_distributed_is_one_kernel_call():
+    # No process group at all: ring attention is plain attention, still differentiable.
+    assert not dist.is_initialized()
+    c = make_case(1, causal=True, n_local=12)
+    q, k, v, do = global_inputs(c)
+    q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+    o = RingFlashAttention(causal=True)(q, k, v)
+    o.backward(do)
+    o1, lse1 = attn_fwd(q, k, v, causal=True)
+    torch.testing.assert_close(o, o1, atol=0, rtol=0)
+    dq1, dk1, dv1 = attn_bwd(do, q, k, v, o1, lse1, causal=True)
+    for got, want in ((q.grad, dq1), (k.grad, dk1), (v.grad, dv1)):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert isinstance(ring_flash_attn_func(q, k, v), torch.Tensor)  # return_lse=False: o alone
+
+
+def _subgroup_worker(rank, world):
+    # Ring over global ranks 1 and 2 only: group ranks differ from global ranks.
+    group = dist.new_group([1, 2])
+    c = make_case(2, "zigzag", True, n_local=8)
+    q, k, v, do = global_inputs(c)
+    if rank == 0:
+        with pytest.raises(ValueError, match="not a member"):
+            ring_flash_attn_func(q, k, v, causal=True, group=group)
+        return None
+    gr = dist.get_rank(group)
+    truth = attention_f64(q, k, v, True, None, do)
+    ql, kl, vl = (shard(t, 1, gr, 2).requires_grad_() for t in (q, k, v))
+    o = RingFlashAttention(group=group, causal=True)(ql, kl, vl)
+    o.backward(shard(do, 1, gr, 2))
+    for name, x in (("o", o), ("dq", ql.grad), ("dk", kl.grad), ("dv", vl.grad)):
+        assert rel_err(x, shard(truth[name], 1, gr, 2)) < TOL[torch.float32], name
+    return gr
+
+
+def test_subgroup_and_non_member():
+    assert run_ranks(_subgroup_worker, 3) == [None, 0, 1]
+
+
+def _error_worker(rank, world, what):
+    c = make_case(world, "zigzag", True, n_local=8)
+    q, k, v, _ = global_inputs(c)
+    good = q, k, v = tuple(shard(t, 1, rank, world) for t in (q, k, v))
+    kwargs = dict(causal=True)
+    expect = "differ between the ranks"
+    if what == "shape" and rank == 1:
+        q, k, v = q[:, :4], k[:, :4], v[:, :4]
+    elif what == "dtype" and rank == 2:
+        q, k, v = q.double().float().half(), k.half(), v.half()
+    elif what == "causal" and rank == 0:
+        kwargs["causal"] = False
+    elif what == "scale" and rank == 1:
+        kwargs["softmax_scale"] = 0.5
+    elif what == "layout" and rank == 1:
+        kwargs["layout"] = "contiguous"
+    elif what == "one_rank_bad_input":
+        expect = "q must have 4 dims" if rank == 1 else r"rank\(s\) \[1\] of the group rejected"
+        if rank == 1:
+            q = q[0]
+    elif what == "unsplittable":  # zigzag needs an even local length
+        q, k, v = q[:, :5], k[:, :5], v[:, :5]
+        expect = "5 local tokens.*multiple of"
+    elif what == "bad_layout":
+        kwargs["layout"] = "ring"
+        expect = "layout must be one of"
+    elif what == "bad_group":
+        kwargs["group"] = "world"
+        expect = "group must be"
+    with pytest.raises((ValueError, TypeError), match=expect) as err:
+        ring_flash_attn_func(q, k, v, **kwargs)
+    # Nothing was left in flight: the same group still runs a correct ring call.
+    ring_flash_attn_func(*good, causal=True)
+    return str(err.value)
+
+
+@pytest.mark.parametrize(
+    "what",
+    ["shape", "dtype", "causal", "scale", "layout", "one_rank_bad_input", "unsplittable", "bad_layout", "bad_group"],
+)
+def test_errors_raise_on_every_rank(what):
+    msgs = run_ranks(_error_worker, 3, (what,), timeout_s=20)
+    assert len(msgs) == 3
+    if what in ("shape", "dtype", "causal", "scale", "layout"):
+        assert len(set(msgs)) == 1, "every rank reports the same mismatch"
+        assert "rank 0" in msgs[0] and "rank 2" in msgs[0]
+
+
+def _raises_on_rank_1(rank, world):
+    if rank == 1:
+        raise KeyError("from rank 1")
+    return rank
+
+
+def test_harness_reports_rank_tracebacks():
+    with pytest.raises(RankFailure, match="from rank 1") as err:
+        run_ranks(_raises_on_rank_1, 2)
+    assert list(err.value.errors) == [1] and "KeyError" in err.value.errors[1]
+
+
+def test_null_comm_runs_the_same_schedule():
+    # NullComm (the benchmark's compute-only ring) runs every step's kernels without sending.
+    from ringflash.ring import ring_forward
+
+    c = make_case(1, n_local=16)
+    q, k, v, _ = global_inputs(c)
+    o, lse = ring_forward(q, k, v, causal=True, scale=0.25, layout="zigzag", comm=ringflash.NullComm(1, 4))
+    assert o.shape == q.shape and lse.shape == (2, 4, 16) and torch.isfinite(o).all()
+
+
+# ---- GPU: several gloo ranks sharing one GPU, CUDA tensors, Triton kernels ---------------------------
+
+GPU_CASES = [
+    make_case(w, layout, causal, B=1, n_local=4000 // w, H=8, Hkv=2, D=128, dtype=dt, backend="triton", device="cuda")
+    for w in (2, 4)
+    for layout, causal, dt in (
+        ("zigzag", True, torch.bfloat16),
+        ("contiguous", True, torch.bfloat16),
+        ("zigzag", False, torch.float16),
+    )
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
+def test_ring_gpu_shared_by_gloo_ranks(case):
+    # spawn, not fork: conftest has already asked CUDA whether it is available.
+    run_ranks(ring_exactness_worker, case["world"], (case,), start_method="spawn", timeout_s=120)
+
+
+@pytest.mark.multigpu
+def test_ring_nccl_two_gpus():
+    # Two NCCL ranks, bf16, 64k tokens per rank, Triton kernels: launch/check_ring_nccl.py.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(REPO / "launch" / "check_ring_nccl.py"),
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
