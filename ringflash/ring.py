@@ -10,7 +10,8 @@ Forward: partial `(o, lse)` are merged in float32 (merge.py); o is cast once to 
 Backward: the kernels recompute `P = exp(S·scale − lse)` and `delta = rowsum(do·o)` from the
 *global* `o` and `lse`, so each block's gradients are exact pieces of the full gradient. dQ
 accumulates locally in float32; the float32 dK/dV of each block travel around the ring behind
-it, each rank adding its share, and arrive back on the block's home rank after W hops.
+it, each rank adding its share, and arrive back on the block's home rank after W hops (the
+last hop, already finished, in the input dtype).
 
 Communication overlaps compute: the transfer for step s+1 is posted before step s computes
 (two K/V buffers in turn), and the dK/dV of step s travel during step s+1. K and V travel packed
@@ -121,13 +122,19 @@ def ring_backward(do, q, k, v, o, lse, *, causal: bool, scale: float, layout: st
         elif step is not None:
             acc[0][:, step.kv] += dk_blk
             acc[1][:, step.kv] += dv_blk
-        # Pass it on; after the last step this hop brings every block's dK/dV home.
-        dkv_transfer = comm.send_recv(acc, dkv[(s + 1) % 2], _DKV_TAG)
+        if s + 1 < world:
+            dkv_transfer = comm.send_recv(acc, dkv[(s + 1) % 2], _DKV_TAG)
+        else:
+            # The last hop brings finished dK/dV home, after all compute, so nothing hides it. Home
+            # would round them to the input dtype anyway: rounding before sending is bit-identical
+            # and halves the exposed bytes for bf16/fp16. (Earlier hops carry partial sums: float32.)
+            final = acc.to(k.dtype)
+            home = torch.empty_like(final)
+            dkv_transfer = comm.send_recv(final, home, _DKV_TAG)
         if kv_transfer is not None:
             kv_transfer.wait()
     dkv_transfer.wait()
-    home = dkv[world % 2]
-    return dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype)
+    return dq.to(q.dtype), home[0], home[1]
 
 
 class RingFlashAttnFunc(torch.autograd.Function):

@@ -1,0 +1,258 @@
+"""Ring attention benchmark: forward+backward time, efficiency, compute alone, torch's context_parallel.
+
+    torchrun --standalone --nproc_per_node=2 launch/bench_ring.py                  # 8k, 32k, 128k tokens/rank
+    torchrun --standalone --nproc_per_node=2 launch/bench_ring.py --tokens-per-rank 32k --no-torch-cp
+    torchrun --standalone --nproc_per_node=2 launch/bench_ring.py --quick          # smoke run (CPU: gloo)
+
+Per tokens-per-rank N (global sequence W·N), bf16, causal, D = 128, H = 16 (H·D = 2048), B = 1:
+- ring fwd / fwd+bwd: `ring_flash_attn_func` forward (no grad) and forward + `autograd.grad`, as
+  users call it (input check included), for the zigzag and contiguous layouts.
+- compute only: the same rank's per-step kernels and merges (`ringflash.NullComm`: no transfers).
+  ring − compute is what communication costs beyond overlap; compute − single/W is what cutting
+  the work into per-step blocks costs.
+- single/W: one GPU's fwd+bwd on the whole sequence with the same kernels, divided by W.
+- efficiency = (single/W) ÷ ring fwd+bwd (the definition of ring-flash-attn's README).
+- torch CP: `torch.distributed.tensor.experimental.context_parallel` (head-tail load balancing,
+  torch's default rotate method unless --cp-rotate) with the SDPA flash and cuDNN backends;
+  'n/a' with the reason where unavailable.
+Ring timings use a fixed iteration count on every rank (collectives must match), CUDA events,
+the median per iteration, and the slowest rank's median. Single-device timings use
+`benchlib.time_ms`. Without CUDA, timings use time.perf_counter (smoke runs only).
+Rank 0 prints the table and appends it to BENCHMARKS.md (not for --quick or --no-record).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+
+from benchlib import attn_flops, markdown_table, record, time_ms
+
+from kernels import attn_bwd, attn_fwd
+from ringflash import NullComm, ring_flash_attn_func
+from ringflash.ring import ring_backward, ring_forward
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def time_collective(fn, iters: int, warmup: int) -> float:
+    """Median ms per call of `fn`, which every rank calls the same number of times (it communicates)."""
+    for _ in range(warmup):
+        fn()
+    _sync()
+    dist.barrier()
+    times = []
+    for _ in range(iters):
+        if torch.cuda.is_available():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    med = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    dist.all_reduce(med, op=dist.ReduceOp.MAX)  # the ring is as fast as its slowest rank
+    return med.item()
+
+
+def time_local(fn, iters: int, warmup: int) -> float:
+    """Median ms per call of a function that does not communicate."""
+    if torch.cuda.is_available():
+        return time_ms(fn)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def bench_ring(args, n_local, layout, dev, dtype):
+    """(fwd ms, fwd+bwd ms, compute-only fwd+bwd ms) of this layout."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    B, H, Hkv, D = args.batch, args.heads, args.kv_heads, args.head_dim
+    q = torch.randn(B, n_local, H, D, device=dev, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(B, n_local, Hkv, D, device=dev, dtype=dtype, requires_grad=True) for _ in range(2))
+    do = torch.randn_like(q)
+
+    def fwd():
+        with torch.no_grad():
+            ring_flash_attn_func(q, k, v, causal=True, layout=layout)
+
+    def fwd_bwd():
+        o = ring_flash_attn_func(q, k, v, causal=True, layout=layout)
+        torch.autograd.grad(o, (q, k, v), do)
+
+    null = NullComm(rank, world)
+    opts = dict(causal=True, scale=D**-0.5, layout=layout, comm=null)
+
+    def compute_only():
+        o, lse = ring_forward(q.detach(), k.detach(), v.detach(), **opts)
+        ring_backward(do, q.detach(), k.detach(), v.detach(), o, lse, **opts)
+
+    return (
+        time_collective(fwd, args.iters, args.warmup),
+        time_collective(fwd_bwd, args.iters, args.warmup),
+        time_local(compute_only, args.iters, args.warmup),
+    )
+
+
+def bench_single(args, n_global, dev, dtype):
+    """One device's fwd+bwd ms on the whole sequence with the same kernels (no autograd)."""
+    B, H, Hkv, D = args.batch, args.heads, args.kv_heads, args.head_dim
+    q = torch.randn(B, n_global, H, D, device=dev, dtype=dtype)
+    k, v = (torch.randn(B, n_global, Hkv, D, device=dev, dtype=dtype) for _ in range(2))
+    do = torch.randn_like(q)
+
+    def fwd_bwd():
+        o, lse = attn_fwd(q, k, v, causal=True)
+        attn_bwd(do, q, k, v, o, lse, causal=True)
+
+    return time_local(fwd_bwd, args.iters, args.warmup)
+
+
+def bench_torch_cp(args, n_global, dev, dtype, sdpa_backend: str) -> tuple[float | None, str]:
+    """torch context_parallel fwd+bwd ms on the same shapes, or (None, reason)."""
+    try:
+        import torch.nn.functional as F
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.experimental import context_parallel
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        if args.cp_rotate:
+            from torch.distributed.tensor.experimental._attention import set_rotate_method
+
+            set_rotate_method(args.cp_rotate)
+        if dev.type != "cuda":
+            return None, "needs CUDA"
+        if args.kv_heads != args.heads:
+            return None, "GQA not benchmarked"
+        backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[sdpa_backend]
+        mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+        B, H, D = args.batch, args.heads, args.head_dim
+        # SDPA layout (B, H, N, D); the context shards these buffers in place along dim 2.
+        bufs = [torch.randn(B, H, n_global, D, device=dev, dtype=dtype) for _ in range(4)]
+        with context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2] * 4, no_restore_buffers=set(bufs)):
+            q, k, v, do = bufs
+            for t in (q, k, v):
+                t.requires_grad_()
+
+            def fwd_bwd():
+                with sdpa_kernel(backend):
+                    o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                torch.autograd.grad(o, (q, k, v), do)
+
+            return time_collective(fwd_bwd, args.iters, args.warmup), ""
+    except Exception as e:  # an experimental API: report why, keep benchmarking
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+
+
+def parse_tokens(s: str) -> list[int]:
+    return [int(x[:-1]) * 1024 if x.lower().endswith("k") else int(x) for x in s.split(",")]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens-per-rank", type=parse_tokens, default=parse_tokens("8k,32k,128k"))
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads (no GQA)")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--layouts", default="zigzag,contiguous")
+    p.add_argument("--iters", type=int, default=10, help="timed iterations of the ring (fixed on every rank)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--no-torch-cp", action="store_true", help="skip torch's context_parallel")
+    p.add_argument("--cp-rotate", choices=["allgather", "alltoall"], default=None)
+    p.add_argument("--quick", action="store_true", help="tiny shapes, 2 iterations, no record: a smoke run")
+    p.add_argument("--no-record", action="store_true", help="print only; do not append to BENCHMARKS.md")
+    args = p.parse_args()
+    if args.quick:
+        args.tokens_per_rank, args.heads, args.head_dim, args.iters, args.warmup = [256], 2, 32, 2, 1
+    args.kv_heads = args.kv_heads or args.heads
+
+    cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        dev = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+        dtype = DTYPES[args.dtype]
+        layouts = args.layouts.split(",")
+        rows = []
+        for n in args.tokens_per_rank:
+            n_global = n * world
+            single = bench_single(args, n_global, dev, dtype) / world
+            flops = attn_flops(args.batch, args.heads, n_global, n_global, args.head_dim, True, "fwd_bwd") / world
+            for layout in layouts:
+                fwd, fwd_bwd, compute = bench_ring(args, n, layout, dev, dtype)
+                tflops = flops / fwd_bwd / 1e9
+                rows.append([n, "ringflash", layout, fwd, fwd_bwd, compute, single, single / fwd_bwd, tflops])
+                if rank == 0:
+                    print(f"{n} tokens/rank {layout}: fwd+bwd {fwd_bwd:.3g} ms, efficiency {single / fwd_bwd:.3f}")
+            for sdpa in () if args.no_torch_cp else ("flash", "cudnn"):
+                ms, why = bench_torch_cp(args, n_global, dev, dtype, sdpa)
+                if ms is None:
+                    rows.append([n, f"torch CP ({sdpa})", "head-tail", "n/a", "n/a", "n/a", single, "n/a", "n/a"])
+                    if rank == 0:
+                        print(f"torch CP ({sdpa}) n/a: {why}")
+                else:
+                    rows.append(
+                        [n, f"torch CP ({sdpa})", "head-tail", "", ms, "", single, single / ms, flops / ms / 1e9]
+                    )
+            if cuda:
+                torch.cuda.empty_cache()
+        if rank == 0:
+            headers = [
+                "tokens/rank",
+                "impl",
+                "layout",
+                "fwd ms",
+                "fwd+bwd ms",
+                "compute-only ms",
+                "single/W ms",
+                "efficiency",
+                "TFLOP/s/GPU",
+            ]
+            table = markdown_table(headers, rows)
+            title = (
+                f"Ring attention, {world} ranks ({dist.get_backend()}), {args.dtype}, causal, "
+                f"B={args.batch} H={args.heads} Hkv={args.kv_heads} D={args.head_dim}"
+            )
+            notes = (
+                "efficiency = (single-GPU fwd+bwd of the whole sequence ÷ W) ÷ ring fwd+bwd; compute-only = "
+                "the same rank's per-step kernels without communication; torch CP rotate method: "
+                f"{args.cp_rotate or 'torch default'}."
+            )
+            if args.quick or args.no_record:
+                print(f"## {title}\n\n{table}\n\n{notes}")
+            else:
+                record(title, table, notes)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""Exactness of ring attention over NCCL at scale: one GPU per rank, Triton kernels, bf16.
+
+    torchrun --standalone --nproc_per_node=2 launch/check_ring_nccl.py [--tokens-per-rank 65536]
+
+Every rank builds the same global q, k, v, do (generated on rank 0, broadcast), runs the ring on
+its shard, and compares its shard of o, lse, dq, dk, dv with
+- the same Triton kernels run on the whole sequence on one GPU (`single`), and
+- float32 SDPA (memory-efficient backend, true fp32) on the whole sequence (`ref32`).
+A float64 ground truth at 128k tokens does not fit; float32 is 2^16 times more precise than
+bf16, so it stands in for it.
+
+Pass criteria (per tensor, relative Frobenius error on this rank's shard):
+    err(ring, ref32) <= 2 · err(single, ref32) + 1e-4   and   err(ring, ref32) < 3e-2 (bf16 tolerance)
+    max |lse_ring − lse_single| < 1e-3 (both float32; they differ only by summation order)
+    no host synchronisation inside the ring loop (CUDA only): one more fwd+bwd with
+    check_ranks=False under torch.cuda.set_sync_debug_mode("error")
+Exits non-zero on every rank if any check fails on any rank. Only rank 0 prints.
+Without CUDA it runs on CPU over gloo with the reference kernels: a smoke test of the script
+itself (`--tokens-per-rank 64 --head-dim 32`), not of NCCL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+
+from kernels import attn_bwd, attn_fwd
+from ringflash import ring_flash_attn_func, shard
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+CASES = (("zigzag", True), ("contiguous", True), ("zigzag", False))
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x, ref = x.double(), ref.double()
+    return float("inf") if not torch.isfinite(x).all() else ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def reference_fp32(q, k, v, do, causal):
+    """float32 SDPA on the whole sequence: o, dq, dk, dv in (B, N, heads, D) layout."""
+    g = q.shape[2] // k.shape[2]
+    q32, k32, v32 = (t.float().transpose(1, 2).requires_grad_() for t in (q, k, v))
+    kr, vr = k32.repeat_interleave(g, dim=1), v32.repeat_interleave(g, dim=1)  # GQA by repetition
+    # Memory-efficient: O(N) memory in true fp32 on CUDA; math on CPU (smoke runs only).
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        o = F.scaled_dot_product_attention(q32, kr, vr, is_causal=causal)
+    dq, dk, dv = torch.autograd.grad(o, (q32, k32, v32), do.float().transpose(1, 2))
+    return {n: t.transpose(1, 2).detach() for n, t in zip(("o", "dq", "dk", "dv"), (o, dq, dk, dv))}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens-per-rank", type=int, default=65536)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+
+    torch.backends.cuda.matmul.allow_tf32 = False  # keep the fp32 reference true fp32
+    torch.backends.cudnn.allow_tf32 = False
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    failures = 0
+    try:
+        B, N, H, Hkv, D = args.batch, args.tokens_per_rank * world, args.heads, args.kv_heads, args.head_dim
+        dtype, dev = DTYPES[args.dtype], torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+        gen = torch.Generator(device=dev).manual_seed(args.seed)
+        q, do = (torch.randn(B, N, H, D, device=dev, dtype=dtype, generator=gen) for _ in range(2))
+        k, v = (torch.randn(B, N, Hkv, D, device=dev, dtype=dtype, generator=gen) for _ in range(2))
+        for t in (q, k, v, do):  # identical inputs on every rank by construction
+            dist.broadcast(t, src=0)
+        if rank == 0:
+            print(
+                f"ring over {world} {dist.get_backend()} ranks: B={B} N={N} ({args.tokens_per_rank}/rank) "
+                f"H={H} Hkv={Hkv} "
+                f"D={D} {args.dtype}, {'Triton' if cuda else 'reference'} kernels"
+            )
+            print(f"{'layout':<11}{'causal':<7}{'tensor':<7}{'err ring':>10}{'err single':>12}{'ratio':>8}  ok")
+        refs = {}
+        for layout, causal in CASES:
+            if causal not in refs:
+                o1, lse1 = attn_fwd(q, k, v, causal=causal)
+                dq1, dk1, dv1 = attn_bwd(do, q, k, v, o1, lse1, causal=causal)
+                single = {"o": o1, "dq": dq1, "dk": dk1, "dv": dv1, "lse": lse1}
+                refs[causal] = (single, reference_fp32(q, k, v, do, causal))
+            single, ref32 = refs[causal]
+            ql, kl, vl = (shard(t, 1, rank, world, layout).detach().requires_grad_() for t in (q, k, v))
+            o, lse = ring_flash_attn_func(ql, kl, vl, causal=causal, layout=layout, return_lse=True)
+            dq, dk, dv = torch.autograd.grad(o, (ql, kl, vl), shard(do, 1, rank, world, layout))
+            rows = []
+            for name, x in (("o", o), ("dq", dq), ("dk", dk), ("dv", dv)):
+                e_ring = rel_err(x, shard(ref32[name], 1, rank, world, layout))
+                e_single = rel_err(
+                    shard(single[name], 1, rank, world, layout), shard(ref32[name], 1, rank, world, layout)
+                )
+                ok = x.dtype == dtype and e_ring <= 2 * e_single + 1e-4 and e_ring < 3e-2
+                rows.append((name, e_ring, e_single, ok))
+            d_lse = (lse - shard(single["lse"], 2, rank, world, layout)).abs().nan_to_num(0.0).max().item()
+            lse_ok = d_lse < 1e-3 and torch.equal(
+                torch.isneginf(lse), torch.isneginf(shard(single["lse"], 2, rank, world, layout))
+            )
+            failures += sum(not r[3] for r in rows) + (not lse_ok)
+            # Report the worst rank: gather every rank's numbers to rank 0.
+            stats = torch.tensor([[r[1], r[2], float(r[3])] for r in rows] + [[d_lse, 0.0, float(lse_ok)]], device=dev)
+            gathered = [torch.empty_like(stats) for _ in range(world)] if rank == 0 else None
+            dist.gather(stats, gathered, dst=0)
+            if rank == 0:
+                worst = torch.stack(gathered)
+                for i, name in enumerate(["o", "dq", "dk", "dv", "lse"]):
+                    e_r, e_s = worst[:, i, 0].max().item(), worst[:, i, 1].max().item()
+                    ok = bool(worst[:, i, 2].min().item())
+                    ratio = f"{e_r / e_s:8.2f}" if name != "lse" else f"{'(abs)':>8}"
+                    print(f"{layout:<11}{causal!s:<7}{name:<7}{e_r:10.2e}{e_s:12.2e}{ratio}  {'ok' if ok else 'FAIL'}")
+            del o, lse, dq, dk, dv
+        if cuda:  # the loop itself must never block the host (the input check, skipped here, does once)
+            ql, kl, vl = (shard(t, 1, rank, world).detach().requires_grad_() for t in (q, k, v))
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                o = ring_flash_attn_func(ql, kl, vl, causal=True, check_ranks=False)
+                torch.autograd.grad(o, (ql, kl, vl), shard(do, 1, rank, world))
+                sync_msg = "none"
+            except RuntimeError as e:
+                failures += 1
+                sync_msg = f"FAIL: {str(e).splitlines()[0]}"
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.synchronize()
+            if rank == 0:
+                print(f"host synchronisations inside the ring loop (zigzag, causal): {sync_msg}")
+        total = torch.tensor([failures], device=dev)
+        dist.all_reduce(total)
+        failures = int(total.item())
+        if rank == 0:
+            print("PASS" if failures == 0 else f"FAIL: {failures} check(s) failed")
+    finally:
+        dist.destroy_process_group()
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
