@@ -265,8 +265,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"data.path: required for data.kind = {d.kind!r}")
     if not 0 <= t.stop_at <= t.steps:
         raise ConfigError(f"train.stop_at ({t.stop_at}) must be in [0, train.steps = {t.steps}]")
-    if not 0 <= t.warmup_steps <= t.steps:
-        raise ConfigError(f"train.warmup_steps ({t.warmup_steps}) must be in [0, train.steps = {t.steps}]")
+    if t.warmup_steps < 0:
+        raise ConfigError(f"train.warmup_steps: must be >= 0, got {t.warmup_steps}")
 
 
 def describe() -> str:

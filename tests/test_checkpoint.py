@@ -1,0 +1,106 @@
+"""Checkpoints: stopping at k and resuming to 2k equals an uninterrupted 2k-step run, bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from dist_utils import run_ranks
+
+from train.checkpoint import Checkpointer, complete_checkpoints
+from train.config import ConfigError, load_config
+
+K = 3  # steps before the interruption
+
+
+def cfg_for(run_dir: Path, *overrides: str):
+    base = [
+        "--model.dim=32",
+        "--model.n_layers=2",
+        "--model.n_heads=2",
+        "--model.n_kv_heads=1",
+        "--data.seq_len=256",
+        "--data.batch_size=2",
+        "--data.eval_buckets=2",
+        "--data.eval_samples=2",
+        "--data.passkey_loss=all",
+        "--parallel.cp=2",
+        f"--train.steps={2 * K}",
+        "--train.warmup_steps=2",
+        "--logging.progress_bar=false",
+        "--logging.tensorboard=false",
+        "--train.device=cpu",
+        f"--logging.dir={run_dir}",
+    ]
+    return load_config(None, base + list(overrides))
+
+
+def _resume_equals_uninterrupted(rank, world, tmp: Path):
+    from train.trainer import train
+
+    whole = train(cfg_for(tmp / "whole", "--checkpoint.enabled=false"))
+    first = train(cfg_for(tmp / "split", f"--train.stop_at={K}"))
+    # A new "process" would start from a different RNG state; resuming must restore it.
+    torch.manual_seed(1234 + rank)
+    second = train(cfg_for(tmp / "split", "--checkpoint.resume=latest"))
+
+    assert sorted(first.losses) == list(range(1, K + 1))
+    assert sorted(second.losses) == list(range(K + 1, 2 * K + 1))
+    split_losses = {**first.losses, **second.losses}
+    assert split_losses == whole.losses  # bit-exact floats
+    for (name, a), b in zip(whole.model.state_dict().items(), second.model.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    assert whole.passkey == second.passkey
+    return [p.name for p in complete_checkpoints(tmp / "split" / "checkpoints")]
+
+
+def test_resume_equals_uninterrupted(tmp_path):
+    saved = run_ranks(_resume_equals_uninterrupted, 2, args=(tmp_path,), timeout_s=60)
+    assert saved[0] == [f"step_{K:08d}", f"step_{2 * K:08d}"]
+
+
+def _fresh_run_refuses_old_checkpoints(rank, world, tmp: Path):
+    from train.trainer import train
+
+    train(cfg_for(tmp, "--train.steps=2", "--parallel.cp=1"))
+    with pytest.raises(ConfigError, match=r"already holds checkpoints .*pass --resume"):
+        train(cfg_for(tmp, "--train.steps=2", "--parallel.cp=1"))
+    # Resuming a finished run is a no-op that leaves its checkpoint alone.
+    assert train(cfg_for(tmp, "--train.steps=2", "--parallel.cp=1", "--checkpoint.resume=latest")).losses == {}
+
+
+def test_fresh_run_refuses_old_checkpoints(tmp_path):
+    run_ranks(_fresh_run_refuses_old_checkpoints, 1, args=(tmp_path,))
+
+
+def _keep_last_k_and_ignore_partial(rank, world, tmp: Path):
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    ckpt = Checkpointer(tmp, keep=2, rank=rank, device=torch.device("cpu"))
+    for step in (1, 2, 3):
+        ckpt.save(step, model, opt, {"step": step})
+    if rank == 0:
+        (tmp / "step_00000009.tmp").mkdir()  # a save that crashed: looks newer, is not complete
+    torch.distributed.barrier()
+    assert [p.name for p in complete_checkpoints(tmp)] == ["step_00000002", "step_00000003"]
+    assert ckpt.resolve("latest") == tmp / "step_00000003"
+    with pytest.raises(ConfigError, match=r"not a complete checkpoint"):
+        ckpt.resolve(str(tmp / "step_00000009.tmp"))
+
+    before = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    assert ckpt.load(tmp / "step_00000003", model, opt) == {"step": 3}
+    for a, b in zip(before, model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    ckpt.clean_partial()
+    torch.distributed.barrier()
+    assert not (tmp / "step_00000009.tmp").exists()
+
+
+def test_keep_last_k_and_ignore_partial(tmp_path):
+    run_ranks(_keep_last_k_and_ignore_partial, 2, args=(tmp_path,))

@@ -1,0 +1,130 @@
+"""Config loading: defaults < TOML file < CLI, and errors that name the offending key."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from train.config import Config, ConfigError, ParallelConfig, describe, load_config, parse_overrides
+
+CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.toml"))
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_are_valid():
+    cfg = load_config()
+    assert cfg == Config()
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_load(path):
+    cfg = load_config(path)
+    assert cfg.data.seq_len % (2 * cfg.parallel.cp) == 0
+
+
+def test_shipped_configs_exist():
+    names = {p.name for p in CONFIGS}
+    assert {"tiny_cpu.toml", "gpu1.toml", "gpu2_long.toml"} <= names
+
+
+def test_precedence_cli_over_file_over_defaults(tmp_path):
+    path = write(tmp_path, "[train]\nlr = 0.5\nsteps = 70\n[data]\nseq_len = 256\n")
+    cfg = load_config(path, ["--train.lr=0.25", "--model.dim", "64"])
+    assert cfg.train.lr == 0.25  # CLI beats file
+    assert cfg.train.steps == 70  # file beats default
+    assert cfg.model.dim == 64  # CLI beats default; "--key value" form
+    assert cfg.train.warmup_steps == Config().train.warmup_steps  # default kept
+
+
+def test_toml_int_accepted_for_float(tmp_path):
+    assert load_config(write(tmp_path, "[train]\nlr = 1\n")).train.lr == 1.0
+
+
+def test_cli_bool_parsing():
+    assert load_config(None, ["--train.compile=true"]).train.compile is True
+    assert load_config(None, ["--train.compile=0"]).train.compile is False
+    with pytest.raises(ConfigError, match=r"train.compile: expected bool"):
+        load_config(None, ["--train.compile=yes please"])
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("[train]\nlearning_rate = 0.1\n", "train.learning_rate: unknown key"),
+        ("[trainer]\nlr = 0.1\n", "trainer.lr: unknown section"),
+        ("[train]\nsteps = 'ten'\n", "train.steps: expected int, got str"),
+        ("[train]\nsteps = 1.5\n", "train.steps: expected int, got float"),
+        ("[train]\ncompile = 1\n", "train.compile: expected bool, got int"),
+        ("[model]\ndim = true\n", "model.dim: expected int, got bool"),
+        ("[data]\nkind = 'images'\n", "data.kind: must be one of passkey, text, bin"),
+        ("lr = 0.1\n", "lr: expected a \\[section\\] table"),
+        ("[train\n", "invalid TOML"),
+    ],
+)
+def test_bad_file_names_the_key(tmp_path, text, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(write(tmp_path, text))
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["--train.nope=1"], "train.nope: unknown key"),
+        (["--train.steps=ten"], "train.steps: expected int, got 'ten'"),
+        (["--steps=10"], "of the form --section.key=value"),
+        (["train.steps=10"], "expected an override"),
+        (["--train.steps"], "missing value"),
+    ],
+)
+def test_bad_cli_names_the_key(args, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, args)
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match=r"config file not found"):
+        load_config("/nonexistent/config.toml")
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["--parallel.cp=2", "--data.seq_len=514"], r"seq_len \(514\) must be divisible by 4 \(2·cp"),
+        (["--parallel.cp=3", "--parallel.layout=contiguous", "--data.seq_len=512"], "divisible by 3"),
+        (["--model.dim=100", "--model.n_heads=3"], "model.dim"),
+        (["--model.n_heads=4", "--model.n_kv_heads=3"], "n_kv_heads"),
+        (["--data.kind=text"], "data.path: required"),
+        (["--train.steps=0"], "train.steps: must be >= 1"),
+        (["--train.steps=10", "--train.stop_at=11"], "train.stop_at"),
+    ],
+)
+def test_inconsistent_values(args, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, args)
+
+
+def test_cp_must_divide_world_size():
+    from train.parallel import ParallelDims
+
+    assert ParallelDims.from_config(ParallelConfig(cp=2), 4) == ParallelDims(dp=2, cp=2, world_size=4)
+    with pytest.raises(ConfigError, match=r"parallel.cp \(3\) must divide the world size \(2\)"):
+        ParallelDims.from_config(ParallelConfig(cp=3), 2)
+
+
+def test_every_field_is_documented():
+    text = describe()
+    for section in dataclasses.fields(Config):
+        for f in dataclasses.fields(section.default_factory()):
+            assert f.metadata.get("help"), f"{section.name}.{f.name} has no help"
+            assert f"--{section.name}.{f.name}=" in text
+
+
+def test_parse_overrides_forms():
+    assert parse_overrides(["--a.b=1", "--c.d", "x=y"]) == [("a.b", "1"), ("c.d", "x=y")]

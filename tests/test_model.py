@@ -1,0 +1,93 @@
+"""The transformer on its own: shapes, causality, RoPE on explicit positions, GQA, size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from train.config import ModelConfig, load_config
+from train.model import Transformer, apply_rope, rope_angles
+
+TINY = ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2)
+
+
+def model(cfg: ModelConfig = TINY) -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(cfg).double()
+
+
+def test_shapes_and_default_positions():
+    m = model()
+    idx = torch.randint(0, 256, (2, 24))
+    logits = m(idx)
+    assert logits.shape == (2, 24, 256)
+    torch.testing.assert_close(logits, m(idx, torch.arange(24)))
+
+
+@pytest.mark.parametrize("n_kv_heads", [1, 2, 4])
+def test_causal(n_kv_heads):
+    m = model(ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=n_kv_heads))
+    idx = torch.randint(0, 256, (1, 32))
+    changed = idx.clone()
+    changed[0, 20:] = (changed[0, 20:] + 1) % 256
+    a, b = m(idx), m(changed)
+    torch.testing.assert_close(a[:, :20], b[:, :20])
+    assert not torch.allclose(a[:, 20:], b[:, 20:])
+
+
+def test_rope_depends_only_on_relative_position():
+    # Shifting every position by the same offset must not change attention, so not the logits:
+    # this is why a cp rank may rotate its shard by global positions and still match cp = 1.
+    m = model()
+    idx = torch.randint(0, 256, (2, 16))
+    torch.testing.assert_close(m(idx, torch.arange(16)), m(idx, torch.arange(16) + 1000))
+
+
+def test_rope_positions_matter():
+    m = model()
+    idx = torch.randint(0, 256, (1, 16))
+    shuffled = torch.arange(16).flip(0)
+    assert not torch.allclose(m(idx), m(idx, shuffled))
+
+
+def test_rope_rotation_preserves_norm_and_matches_complex_form():
+    x = torch.randn(2, 5, 3, 8, dtype=torch.float64)
+    pos = torch.tensor([0, 3, 7, 100, 70000])
+    cos, sin = rope_angles(pos, 8, 10000.0)
+    y = apply_rope(x, cos, sin)
+    torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1))
+    z = torch.view_as_complex(x.unflatten(-1, (-1, 2)).contiguous())
+    rot = torch.polar(torch.ones_like(cos, dtype=torch.float64), torch.atan2(sin, cos).double())
+    expected = torch.view_as_real(z * rot[None, :, None, :]).flatten(-2)
+    torch.testing.assert_close(y, expected, atol=1e-6, rtol=1e-6)  # angles come back as float32
+
+
+def test_tied_embedding_and_param_count():
+    m = model()
+    assert m.lm_head.weight is m.tok_emb.weight
+    assert m.num_params() == sum(p.numel() for p in m.parameters())
+    assert m.num_params(exclude_embedding=True) == m.num_params() - 256 * 64
+
+
+def test_gpu_config_is_about_100m_params():
+    from pathlib import Path
+
+    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "gpu1.toml")
+    with torch.device("meta"):
+        n = Transformer(cfg.model).num_params()
+    assert 80e6 < n < 130e6, n
+
+
+def test_swappable_attention_core():
+    m = model()
+    calls = []
+
+    class Spy(torch.nn.Module):
+        def forward(self, q, k, v):
+            calls.append((q.shape, k.shape))
+            return torch.zeros_like(q)
+
+    for block in m.blocks:
+        block.attn.core = Spy()
+    m(torch.randint(0, 256, (2, 8)))
+    assert calls == [((2, 8, 4, 16), (2, 8, 2, 16))] * 2

@@ -1,0 +1,181 @@
+"""The loop: cp = 2 equals cp = 1 on the same batch, the torchrun entry point learns, failures are clear."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dist_utils import run_ranks
+
+from train.config import ConfigError, load_config
+from train.data import IGNORE, DataLoader, build_source
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def tiny(tmp_path: Path | None = None, *overrides: str):
+    """A model and task small enough for a few CPU steps in well under a second."""
+    base = [
+        "--model.dim=32",
+        "--model.n_layers=2",
+        "--model.n_heads=2",
+        "--model.n_kv_heads=1",
+        "--data.seq_len=256",
+        "--data.batch_size=2",
+        "--data.eval_buckets=2",
+        "--data.eval_samples=2",
+        "--train.steps=4",
+        "--train.warmup_steps=1",
+        "--logging.progress_bar=false",
+        "--logging.tensorboard=false",
+        "--checkpoint.enabled=false",
+        "--train.device=cpu",
+    ]
+    if tmp_path is not None:
+        base.append(f"--logging.dir={tmp_path}")
+    return load_config(None, base + list(overrides))
+
+
+def _cp_vs_single(rank, world, cfg):
+    """On every rank: one step's loss and gradients through the ring equal one process on whole sequences."""
+    from train.model import Transformer
+    from train.parallel import distributed, parallelize
+    from train.trainer import forward_backward
+
+    with distributed(cfg.parallel, "cpu") as pc:
+        torch.manual_seed(0)
+        model = Transformer(cfg.model)  # float32: the kernels' widest dtype
+        reference = copy.deepcopy(model)  # keeps the plain local attention: the cp = 1 oracle
+        ddp = parallelize(model, pc, cfg)
+        source = build_source(cfg.data, cfg.model.vocab_size)
+        loaders = [
+            DataLoader(source, cfg.data.batch_size, cfg.train.grad_accum, r, pc.dims.dp) for r in range(pc.dims.dp)
+        ]
+        batches = [loader.next() for loader in loaders]  # every dp rank's micro-batches
+        loss = forward_backward(ddp, batches[pc.dp_rank], pc, cfg.parallel.layout, contextlib.nullcontext())
+
+        micros = [m for b in batches for m in b]
+        n_tokens = sum(int((y != IGNORE).sum()) for _, y in micros)
+        ref_loss = (
+            sum(
+                F.cross_entropy(reference(x).flatten(0, 1), y.flatten(), ignore_index=IGNORE, reduction="sum")
+                for x, y in micros
+            )
+            / n_tokens
+        )
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+        return float(loss)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        # The answer's labels all sit on one cp rank: the global-mean normalisation is what makes this pass.
+        ["--parallel.cp=2", "--data.passkey_loss=answer", "--train.grad_accum=2"],
+        ["--parallel.cp=2", "--data.passkey_loss=all", "--parallel.layout=contiguous"],
+        ["--parallel.cp=1", "--data.passkey_loss=answer"],  # dp = 2: the same global mean
+    ],
+    ids=["zigzag-answer-accum", "contiguous-all", "dp2"],
+)
+def test_cp2_matches_cp1(overrides):
+    cfg = tiny(None, *overrides)
+    losses = run_ranks(_cp_vs_single, 2, args=(cfg,))
+    assert losses[0] == losses[1]
+
+
+def _train_in_ranks(rank, world, cfg):
+    from train.trainer import train
+
+    return train(cfg).losses
+
+
+def test_non_finite_loss_stops_cleanly(tmp_path):
+    # An absurd learning rate overflows within a few steps; the run must stop with a clear
+    # message and leave only complete checkpoints behind.
+    cfg = tiny(
+        tmp_path,
+        "--train.lr=1e12",
+        "--train.steps=30",
+        "--train.grad_clip=0",
+        "--checkpoint.enabled=true",
+        "--checkpoint.interval=1",
+        "--train.warmup_steps=0",
+    )
+    with pytest.raises(Exception, match=r"non-finite (loss|gradient norm) at step .*stopping without updating"):
+        run_ranks(_train_in_ranks, 1, args=(cfg,))
+    from train.checkpoint import complete_checkpoints
+
+    saved = complete_checkpoints(tmp_path / "checkpoints")
+    assert saved and not list((tmp_path / "checkpoints").glob("*.tmp"))
+
+
+def test_bad_data_path_fails_before_training(tmp_path):
+    cfg = tiny(tmp_path, "--data.kind=text", f"--data.path={tmp_path / 'nope.txt'}")
+    with pytest.raises(Exception, match=r"data.path: .*nope.txt does not exist"):
+        run_ranks(_train_in_ranks, 1, args=(cfg,))
+
+
+def torchrun(tmp_path: Path, *args: str, timeout: float = 150) -> subprocess.CompletedProcess:
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--standalone",
+        str(REPO / "launch" / "train.py"),
+        *args,
+    ]
+    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_torchrun_two_ranks_loss_falls(tmp_path):
+    out = torchrun(
+        tmp_path,
+        "--config",
+        str(REPO / "configs" / "tiny_cpu.toml"),
+        "--train.steps=20",
+        "--train.eval_every=0",
+        "--logging.progress_bar=false",
+        f"--logging.dir={tmp_path / 'run'}",
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "dp 1 × cp 2 on cpu (gloo)" in out.stdout
+    assert out.stdout.count("dp 1 × cp 2") == 1  # only rank 0 prints
+    done = next(line for line in out.stdout.splitlines() if line.startswith("done:"))
+    first, last = (float(v) for v in done.split("loss ")[1].split(" -> "))
+    assert last < first - 1.0, done
+    assert list((tmp_path / "run" / "tb").glob("*/events.out.tfevents.*"))
+
+
+def test_torchrun_rejects_cp_not_dividing_world(tmp_path):
+    out = torchrun(
+        tmp_path,
+        "--config",
+        str(REPO / "configs" / "tiny_cpu.toml"),
+        "--parallel.cp=3",
+        "--parallel.layout=contiguous",
+        "--data.seq_len=768",
+        "--logging.tensorboard=false",
+    )
+    assert out.returncode != 0
+    assert "parallel.cp (3) must divide the world size (2)" in out.stderr
+
+
+def test_config_error_has_no_traceback():
+    with pytest.raises(ConfigError):
+        tiny(None, "--parallel.cp=2", "--data.seq_len=250")

@@ -1,0 +1,105 @@
+"""What the loop reports: model FLOPs, MFU, memory, and the rank-0 logger (TensorBoard + tqdm).
+
+FLOPs are *model* FLOPs (PaLM's convention, what MFU is defined on): 6 per parameter per token
+for the matmuls (2 forward, 4 backward) plus attention's QKᵀ and PV, which for causal attention
+over a context of L tokens cost 6·L·dim per token per layer (12·L·dim, halved by the mask).
+Recomputation under activation checkpointing is not counted.
+"""
+
+from __future__ import annotations
+
+import datetime
+import resource
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+# Dense bf16 peak TFLOP/s by GPU name fragment (no sparsity), most specific first.
+_PEAK_TFLOPS = (
+    ("H200", 989.0),
+    ("H100 PCIe", 756.0),
+    ("H100", 989.0),
+    ("A100", 312.0),
+    ("L40S", 362.0),
+    ("A10G", 70.0),
+    ("4090", 165.0),
+)
+
+
+def flops_per_token(model_cfg, n_matmul_params: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6·(matmul params) + 6·n_layers·seq_len·dim (causal attention)."""
+    return 6.0 * n_matmul_params + 6.0 * model_cfg.n_layers * seq_len * model_cfg.dim
+
+
+def matmul_params(model: nn.Module) -> int:
+    """Parameters used in matmuls: every nn.Linear weight (the embedding lookup is free)."""
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+
+
+def peak_tflops(device: torch.device, configured: float) -> float:
+    """Peak dense bf16 TFLOP/s of one device; 0 when unknown (then no MFU is reported)."""
+    if configured > 0 or device.type != "cuda":
+        return configured
+    name = torch.cuda.get_device_name(device)
+    return next((peak for frag, peak in _PEAK_TFLOPS if frag in name), 0.0)
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak allocated GPU memory on CUDA; peak resident memory of the process on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return kib / 2**20
+
+
+class Logger:
+    """Rank-0 output: TensorBoard scalars, a tqdm bar with ETA, a summary line every N steps.
+
+    On other ranks every method is a no-op, so the loop calls it unconditionally.
+    """
+
+    def __init__(self, run_dir: str, enabled: bool, tensorboard: bool, progress_bar: bool):
+        self.enabled, self.use_bar, self.writer, self.bar = enabled, progress_bar, None, None
+        if not enabled:
+            return
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # One sub-directory per launch, so a resumed or repeated run shows as its own curve.
+            stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+            self.writer = SummaryWriter(str(Path(run_dir) / "tb" / stamp))
+
+    def start_progress(self, first_step: int, total_steps: int) -> None:
+        if self.enabled and self.use_bar:
+            from tqdm import tqdm
+
+            # The ETA counts from the first step of this launch, so a resumed run's is right too.
+            self.bar = tqdm(
+                total=total_steps, initial=first_step, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr
+            )
+
+    def print(self, msg: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(msg)
+        else:
+            print(msg, flush=True)
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        if self.writer is not None:
+            for k, v in values.items():
+                self.writer.add_scalar(k, v, step)
+
+    def advance(self, loss: float) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.writer is not None:
+            self.writer.close()

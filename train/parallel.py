@@ -1,0 +1,164 @@
+"""All distributed set-up: degrees, the ("dp", "cp") mesh, the parallelize step, batch sharding.
+
+Rank layout: rank = dp_rank · cp + cp_rank, so the ranks of one ring are neighbours (one node,
+NVLink) and data parallelism spans the outer dimension.
+
+    with distributed(cfg.parallel, cfg.train.device) as pc:   # torn down in `finally`
+        model = parallelize(Transformer(cfg.model).to(pc.device), pc, cfg)
+        x, y, pos = shard_batch(inputs, labels, pc, cfg.parallel.layout)
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ringflash
+from train.config import Config, ConfigError, ParallelConfig
+
+
+@dataclass
+class ParallelDims:
+    """Parallel degrees checked against the world size: dp · cp == world."""
+
+    dp: int
+    cp: int
+    world_size: int
+
+    @classmethod
+    def from_config(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
+        if cfg.cp < 1 or world_size % cfg.cp:
+            raise ConfigError(
+                f"parallel.cp ({cfg.cp}) must divide the world size ({world_size}); "
+                f"launch a multiple of cp processes (torchrun --nproc_per_node)"
+            )
+        return cls(dp=world_size // cfg.cp, cp=cfg.cp, world_size=world_size)
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        return init_device_mesh(device_type, (self.dp, self.cp), mesh_dim_names=("dp", "cp"))
+
+
+@dataclass
+class ParallelContext:
+    """What the rest of training needs to know about this process's place in the job."""
+
+    dims: ParallelDims
+    mesh: DeviceMesh
+    device: torch.device
+    rank: int
+    dp_rank: int
+    cp_rank: int
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        return self.mesh["dp"].get_group()
+
+    @property
+    def cp_group(self) -> dist.ProcessGroup:
+        return self.mesh["cp"].get_group()
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("train.device: cuda requested but no CUDA device is available")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+@contextmanager
+def distributed(cfg: ParallelConfig, device: str = "auto", timeout_s: float = 600):
+    """Join (or start) the process group, build the mesh, and tear down what we started.
+
+    Under torchrun the env:// rendezvous is used; a plain `python launch/train.py` becomes a
+    world of one, so one code path serves both. An already-initialised group (a test harness)
+    is used as it is and left alone on exit.
+    """
+    dev = resolve_device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if dev.type == "cuda" else "gloo")
+    if backend == "nccl" and dev.type != "cuda":
+        raise ConfigError("parallel.backend: nccl needs train.device = cuda")
+    started = not dist.is_initialized()
+    try:
+        if started:
+            timeout = datetime.timedelta(seconds=timeout_s)
+            if "RANK" in os.environ:
+                dist.init_process_group(backend, timeout=timeout)
+            else:
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        dims = ParallelDims.from_config(cfg, dist.get_world_size())
+        mesh = dims.build_mesh(dev.type)
+        yield ParallelContext(
+            dims, mesh, dev, dist.get_rank(), mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank()
+        )
+    finally:
+        if started and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def parallelize(model: nn.Module, pc: ParallelContext, cfg: Config) -> nn.Module:
+    """Ring attention over the cp group, then activation checkpointing, compile and DDP.
+
+    The order matters: compile and checkpointing wrap the block that already holds the ring, and
+    DDP wraps everything last so that it sees the final parameters.
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for i, block in enumerate(model.blocks):
+        # One code path for every cp: with a world-1 group the ring is a single local kernel call.
+        # check_ranks=False: every cp rank shards the same config-fixed sequence length, so shapes
+        # agree by construction, and the check would cost a host sync per layer on NCCL.
+        ring = ringflash.RingFlashAttention(
+            group=pc.cp_group, layout=cfg.parallel.layout, causal=True, check_ranks=False
+        )
+        if cfg.train.compile:
+            # The ring's collectives and autograd.Function stay eager; the rest of the block fuses.
+            ring.forward = torch.compiler.disable(ring.forward)
+        block.attn.core = ring
+        if cfg.train.activation_checkpointing:
+            # Non-reentrant checkpointing replays the ring (and its communication) in backward;
+            # every rank replays the same blocks in the same order, so the collectives still match.
+            block = checkpoint_wrapper(block, preserve_rng_state=False)
+        if cfg.train.compile:
+            block = torch.compile(block)
+        model.blocks[i] = block
+    # DDP over the *whole* world, not just dp: cp ranks hold different tokens of the same
+    # sequences, so their gradients are partial sums that must be added too. DDP averages over
+    # the world size; `train.trainer` scales the loss by it so the result is the global mean.
+    device_ids = [pc.device.index] if pc.device.type == "cuda" else None
+    return DDP(model, device_ids=device_ids, process_group=dist.group.WORLD)
+
+
+def shard_batch(
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    pc: ParallelContext,
+    layout: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This cp rank's share of full `(B, L)` inputs and labels, and their global positions.
+
+    Returns `(B, L/cp)` inputs and labels on `pc.device` and positions `(L/cp,)`: the same slices
+    of all three, in the layout the ring expects.
+    """
+    cp, r = pc.dims.cp, pc.cp_rank
+    ringflash.layout.check_splittable(inputs.shape[1], cp, layout)
+    x = ringflash.shard(inputs, 1, r, cp, layout=layout)
+    y = ringflash.shard(labels, 1, r, cp, layout=layout)
+    pos = ringflash.global_positions(x.shape[1], r, cp, layout=layout, device=pc.device)
+    return x.to(pc.device, non_blocking=True), y.to(pc.device, non_blocking=True), pos

@@ -1,0 +1,263 @@
+"""The training loop: build, (resume,) step, log, evaluate, checkpoint.
+
+    result = train(load_config("configs/tiny_cpu.toml"))
+
+Loss normalisation. The loss of a step is the mean over *every* labelled token of the step: all
+micro-steps, all dp ranks, all cp shards. Each rank computes the sum over its own tokens and
+scales it by world / (global token count); DDP then averages gradients over the world, so the
+result is exactly the gradient of the global mean, whatever cp is. That is what makes a cp = 2
+run equal a cp = 1 run on the same batch, even when (as in passkey) the labelled tokens all sit
+on one rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from train.checkpoint import Checkpointer, complete_checkpoints
+from train.config import Config, ConfigError, to_dict
+from train.data import IGNORE, DataLoader, PasskeyTask, build_source
+from train.evaluate import bucket_owners, evaluate_passkey
+from train.metrics import Logger, flops_per_token, matmul_params, peak_memory_gib, peak_tflops
+from train.model import Transformer
+from train.parallel import ParallelContext, distributed, parallelize, shard_batch
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss or gradient norm became NaN or infinite; the run stops before the update."""
+
+
+@dataclass
+class TrainResult:
+    losses: dict[int, float] = field(default_factory=dict)  # step -> global mean loss
+    passkey: list[float] | None = None  # final retrieval accuracy per depth bucket
+    final_step: int = 0
+    model: nn.Module | None = None  # the trained (unwrapped) model, for tests
+
+
+def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (not on norms; the tied embedding is a matrix)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.train.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    t = cfg.train
+    fused = next(model.parameters()).is_cuda  # one kernel for all parameters on GPU
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=fused or None)
+
+
+def lr_lambda(cfg: Config):
+    """Multiplier of the peak lr at step s: linear warm-up, then cosine down to min_lr_ratio."""
+    t = cfg.train
+
+    def f(step: int) -> float:
+        if step < t.warmup_steps:
+            return (step + 1) / t.warmup_steps
+        progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
+        return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+    return f
+
+
+def autocast_for(cfg: Config, device: torch.device) -> contextlib.AbstractContextManager:
+    dtype = cfg.train.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device.type == "cuda" else "float32"
+    if dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def forward_backward(
+    model: nn.Module,
+    micros: list[tuple[torch.Tensor, torch.Tensor]],
+    pc: ParallelContext,
+    layout: str,
+    autocast: contextlib.AbstractContextManager,
+) -> torch.Tensor:
+    """Accumulate the gradient of the step's global-mean loss; return that loss (0-dim, every rank).
+
+    `micros` are this dp rank's full `(B, L)` micro-batches; each is sharded over cp here.
+    """
+    n_tokens = sum(int((y != IGNORE).sum()) for _, y in micros)
+    n_tokens = torch.tensor(n_tokens, dtype=torch.float32, device=pc.device)
+    dist.all_reduce(n_tokens, group=pc.dp_group)  # every cp rank already counted the whole sequences
+    scale = pc.dims.world_size / n_tokens.clamp(min=1)  # DDP divides by the world size
+    loss_sum = torch.zeros((), device=pc.device)
+    for i, (inputs, labels) in enumerate(micros):
+        x, y, pos = shard_batch(inputs, labels, pc, layout)
+        last = i == len(micros) - 1
+        # Gradients are all-reduced once, after the last micro-step.
+        with contextlib.nullcontext() if last else model.no_sync():
+            with autocast:
+                logits = model(x, pos)  # (B, L/cp, vocab)
+            local = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE, reduction="sum")
+            (local * scale).backward()
+        loss_sum += local.detach()
+    dist.all_reduce(loss_sum)  # each labelled token lives on exactly one rank
+    return loss_sum / n_tokens.clamp(min=1)
+
+
+def train(cfg: Config) -> TrainResult:
+    with distributed(cfg.parallel, cfg.train.device) as pc:
+        return _train(cfg, pc)
+
+
+def _train(cfg: Config, pc: ParallelContext) -> TrainResult:
+    log = Logger(cfg.logging.dir, pc.is_main, cfg.logging.tensorboard, cfg.logging.progress_bar)
+    try:
+        return _loop(cfg, pc, log)
+    finally:
+        log.close()
+
+
+def _loop(cfg: Config, pc: ParallelContext, log: Logger) -> TrainResult:
+    t, dev = cfg.train, pc.device
+    # ---- data
+    source = build_source(cfg.data, cfg.model.vocab_size)
+    loader = DataLoader(source, cfg.data.batch_size, t.grad_accum, pc.dp_rank, pc.dims.dp)
+    passkey = source if isinstance(source, PasskeyTask) else None
+
+    # ---- model, optimizer, schedule (identical init on every rank; DDP also broadcasts rank 0's)
+    torch.manual_seed(t.seed)
+    raw = Transformer(cfg.model).to(dev)
+    model = parallelize(raw, pc, cfg)
+    optimizer = build_optimizer(raw, cfg)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    autocast = autocast_for(cfg, dev)
+
+    # ---- resume
+    ckpt_dir = Path(cfg.checkpoint.dir or Path(cfg.logging.dir) / "checkpoints")
+    ckpt = Checkpointer(ckpt_dir, cfg.checkpoint.keep, pc.rank, dev)
+    ckpt.clean_partial()
+    step = 0
+    path = ckpt.resolve(cfg.checkpoint.resume)
+    if path is not None:
+        state = ckpt.load(path, model, optimizer)
+        scheduler.load_state_dict(state["scheduler"])
+        loader.load_state_dict(state["data"])
+        step = state["step"]
+        log.print(f"resumed from {path} at step {step}")
+    elif cfg.checkpoint.resume:
+        log.print(f"no complete checkpoint in {ckpt_dir}: starting fresh")
+    elif cfg.checkpoint.enabled and complete_checkpoints(ckpt_dir):
+        # Starting over here would interleave two runs' checkpoints; make the user choose.
+        raise ConfigError(
+            f"checkpoint.dir {ckpt_dir} already holds checkpoints "
+            f"({complete_checkpoints(ckpt_dir)[-1].name}): pass --resume to continue "
+            f"that run, or set --checkpoint.dir / --logging.dir for a new one"
+        )
+
+    last_saved = step if path is not None else -1
+
+    def save(at: int) -> None:
+        nonlocal last_saved
+        last_saved = at
+        train_state = {
+            "step": at,
+            "scheduler": scheduler.state_dict(),
+            "data": loader.state_dict(),
+            "config": to_dict(cfg),
+        }
+        log.print(f"checkpoint: {ckpt.save(at, model, optimizer, train_state)}")
+
+    def evaluate(at: int) -> list[float]:
+        acc = evaluate_passkey(
+            raw, passkey, pc, cfg.parallel.layout, cfg.data.eval_samples, cfg.data.batch_size, autocast
+        )
+        log.scalars(at, {f"passkey/acc_bucket{i}": a for i, a in enumerate(acc)})
+        log.scalars(at, {"passkey/acc_mean": sum(acc) / len(acc), "passkey/acc_min": min(acc)})
+        log.print(
+            f"step {at:6d} | passkey accuracy by depth bucket: "
+            + " ".join(f"{a:.2f}" for a in acc)
+            + f" | min {min(acc):.2f}"
+        )
+        return acc
+
+    # ---- what a step costs, for throughput and MFU
+    L, world = cfg.data.seq_len, pc.dims.world_size
+    tokens_per_step = pc.dims.dp * t.grad_accum * cfg.data.batch_size * L
+    flops_per_step = flops_per_token(cfg.model, matmul_params(raw), L) * tokens_per_step
+    peak = peak_tflops(dev, cfg.logging.peak_tflops)
+    n_params = raw.num_params()
+    log.print(
+        f"model {n_params / 1e6:.2f}M params | dp {pc.dims.dp} × cp {pc.dims.cp} on {dev.type} "
+        f"({dist.get_backend()}) | {tokens_per_step} tokens/step, {L // pc.dims.cp} per rank per seq"
+    )
+    if passkey is not None:
+        owners = bucket_owners(passkey, pc.dims.cp, cfg.parallel.layout)
+        log.print("passkey depth buckets held by cp ranks: " + " ".join(map(str, owners)))
+
+    # ---- the loop
+    result = TrainResult(final_step=step)
+    stop = t.stop_at or t.steps
+    log.start_progress(step, t.steps)
+    t_last, steps_since = time.perf_counter(), 0
+    while step < stop:
+        t0 = time.perf_counter()
+        micros = loader.next()
+        loss = forward_backward(model, micros, pc, cfg.parallel.layout, autocast)
+        clip = t.grad_clip if t.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(raw.parameters(), clip)
+        loss_f, norm_f = loss.item(), grad_norm.item()  # identical on every rank (all-reduced)
+        if not (math.isfinite(loss_f) and math.isfinite(norm_f)):
+            # Raised before the update and before any save: the last checkpoint stays the last good one.
+            latest = complete_checkpoints(ckpt_dir)
+            raise NonFiniteLossError(
+                f"non-finite {'loss' if not math.isfinite(loss_f) else 'gradient norm'} at step "
+                f"{step + 1} (loss {loss_f}, grad norm {norm_f}); stopping without updating or saving. "
+                f"Latest complete checkpoint: {latest[-1] if latest else 'none'}. "
+                f"Try a lower --train.lr or --train.grad_clip."
+            )
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        dt = time.perf_counter() - t0
+        result.losses[step] = loss_f
+
+        tflops = flops_per_step / dt / world / 1e12  # per device
+        metrics = {
+            "loss": loss_f,
+            "lr": lr,
+            "grad_norm": norm_f,
+            "tokens_per_s": tokens_per_step / dt,
+            "tflops_per_device": tflops,
+            "memory/peak_gib": peak_memory_gib(dev),
+        }
+        if peak > 0:
+            metrics["mfu"] = tflops / peak
+        log.scalars(step, metrics)
+        log.advance(loss_f)
+        steps_since += 1
+        if step % cfg.logging.log_every == 0 or step == stop:
+            now = time.perf_counter()
+            avg_dt, t_last, steps_since = (now - t_last) / steps_since, now, 0
+            mfu = f" | MFU {100 * tflops / peak:.1f}%" if peak > 0 else ""
+            log.print(
+                f"step {step:6d} | loss {loss_f:.4f} | lr {lr:.2e} | grad norm {norm_f:.3f} | "
+                f"{tokens_per_step / avg_dt:,.0f} tok/s | {tflops:.2f} TFLOP/s{mfu} | "
+                f"peak mem {metrics['memory/peak_gib']:.2f} GiB"
+            )
+        if passkey is not None and t.eval_every and step % t.eval_every == 0 and step != stop:
+            evaluate(step)
+        if cfg.checkpoint.enabled and cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0:
+            save(step)
+
+    if passkey is not None:
+        result.passkey = evaluate(step)
+    if cfg.checkpoint.enabled and step != last_saved:
+        save(step)
+    result.final_step, result.model = step, raw
+    return result
