@@ -6,7 +6,8 @@
 
 Per tokens-per-rank N (global sequence W·N), bf16, causal, D = 128, H = 16 (H·D = 2048), B = 1:
 - ring fwd / fwd+bwd: `ring_flash_attn_func` forward (no grad) and forward + `autograd.grad`, as
-  users call it (input check included), for the zigzag and contiguous layouts.
+  users call it (cross-rank input check included unless --no-check-ranks), for the zigzag and
+  contiguous layouts.
 - compute only: the same rank's per-step kernels and merges (`ringflash.NullComm`: no transfers).
   ring − compute is what communication costs beyond overlap; compute − single/W is what cutting
   the work into per-step blocks costs.
@@ -42,6 +43,7 @@ from ringflash import NullComm, ring_flash_attn_func
 from ringflash.ring import ring_backward, ring_forward
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_MESH = None
 
 
 def _sync() -> None:
@@ -97,10 +99,10 @@ def bench_ring(args, n_local, layout, dev, dtype):
 
     def fwd():
         with torch.no_grad():
-            ring_flash_attn_func(q, k, v, causal=True, layout=layout)
+            ring_flash_attn_func(q, k, v, causal=True, layout=layout, check_ranks=args.check_ranks)
 
     def fwd_bwd():
-        o = ring_flash_attn_func(q, k, v, causal=True, layout=layout)
+        o = ring_flash_attn_func(q, k, v, causal=True, layout=layout, check_ranks=args.check_ranks)
         torch.autograd.grad(o, (q, k, v), do)
 
     null = NullComm(rank, world)
@@ -148,7 +150,9 @@ def bench_torch_cp(args, n_global, dev, dtype, sdpa_backend: str) -> tuple[float
         if args.kv_heads != args.heads:
             return None, "GQA not benchmarked"
         backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[sdpa_backend]
-        mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+        global _MESH
+        _MESH = _MESH or init_device_mesh("cuda", (dist.get_world_size(),))  # one mesh for every call
+        mesh = _MESH
         B, H, D = args.batch, args.heads, args.head_dim
         # SDPA layout (B, H, N, D); the context shards these buffers in place along dim 2.
         bufs = [torch.randn(B, H, n_global, D, device=dev, dtype=dtype) for _ in range(4)]
@@ -182,6 +186,12 @@ def main() -> None:
     p.add_argument("--layouts", default="zigzag,contiguous")
     p.add_argument("--iters", type=int, default=10, help="timed iterations of the ring (fixed on every rank)")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument(
+        "--no-check-ranks",
+        dest="check_ranks",
+        action="store_false",
+        help="skip the per-call cross-rank input check (as train/ does)",
+    )
     p.add_argument("--no-torch-cp", action="store_true", help="skip torch's context_parallel")
     p.add_argument("--cp-rotate", choices=["allgather", "alltoall"], default=None)
     p.add_argument("--quick", action="store_true", help="tiny shapes, 2 iterations, no record: a smoke run")
@@ -243,8 +253,8 @@ def main() -> None:
             )
             notes = (
                 "efficiency = (single-GPU fwd+bwd of the whole sequence ÷ W) ÷ ring fwd+bwd; compute-only = "
-                "the same rank's per-step kernels without communication; torch CP rotate method: "
-                f"{args.cp_rotate or 'torch default'}."
+                "the same rank's per-step kernels without communication; cross-rank input check: "
+                f"{'on' if args.check_ranks else 'off'}; torch CP rotate method: {args.cp_rotate or 'torch default'}."
             )
             if args.quick or args.no_record:
                 print(f"## {title}\n\n{table}\n\n{notes}")

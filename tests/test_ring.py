@@ -156,7 +156,8 @@ def test_ring_triton_kernels_interpreted(case):
 
 def test_world_one_without_distributed_is_one_kernel_call():
     # No process group at all: ring attention is plain attention, still differentiable.
-    assert not dist.is_initialized()
+    if dist.is_initialized():
+        pytest.skip("a process group is live in this process; this test needs none")
     c = make_case(1, causal=True, n_local=12)
     q, k, v, do = global_inputs(c)
     q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
@@ -202,7 +203,7 @@ def _error_worker(rank, world, what):
     if what == "shape" and rank == 1:
         q, k, v = q[:, :4], k[:, :4], v[:, :4]
     elif what == "dtype" and rank == 2:
-        q, k, v = q.double().float().half(), k.half(), v.half()
+        q, k, v = q.half(), k.half(), v.half()
     elif what == "causal" and rank == 0:
         kwargs["causal"] = False
     elif what == "scale" and rank == 1:
