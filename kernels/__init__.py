@@ -49,17 +49,19 @@ def attn_fwd(
     *,
     causal: bool = False,
     softmax_scale: float | None = None,
+    out_dtype: torch.dtype | None = None,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention forward: returns `o` like q and `lse (B, H, Nq)` float32 (natural log).
+    """Attention forward: returns `o` shaped like q in `out_dtype` (default q's) and
+    `lse (B, H, Nq)` float32 (natural log). Rows with no visible key give `o = 0`, `lse = -inf`.
 
-    Rows with no visible key give `o = 0`, `lse = -inf`.
+    `out_dtype=torch.float32` keeps a partial result unrounded for a caller that merges several.
     """
     if resolve_backend(backend, q.device) == "reference":
-        return ref_attn_fwd(q, k, v, causal=causal, softmax_scale=softmax_scale)
-    from kernels.attn_fwd import triton_attn_fwd
+        return ref_attn_fwd(q, k, v, causal=causal, softmax_scale=softmax_scale, out_dtype=out_dtype)
+    from kernels.triton_fwd import triton_attn_fwd
 
-    return triton_attn_fwd(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    return triton_attn_fwd(q, k, v, causal=causal, softmax_scale=softmax_scale, out_dtype=out_dtype)
 
 
 def attn_bwd(
@@ -83,7 +85,7 @@ def attn_bwd(
         return ref_attn_bwd(
             do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale, grad_dtype=grad_dtype
         )
-    from kernels.attn_bwd import triton_attn_bwd
+    from kernels.triton_bwd import triton_attn_bwd
 
     return triton_attn_bwd(
         do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale, grad_dtype=grad_dtype

@@ -51,10 +51,11 @@ def ref_attn_fwd(
     *,
     causal: bool = False,
     softmax_scale: float | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of `q (B, Nq, H, D)` over `k, v (B, Nk, Hkv, D)`.
 
-    Returns `o (B, Nq, H, D)` in q's dtype and `lse (B, H, Nq)` float32 (natural log).
+    Returns `o (B, Nq, H, D)` in `out_dtype` (default q's dtype) and `lse (B, H, Nq)` float32 (natural log).
     Rows with no visible key give `o = 0` and `lse = -inf`.
     """
     check_qkv(q, k, v, causal)
@@ -64,7 +65,7 @@ def ref_attn_fwd(
     lse = torch.logsumexp(s, dim=-1)  # -inf where a row sees nothing (or Nk == 0)
     p = _probabilities(s, lse)
     o = torch.einsum("bhgqk,bhkd->bhgqd", p, v.float().permute(0, 2, 1, 3))
-    return _ungrouped(o).to(q.dtype), lse.reshape(B, H, Nq)
+    return _ungrouped(o).to(out_dtype or q.dtype), lse.reshape(B, H, Nq)
 
 
 def ref_attn_bwd(

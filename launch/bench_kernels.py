@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from benchlib import REPO, attn_flops, markdown_table, record, time_ms
 
-from kernels.attn_bwd import triton_attn_bwd
-from kernels.attn_fwd import triton_attn_fwd
+from kernels.triton_bwd import triton_attn_bwd
+from kernels.triton_fwd import triton_attn_fwd
 
 
 def _ours(q, k, v, do, causal):

@@ -14,9 +14,9 @@ import json
 import torch
 from benchlib import attn_flops, markdown_table, time_ms
 
-from kernels.attn_bwd import triton_attn_bwd
-from kernels.attn_fwd import triton_attn_fwd
 from kernels.launch_utils import block_d
+from kernels.triton_bwd import triton_attn_bwd
+from kernels.triton_fwd import triton_attn_fwd
 from kernels.tuning import KERNELS, candidates, tile_for
 
 

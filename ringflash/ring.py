@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import torch
 
-# Bound once at import: `kernels.attn_fwd` as an attribute can be shadowed by the submodule of
-# the same name once the dispatcher lazily imports it.
 from kernels import attn_bwd, attn_fwd
 from ringflash.layout import ring_schedule
 from ringflash.merge import merge
@@ -64,10 +62,11 @@ def ring_forward(q, k, v, *, causal: bool, scale: float, layout: str, comm, back
                 cur[1][:, step.kv],
                 causal=step.causal,
                 softmax_scale=scale,
+                out_dtype=torch.float32,  # partial results stay unrounded until the last merge
                 backend=backend,
             )
             if s == 0:  # the diagonal block covers every query row: start the accumulators
-                o, lse = o_blk.float(), lse_blk
+                o, lse = o_blk, lse_blk
             else:
                 merge(o[:, step.q], lse[:, :, step.q], o_blk, lse_blk)
         if transfer is not None:

@@ -131,17 +131,18 @@ def triton_attn_fwd(
     *,
     causal: bool = False,
     softmax_scale: float | None = None,
+    out_dtype: torch.dtype | None = None,
     tile: Tile | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of `q (B, Nq, H, D)` over `k, v (B, Nk, Hkv, D)` with the Triton kernel.
 
-    Returns `o (B, Nq, H, D)` (contiguous, q's dtype) and `lse (B, H, Nq)` float32, natural log.
+    Returns `o (B, Nq, H, D)` (contiguous, in `out_dtype`, default q's) and `lse (B, H, Nq)` float32, natural log.
     """
     check_qkv(q, k, v, causal)
     scale = resolve_scale(softmax_scale, q.shape[-1])
     B, Nq, H, D = q.shape
     Nk, Hkv = k.shape[1], k.shape[2]
-    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    o = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
     lse = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
     if Nq == 0 or B * H == 0:
         return o, lse
