@@ -51,6 +51,10 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def time_collective(fn, iters: int, warmup: int) -> float:
     """Median ms per call of `fn`, which every rank calls the same number of times (it communicates)."""
     for _ in range(warmup):
@@ -70,7 +74,8 @@ def time_collective(fn, iters: int, warmup: int) -> float:
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
-    med = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    # On the group's device: NCCL reduces CUDA tensors only.
+    med = torch.tensor([statistics.median(times)], dtype=torch.float64, device=_device())
     dist.all_reduce(med, op=dist.ReduceOp.MAX)  # the ring is as fast as its slowest rank
     return med.item()
 
