@@ -130,3 +130,15 @@ def test_bad_data_paths(tmp_path, kind, make, match):
 def _write(path, data: bytes):
     path.write_bytes(data)
     return path
+
+
+def test_passkey_loss_on_digits():
+    task = passkey(passkey_loss="digits")
+    x, y = task(11)
+    seq = text(torch.cat([x, y[-1:]]))
+    key = seq[-task.digits :]
+    kept = (y != IGNORE).nonzero().flatten().tolist()
+    assert len(kept) == 2 * task.digits
+    assert text(y[kept]) == key + key  # the key's repetition, then the answer
+    second = seq.index(f"#{key}", seq.index(f"#{key}") + 1) + 1  # first digit of the repetition
+    assert kept[0] == second - 1  # the label at i predicts token i + 1

@@ -65,12 +65,12 @@ class DataConfig:
     passkey_digits: int = opt(5, "Length of the random decimal pass key.")
     passkey_loss: str = opt(
         "answer",
-        "answer: loss on the pass key digits only; all: on every token "
-        "(the repeated filler is learned first, then the key).",
-        ("answer", "all"),
+        "answer: loss on the final pass key digits only; digits: also on the key's repetition inside its "
+        "sentence (the same retrieval at short range, a denser signal); all: on every token.",
+        ("answer", "digits", "all"),
     )
     eval_buckets: int = opt(8, "Passkey depth buckets; a multiple of 2·cp puts every bucket in one rank's shard.")
-    eval_samples: int = opt(16, "Passkey evaluation sequences per depth bucket.")
+    eval_samples: int = opt(16, "Passkey evaluation sequences per depth bucket (0: no evaluation).")
 
 
 @dataclass
@@ -101,9 +101,14 @@ class TrainConfig:
         "auto", "Autocast dtype; auto means bfloat16 on CUDA, float32 on CPU.", ("auto", "bfloat16", "float32")
     )
     activation_checkpointing: bool = opt(False, "Recompute each block in the backward pass.")
-    compile: bool = opt(False, "torch.compile each block; attention stays eager (graph break).")
+    compile: bool = opt(False, "torch.compile the norms and SwiGLU of each block; attention stays eager.")
     seed: int = opt(0, "Seed of the parameter init (identical on every rank).")
     eval_every: int = opt(0, "Passkey evaluation every N steps and at the end (0: only at the end).")
+    max_minutes: float = opt(
+        0.0,
+        "Stop (evaluate, save) after this many minutes of training, a safety "
+        "net for time-boxed jobs; the schedule still spans `steps` (0: no limit).",
+    )
 
 
 @dataclass

@@ -50,9 +50,11 @@ class PasskeyTask:
 
     def __init__(self, cfg: DataConfig):
         self.L, self.digits, self.buckets = cfg.seq_len, cfg.passkey_digits, cfg.eval_buckets
-        self.loss_on_all, self.seed = cfg.passkey_loss == "all", cfg.seed
+        self.loss_on, self.seed = cfg.passkey_loss, cfg.seed
         self.key_len = len(KEY.format(key="0" * self.digits))
         self.prefix_len = KEY.index("#") + 1  # key sentence bytes before the first digit
+        sentence = KEY.format(key="0" * self.digits)
+        self.repeat_offset = sentence.index("#", self.prefix_len) + 1 - self.prefix_len  # 2nd copy - 1st
         self.tail_len = len(QUERY) + self.digits
         self.filler_len = self.L + 1 - self.key_len - self.tail_len
         # The last bucket must be reachable: the key sentence and the query fit in one bucket.
@@ -82,16 +84,23 @@ class PasskeyTask:
             hi = min(hi, math.ceil((bucket + 1) * self.L / self.buckets) - 1)
         return range(lo, hi + 1)
 
-    def labels(self, tokens: torch.Tensor) -> torch.Tensor:
-        labels = tokens[1:].clone()
-        if not self.loss_on_all:
-            labels[: -self.digits] = IGNORE
-        return labels
+    def labels(self, sample: PasskeySample) -> torch.Tensor:
+        """Next-token labels `(L,)`, IGNORE except where `data.passkey_loss` takes a loss."""
+        labels = sample.tokens[1:].clone()
+        if self.loss_on == "all":
+            return labels
+        keep = torch.zeros_like(labels, dtype=torch.bool)
+        keep[-self.digits :] = True  # the answer
+        if self.loss_on == "digits":
+            # The key's repetition inside its sentence: the same retrieval at short range.
+            first = sample.key_pos + self.repeat_offset - 1  # label index predicting its first digit
+            keep[first : first + self.digits] = True
+        return labels.masked_fill(~keep, IGNORE)
 
     def __call__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         rng = random.Random(f"passkey:{self.seed}:{index}")
         sample = self.make(rng, rng.choice(self.key_range()))
-        return sample.tokens[:-1], self.labels(sample.tokens)
+        return sample.tokens[:-1], self.labels(sample)
 
     def eval_set(self, bucket: int, n: int) -> list[PasskeySample]:
         """`n` fixed evaluation sequences with keys spread evenly over depth bucket `bucket`."""

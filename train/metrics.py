@@ -69,7 +69,7 @@ class Logger:
 
             # One sub-directory per launch, so a resumed or repeated run shows as its own curve.
             stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-            self.writer = SummaryWriter(str(Path(run_dir) / "tb" / stamp))
+            self.writer = SummaryWriter(str(Path(run_dir) / "tb" / stamp), flush_secs=20)
 
     def start_progress(self, first_step: int, total_steps: int) -> None:
         if self.enabled and self.use_bar:
@@ -103,3 +103,32 @@ class Logger:
             self.bar.close()
         if self.writer is not None:
             self.writer.close()
+
+
+def plot_curves(run_dir: str, out_png: str, tags: tuple[str, ...] = ("loss", "passkey/acc_min")) -> None:
+    """Plot TensorBoard scalars of every launch under `<run_dir>/tb` into one PNG (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    fig, axes = plt.subplots(1, len(tags), figsize=(5 * len(tags), 3.5), squeeze=False)
+    for launch in sorted((Path(run_dir) / "tb").iterdir()):
+        events = EventAccumulator(str(launch), size_guidance={"scalars": 0})
+        events.Reload()
+        for ax, tag in zip(axes[0], tags, strict=True):
+            if tag in events.Tags()["scalars"]:
+                points = events.Scalars(tag)
+                ax.plot([p.step for p in points], [p.value for p in points], marker="." if len(points) < 50 else None)
+    for ax, tag in zip(axes[0], tags, strict=True):
+        ax.set_title(tag)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=120)
+
+
+if __name__ == "__main__":
+    # python -m train.metrics RUN_DIR OUT.png [TAG ...]
+    plot_curves(sys.argv[1], sys.argv[2], tuple(sys.argv[3:]) or ("loss", "passkey/acc_min"))

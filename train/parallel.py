@@ -113,10 +113,10 @@ def distributed(cfg: ParallelConfig, device: str = "auto", timeout_s: float = 60
 
 
 def parallelize(model: nn.Module, pc: ParallelContext, cfg: Config) -> nn.Module:
-    """Ring attention over the cp group, then activation checkpointing, compile and DDP.
+    """Ring attention over the cp group, then compile, activation checkpointing and DDP.
 
-    The order matters: compile and checkpointing wrap the block that already holds the ring, and
-    DDP wraps everything last so that it sees the final parameters.
+    The order matters: checkpointing wraps blocks that already hold the ring (and compiled
+    parts), and DDP wraps everything last so that it sees the final parameters.
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -124,20 +124,19 @@ def parallelize(model: nn.Module, pc: ParallelContext, cfg: Config) -> nn.Module
         # One code path for every cp: with a world-1 group the ring is a single local kernel call.
         # check_ranks=False: every cp rank shards the same config-fixed sequence length, so shapes
         # agree by construction, and the check would cost a host sync per layer on NCCL.
-        ring = ringflash.RingFlashAttention(
+        block.attn.core = ringflash.RingFlashAttention(
             group=pc.cp_group, layout=cfg.parallel.layout, causal=True, check_ranks=False
         )
         if cfg.train.compile:
-            # The ring's collectives and autograd.Function stay eager; the rest of the block fuses.
-            ring.forward = torch.compiler.disable(ring.forward)
-        block.attn.core = ring
+            # Only the parts without communication: norms and SwiGLU are memory-bound chains of
+            # elementwise ops that fuse well; the ring and its autograd.Function stay eager.
+            block.attn_norm = torch.compile(block.attn_norm)
+            block.ffn_norm = torch.compile(block.ffn_norm)
+            block.ffn = torch.compile(block.ffn)
         if cfg.train.activation_checkpointing:
             # Non-reentrant checkpointing replays the ring (and its communication) in backward;
             # every rank replays the same blocks in the same order, so the collectives still match.
-            block = checkpoint_wrapper(block, preserve_rng_state=False)
-        if cfg.train.compile:
-            block = torch.compile(block)
-        model.blocks[i] = block
+            model.blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False)
     # DDP over the *whole* world, not just dp: cp ranks hold different tokens of the same
     # sequences, so their gradients are partial sums that must be added too. DDP averages over
     # the world size; `train.trainer` scales the loss by it so the result is the global mean.

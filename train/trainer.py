@@ -108,6 +108,13 @@ def forward_backward(
     return loss_sum / n_tokens.clamp(min=1)
 
 
+def _out_of_time(t_start: float, max_minutes: float, device: torch.device) -> bool:
+    """Rank 0's clock decides, so that every rank stops after the same step."""
+    over = torch.tensor(float(time.perf_counter() - t_start > 60 * max_minutes), device=device)
+    dist.broadcast(over, src=0)
+    return bool(over.item())
+
+
 def train(cfg: Config) -> TrainResult:
     with distributed(cfg.parallel, cfg.train.device) as pc:
         return _train(cfg, pc)
@@ -126,7 +133,7 @@ def _loop(cfg: Config, pc: ParallelContext, log: Logger) -> TrainResult:
     # ---- data
     source = build_source(cfg.data, cfg.model.vocab_size)
     loader = DataLoader(source, cfg.data.batch_size, t.grad_accum, pc.dp_rank, pc.dims.dp)
-    passkey = source if isinstance(source, PasskeyTask) else None
+    passkey = source if isinstance(source, PasskeyTask) and cfg.data.eval_samples > 0 else None
 
     # ---- model, optimizer, schedule (identical init on every rank; DDP also broadcasts rank 0's)
     torch.manual_seed(t.seed)
@@ -202,7 +209,8 @@ def _loop(cfg: Config, pc: ParallelContext, log: Logger) -> TrainResult:
     result = TrainResult(final_step=step)
     stop = t.stop_at or t.steps
     log.start_progress(step, t.steps)
-    t_last, steps_since = time.perf_counter(), 0
+    t_start = t_last = time.perf_counter()
+    steps_since = 0
     while step < stop:
         t0 = time.perf_counter()
         micros = loader.next()
@@ -250,6 +258,9 @@ def _loop(cfg: Config, pc: ParallelContext, log: Logger) -> TrainResult:
                 f"{tokens_per_step / avg_dt:,.0f} tok/s | {tflops:.2f} TFLOP/s{mfu} | "
                 f"peak mem {metrics['memory/peak_gib']:.2f} GiB"
             )
+        if t.max_minutes and step % cfg.logging.log_every == 0 and _out_of_time(t_start, t.max_minutes, dev):
+            log.print(f"step {step:6d} | train.max_minutes = {t.max_minutes} reached: stopping early")
+            stop = step
         if passkey is not None and t.eval_every and step % t.eval_every == 0 and step != stop:
             evaluate(step)
         if cfg.checkpoint.enabled and cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0:
