@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 import torch
@@ -142,3 +144,12 @@ def test_passkey_loss_on_digits():
     assert text(y[kept]) == key + key  # the key's repetition, then the answer
     second = seq.index(f"#{key}", seq.index(f"#{key}") + 1) + 1  # first digit of the repetition
     assert kept[0] == second - 1  # the label at i predicts token i + 1
+
+
+def test_passkey_repetition_gap_varies():
+    task = passkey(passkey_gap=16)
+    rng = random.Random(0)
+    offsets = {(s.repeat_pos - s.key_pos) for s in (task.make(rng, 100) for _ in range(50))}
+    assert len(offsets) > 8  # no fixed offset to learn instead of the key's content
+    for s in (task.make(rng, 200) for _ in range(5)):
+        assert torch.equal(s.tokens[s.repeat_pos : s.repeat_pos + 5], s.tokens[s.key_pos : s.key_pos + 5])

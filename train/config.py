@@ -69,6 +69,11 @@ class DataConfig:
         "sentence (the same retrieval at short range, a denser signal); all: on every token.",
         ("answer", "digits", "all"),
     )
+    passkey_gap: int = opt(
+        16,
+        "The key's repetition follows it after 0..gap filler bytes (random), so "
+        "copying it takes the key's content rather than a fixed offset.",
+    )
     eval_buckets: int = opt(8, "Passkey depth buckets; a multiple of 2·cp puts every bucket in one rank's shard.")
     eval_samples: int = opt(16, "Passkey evaluation sequences per depth bucket (0: no evaluation).")
 

@@ -8,11 +8,13 @@ the step, and every cp rank of a dp group builds the same global sequences befor
 The passkey task (Mohtashami & Jaggi, 2023): a pass key hidden at some depth of a long, repetitive
 filler, asked for at the very end:
 
-    ...The sun is yellow. Here we go. The pass key is #71432. Remember it. #71432 is the pass key.
-    There and back again. The grass is green. ... What is the pass key? The pass key is #71432
+    ...The sun is yellow. Here we go. The pass key is #71432. Remember it. There and back
+    #71432 is the pass key. again. The grass is green. ... What is the pass key? The pass key is #71432
 
-Only the final key is unpredictable from local context, so a model that answers it has learned to
-attend across the whole sequence, and so across every cp rank's shard.
+Only the digits are unpredictable from local context: the key's first occurrence is random, and
+its repetition (a few bytes later) and the final answer (up to the whole sequence later) must be
+copied from it. A model that answers has learned to attend across the whole sequence, and so
+across every cp rank's shard.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from train.config import ConfigError, DataConfig
 IGNORE = -100  # label of positions that take no loss (F.cross_entropy's ignore_index)
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-KEY = "The pass key is #{key}. Remember it. #{key} is the pass key. "
+KEY = "The pass key is #{key}. Remember it. "
+REPEAT = "#{key} is the pass key. "  # follows KEY after a random stretch of filler
 QUERY = "What is the pass key? The pass key is #"
 
 
@@ -42,6 +45,7 @@ def _bytes(s: str) -> torch.Tensor:
 class PasskeySample:
     tokens: torch.Tensor  # (L + 1,) int64 bytes; the last `digits` tokens are the answer
     key_pos: int  # position of the key's first digit in the sequence
+    repeat_pos: int  # position of the first digit of the key's repetition
     bucket: int  # depth bucket of key_pos: floor(key_pos · buckets / L)
 
 
@@ -51,18 +55,19 @@ class PasskeyTask:
     def __init__(self, cfg: DataConfig):
         self.L, self.digits, self.buckets = cfg.seq_len, cfg.passkey_digits, cfg.eval_buckets
         self.loss_on, self.seed = cfg.passkey_loss, cfg.seed
+        self.gap = cfg.passkey_gap
         self.key_len = len(KEY.format(key="0" * self.digits))
+        self.repeat_len = len(REPEAT.format(key="0" * self.digits))
         self.prefix_len = KEY.index("#") + 1  # key sentence bytes before the first digit
-        sentence = KEY.format(key="0" * self.digits)
-        self.repeat_offset = sentence.index("#", self.prefix_len) + 1 - self.prefix_len  # 2nd copy - 1st
         self.tail_len = len(QUERY) + self.digits
-        self.filler_len = self.L + 1 - self.key_len - self.tail_len
-        # The last bucket must be reachable: the key sentence and the query fit in one bucket.
-        if self.key_len + self.tail_len > self.L // self.buckets:
+        self.filler_len = self.L + 1 - self.key_len - self.repeat_len - self.tail_len
+        # The last bucket must be reachable: the key, its repetition and the query fit in one bucket.
+        need = self.key_len + self.gap + self.repeat_len + self.tail_len
+        if need > self.L // self.buckets:
             raise ConfigError(
                 f"data.seq_len ({self.L}) too short for passkey with {self.buckets} buckets: each bucket "
-                f"({self.L // self.buckets} tokens) must hold the key and the query "
-                f"({self.key_len + self.tail_len} tokens); raise seq_len or lower data.eval_buckets"
+                f"({self.L // self.buckets} tokens) must hold the key, the gap, its repetition and the "
+                f"query ({need} tokens); raise seq_len or lower data.eval_buckets or data.passkey_gap"
             )
         reps = math.ceil((self.filler_len + len(FILLER)) / len(FILLER))
         self.filler = _bytes(FILLER * reps)
@@ -71,14 +76,19 @@ class PasskeyTask:
         """The sequence whose key's first digit sits at `key_pos`, filler and key drawn from `rng`."""
         key = "".join(rng.choice("0123456789") for _ in range(self.digits))
         phase = rng.randrange(len(FILLER))  # so that absolute position says nothing about the filler
+        # A random gap before the repetition: copying it then needs the key's content, not a fixed
+        # offset, which is the same skill the final answer needs at any distance.
+        gap = rng.randint(0, self.gap)
         filler = self.filler[phase : phase + self.filler_len]
         at = key_pos - self.prefix_len
-        tokens = torch.cat([filler[:at], _bytes(KEY.format(key=key)), filler[at:], _bytes(QUERY + key)])
-        return PasskeySample(tokens, key_pos, key_pos * self.buckets // self.L)
+        parts = [filler[:at], _bytes(KEY.format(key=key)), filler[at : at + gap],
+                 _bytes(REPEAT.format(key=key)), filler[at + gap :], _bytes(QUERY + key)]  # fmt: skip
+        repeat_pos = at + self.key_len + gap + 1
+        return PasskeySample(torch.cat(parts), key_pos, repeat_pos, key_pos * self.buckets // self.L)
 
     def key_range(self, bucket: int | None = None) -> range:
         """Feasible first-digit positions, optionally restricted to one depth bucket."""
-        lo, hi = self.prefix_len, self.prefix_len + self.filler_len  # key sentence anywhere in the filler
+        lo, hi = self.prefix_len, self.prefix_len + self.filler_len - self.gap  # anywhere in the filler
         if bucket is not None:
             lo = max(lo, math.ceil(bucket * self.L / self.buckets))
             hi = min(hi, math.ceil((bucket + 1) * self.L / self.buckets) - 1)
@@ -92,8 +102,8 @@ class PasskeyTask:
         keep = torch.zeros_like(labels, dtype=torch.bool)
         keep[-self.digits :] = True  # the answer
         if self.loss_on == "digits":
-            # The key's repetition inside its sentence: the same retrieval at short range.
-            first = sample.key_pos + self.repeat_offset - 1  # label index predicting its first digit
+            # The key's repetition: the same retrieval at short range.
+            first = sample.repeat_pos - 1  # the label at i predicts token i + 1
             keep[first : first + self.digits] = True
         return labels.masked_fill(~keep, IGNORE)
 
