@@ -16,8 +16,8 @@ Per tokens-per-rank N (global sequence W·N), bf16, causal, D = 128, H = 16 (H·
 - torch CP: `torch.distributed.tensor.experimental.context_parallel` (head-tail load balancing,
   torch's default rotate method unless --cp-rotate) with the SDPA flash and cuDNN backends;
   'n/a' with the reason where unavailable.
-Ring timings use a fixed iteration count on every rank (collectives must match), CUDA events,
-the median per iteration, and the slowest rank's median. Single-device timings use
+Ring timings use a fixed iteration count on every rank (collectives must match), run back to
+back between CUDA events; the median of 5 such runs, and the slowest rank's. Single-device timings use
 `benchlib.time_ms`. Without CUDA, timings use time.perf_counter (smoke runs only).
 Rank 0 prints the table and appends it to BENCHMARKS.md (not for --quick or --no-record).
 """
@@ -55,27 +55,35 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def time_collective(fn, iters: int, warmup: int) -> float:
-    """Median ms per call of `fn`, which every rank calls the same number of times (it communicates)."""
+def time_collective(fn, iters: int, warmup: int, repeats: int = 5) -> float:
+    """ms per call of `fn`, which every rank calls the same number of times (it communicates).
+
+    Calls run back to back, as they do in training (the host queues the next call while the GPU
+    works on this one), `iters` at a time between two CUDA events; the median of `repeats` such
+    runs, and the slowest rank's, is reported. Synchronising the host after every call instead
+    would add the CPU's launch latency to each one, which single-device timings do not pay.
+    """
     for _ in range(warmup):
         fn()
     _sync()
     dist.barrier()
-    times = []
-    for _ in range(iters):
+    runs = []
+    for _ in range(repeats):
         if torch.cuda.is_available():
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            for _ in range(iters):
+                fn()
             end.record()
             end.synchronize()
-            times.append(start.elapsed_time(end))
+            runs.append(start.elapsed_time(end) / iters)
         else:
             t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+            for _ in range(iters):
+                fn()
+            runs.append((time.perf_counter() - t0) * 1e3 / iters)
     # On the group's device: NCCL reduces CUDA tensors only.
-    med = torch.tensor([statistics.median(times)], dtype=torch.float64, device=_device())
+    med = torch.tensor([statistics.median(runs)], dtype=torch.float64, device=_device())
     dist.all_reduce(med, op=dist.ReduceOp.MAX)  # the ring is as fast as its slowest rank
     return med.item()
 
