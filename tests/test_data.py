@@ -149,7 +149,11 @@ def test_passkey_loss_on_digits():
 def test_passkey_repetition_gap_varies():
     task = passkey(passkey_gap=16)
     rng = random.Random(0)
-    offsets = {(s.repeat_pos - s.key_pos) for s in (task.make(rng, 100) for _ in range(50))}
+    offsets = {(s.repeat_pos[0] - s.key_pos) for s in (task.make(rng, 100) for _ in range(50))}
     assert len(offsets) > 8  # no fixed offset to learn instead of the key's content
+    task = passkey(passkey_gap=16, passkey_repeats=3, eval_buckets=2, passkey_loss="digits")
     for s in (task.make(rng, 200) for _ in range(5)):
-        assert torch.equal(s.tokens[s.repeat_pos : s.repeat_pos + 5], s.tokens[s.key_pos : s.key_pos + 5])
+        assert len(s.tokens) == 513 and len(s.repeat_pos) == 3
+        for pos in s.repeat_pos:
+            assert torch.equal(s.tokens[pos : pos + 5], s.tokens[s.key_pos : s.key_pos + 5])
+        assert (task.labels(s) != IGNORE).sum() == 4 * task.digits

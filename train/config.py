@@ -74,6 +74,11 @@ class DataConfig:
         "The key's repetition follows it after 0..gap filler bytes (random), so "
         "copying it takes the key's content rather than a fixed offset.",
     )
+    passkey_repeats: int = opt(
+        1,
+        "Repetitions of the key, each after its own gap; with passkey_loss = "
+        "digits, each is one more retrieval to learn from per sequence.",
+    )
     eval_buckets: int = opt(8, "Passkey depth buckets; a multiple of 2·cp puts every bucket in one rank's shard.")
     eval_samples: int = opt(16, "Passkey evaluation sequences per depth bucket (0: no evaluation).")
 

@@ -45,7 +45,7 @@ def _bytes(s: str) -> torch.Tensor:
 class PasskeySample:
     tokens: torch.Tensor  # (L + 1,) int64 bytes; the last `digits` tokens are the answer
     key_pos: int  # position of the key's first digit in the sequence
-    repeat_pos: int  # position of the first digit of the key's repetition
+    repeat_pos: tuple[int, ...]  # positions of the first digit of each repetition of the key
     bucket: int  # depth bucket of key_pos: floor(key_pos · buckets / L)
 
 
@@ -55,19 +55,19 @@ class PasskeyTask:
     def __init__(self, cfg: DataConfig):
         self.L, self.digits, self.buckets = cfg.seq_len, cfg.passkey_digits, cfg.eval_buckets
         self.loss_on, self.seed = cfg.passkey_loss, cfg.seed
-        self.gap = cfg.passkey_gap
+        self.gap, self.repeats = cfg.passkey_gap, cfg.passkey_repeats
         self.key_len = len(KEY.format(key="0" * self.digits))
         self.repeat_len = len(REPEAT.format(key="0" * self.digits))
         self.prefix_len = KEY.index("#") + 1  # key sentence bytes before the first digit
         self.tail_len = len(QUERY) + self.digits
-        self.filler_len = self.L + 1 - self.key_len - self.repeat_len - self.tail_len
-        # The last bucket must be reachable: the key, its repetition and the query fit in one bucket.
-        need = self.key_len + self.gap + self.repeat_len + self.tail_len
+        self.filler_len = self.L + 1 - self.key_len - self.repeats * self.repeat_len - self.tail_len
+        # The last bucket must be reachable: the key, its repetitions and the query fit in one bucket.
+        need = self.key_len + self.repeats * (self.gap + self.repeat_len) + self.tail_len
         if need > self.L // self.buckets:
             raise ConfigError(
                 f"data.seq_len ({self.L}) too short for passkey with {self.buckets} buckets: each bucket "
-                f"({self.L // self.buckets} tokens) must hold the key, the gap, its repetition and the "
-                f"query ({need} tokens); raise seq_len or lower data.eval_buckets or data.passkey_gap"
+                f"({self.L // self.buckets} tokens) must hold the key, its gaps and repetitions and the "
+                f"query ({need} tokens); raise seq_len or lower data.eval_buckets, passkey_gap or passkey_repeats"
             )
         reps = math.ceil((self.filler_len + len(FILLER)) / len(FILLER))
         self.filler = _bytes(FILLER * reps)
@@ -76,19 +76,23 @@ class PasskeyTask:
         """The sequence whose key's first digit sits at `key_pos`, filler and key drawn from `rng`."""
         key = "".join(rng.choice("0123456789") for _ in range(self.digits))
         phase = rng.randrange(len(FILLER))  # so that absolute position says nothing about the filler
-        # A random gap before the repetition: copying it then needs the key's content, not a fixed
-        # offset, which is the same skill the final answer needs at any distance.
-        gap = rng.randint(0, self.gap)
         filler = self.filler[phase : phase + self.filler_len]
         at = key_pos - self.prefix_len
-        parts = [filler[:at], _bytes(KEY.format(key=key)), filler[at : at + gap],
-                 _bytes(REPEAT.format(key=key)), filler[at + gap :], _bytes(QUERY + key)]  # fmt: skip
-        repeat_pos = at + self.key_len + gap + 1
-        return PasskeySample(torch.cat(parts), key_pos, repeat_pos, key_pos * self.buckets // self.L)
+        parts, repeat_pos = [filler[:at], _bytes(KEY.format(key=key))], []
+        cursor, end = at, at + self.key_len  # next filler byte to use; sequence length so far
+        for _ in range(self.repeats):
+            # A random gap before each repetition: copying it then needs the key's content, not a
+            # fixed offset, which is the same skill the final answer needs at any distance.
+            gap = rng.randint(0, self.gap)
+            parts += [filler[cursor : cursor + gap], _bytes(REPEAT.format(key=key))]
+            repeat_pos.append(end + gap + 1)
+            cursor, end = cursor + gap, end + gap + self.repeat_len
+        parts += [filler[cursor:], _bytes(QUERY + key)]
+        return PasskeySample(torch.cat(parts), key_pos, tuple(repeat_pos), key_pos * self.buckets // self.L)
 
     def key_range(self, bucket: int | None = None) -> range:
         """Feasible first-digit positions, optionally restricted to one depth bucket."""
-        lo, hi = self.prefix_len, self.prefix_len + self.filler_len - self.gap  # anywhere in the filler
+        lo, hi = self.prefix_len, self.prefix_len + self.filler_len - self.repeats * self.gap
         if bucket is not None:
             lo = max(lo, math.ceil(bucket * self.L / self.buckets))
             hi = min(hi, math.ceil((bucket + 1) * self.L / self.buckets) - 1)
@@ -102,9 +106,9 @@ class PasskeyTask:
         keep = torch.zeros_like(labels, dtype=torch.bool)
         keep[-self.digits :] = True  # the answer
         if self.loss_on == "digits":
-            # The key's repetition: the same retrieval at short range.
-            first = sample.repeat_pos - 1  # the label at i predicts token i + 1
-            keep[first : first + self.digits] = True
+            # The key's repetitions: the same retrieval at short range.
+            for pos in sample.repeat_pos:
+                keep[pos - 1 : pos - 1 + self.digits] = True  # the label at i predicts token i + 1
         return labels.masked_fill(~keep, IGNORE)
 
     def __call__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
