@@ -123,6 +123,8 @@ def plot_curves(run_dir: str, out_png: str, tags: tuple[str, ...] = ("loss", "pa
                 ax.plot([p.step for p in points], [p.value for p in points], marker="." if len(points) < 50 else None)
     for ax, tag in zip(axes[0], tags, strict=True):
         ax.set_title(tag)
+        if tag.startswith("passkey/acc"):
+            ax.set_ylim(-0.02, 1.02)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     fig.tight_layout()
