@@ -125,11 +125,29 @@ def bench_ring(args, n_local, layout, dev, dtype):
         o, lse = ring_forward(q.detach(), k.detach(), v.detach(), **opts)
         ring_backward(do, q.detach(), k.detach(), v.detach(), o, lse, **opts)
 
+    if args.profile:
+        _profile(fwd_bwd, f"ring fwd+bwd, {layout}, {n_local} tokens/rank")
+        _profile(compute_only, f"compute only, {layout}, {n_local} tokens/rank")
     return (
         time_collective(fwd, args.iters, args.warmup),
         time_collective(fwd_bwd, args.iters, args.warmup),
         time_local(compute_only, args.iters, args.warmup),
     )
+
+
+def _profile(fn, title: str, iters: int = 3) -> None:
+    """Print rank 0's GPU time per kernel (torch.profiler) over `iters` calls of `fn`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    _sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        _sync()
+    if dist.get_rank() == 0:
+        print(f"== profile: {title} ({iters} calls)")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
 
 
 def bench_single(args, n_global, dev, dtype):
@@ -209,6 +227,7 @@ def main() -> None:
     p.add_argument("--cp-rotate", choices=["allgather", "alltoall"], default=None)
     p.add_argument("--quick", action="store_true", help="tiny shapes, 2 iterations, no record: a smoke run")
     p.add_argument("--no-record", action="store_true", help="print only; do not append to BENCHMARKS.md")
+    p.add_argument("--profile", action="store_true", help="print a torch.profiler kernel table per ring variant")
     args = p.parse_args()
     if args.quick:
         args.tokens_per_rank, args.heads, args.head_dim, args.iters, args.warmup = [256], 2, 32, 2, 1
