@@ -209,8 +209,8 @@ def _loop(cfg: Config, pc: ParallelContext, log: Logger) -> TrainResult:
     result = TrainResult(final_step=step)
     stop = t.stop_at or t.steps
     log.start_progress(step, t.steps)
-    t_start = t_last = time.perf_counter()
-    steps_since = 0
+    t_start = time.perf_counter()
+    window_s, window_steps = 0.0, 0  # step time since the last summary line (evals excluded)
     while step < stop:
         t0 = time.perf_counter()
         micros = loader.next()
@@ -248,14 +248,14 @@ def _loop(cfg: Config, pc: ParallelContext, log: Logger) -> TrainResult:
             metrics["mfu"] = tflops / peak
         log.scalars(step, metrics)
         log.advance(loss_f)
-        steps_since += 1
+        window_s, window_steps = window_s + dt, window_steps + 1
         if step % cfg.logging.log_every == 0 or step == stop:
-            now = time.perf_counter()
-            avg_dt, t_last, steps_since = (now - t_last) / steps_since, now, 0
-            mfu = f" | MFU {100 * tflops / peak:.1f}%" if peak > 0 else ""
+            avg_dt, window_s, window_steps = window_s / window_steps, 0.0, 0
+            avg_tflops = flops_per_step / avg_dt / world / 1e12
+            mfu = f" | MFU {100 * avg_tflops / peak:.1f}%" if peak > 0 else ""
             log.print(
                 f"step {step:6d} | loss {loss_f:.4f} | lr {lr:.2e} | grad norm {norm_f:.3f} | "
-                f"{tokens_per_step / avg_dt:,.0f} tok/s | {tflops:.2f} TFLOP/s{mfu} | "
+                f"{tokens_per_step / avg_dt:,.0f} tok/s | {avg_tflops:.2f} TFLOP/s{mfu} | "
                 f"peak mem {metrics['memory/peak_gib']:.2f} GiB"
             )
         if t.max_minutes and step % cfg.logging.log_every == 0 and _out_of_time(t_start, t.max_minutes, dev):
