@@ -8,7 +8,6 @@ import torch
 import triton
 
 LOG2E = 1.4426950408889634  # 1/ln 2: scores are scaled by softmax_scale·log2(e) so the kernels use exp2
-LN2 = 0.6931471805599453
 
 
 def interpreting() -> bool:
