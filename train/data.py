@@ -131,14 +131,17 @@ class TokenWindows:
             raise ConfigError(
                 f"data.path: {what} holds {len(tokens)} tokens, fewer than data.seq_len + 1 = {cfg.seq_len + 1}"
             )
+        # Checked once, over the whole file, while every rank builds its source: a bad id found
+        # only when its batch is drawn would stop one data-parallel group and leave the others
+        # waiting in a collective until the timeout.
+        largest = int(tokens.max())
+        if largest >= vocab_size:
+            raise ConfigError(f"data.path: {what} holds token {largest} but model.vocab_size is {vocab_size}")
         self.tokens, self.L, self.seed = tokens, cfg.seq_len, cfg.seed
-        self.vocab_size, self.what = vocab_size, what
 
     def __call__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         start = random.Random(f"window:{self.seed}:{index}").randrange(len(self.tokens) - self.L)
         window = torch.from_numpy(self.tokens[start : start + self.L + 1].astype(np.int64))
-        if int(window.max()) >= self.vocab_size:
-            raise ConfigError(f"{self.what} holds token {int(window.max())} but model.vocab_size is {self.vocab_size}")
         return window[:-1], window[1:]
 
 
