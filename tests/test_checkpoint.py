@@ -7,33 +7,19 @@ from pathlib import Path
 import pytest
 import torch
 from dist_utils import run_ranks
+from tiny_config import tiny_config
 
 from train.checkpoint import Checkpointer, complete_checkpoints
-from train.config import ConfigError, load_config
+from train.config import ConfigError
 
 K = 3  # steps before the interruption
 
 
 def cfg_for(run_dir: Path, *overrides: str):
-    base = [
-        "--model.dim=32",
-        "--model.n_layers=2",
-        "--model.n_heads=2",
-        "--model.n_kv_heads=1",
-        "--data.seq_len=256",
-        "--data.batch_size=2",
-        "--data.eval_buckets=2",
-        "--data.eval_samples=2",
-        "--data.passkey_loss=all",
-        "--parallel.cp=2",
-        f"--train.steps={2 * K}",
-        "--train.warmup_steps=2",
-        "--logging.progress_bar=false",
-        "--logging.tensorboard=false",
-        "--train.device=cpu",
-        f"--logging.dir={run_dir}",
-    ]
-    return load_config(None, base + list(overrides))
+    return tiny_config(
+        run_dir, "--data.passkey_loss=all", "--parallel.cp=2", f"--train.steps={2 * K}", "--train.warmup_steps=2",
+        *overrides,
+    )
 
 
 def _resume_equals_uninterrupted(rank, world, tmp: Path):

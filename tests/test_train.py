@@ -13,8 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dist_utils import run_ranks
+from tiny_config import tiny_config
 
-from train.config import ConfigError, load_config
+from train.config import ConfigError
 from train.data import IGNORE, DataLoader, build_source
 
 REPO = Path(__file__).resolve().parent.parent
@@ -22,25 +23,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 def tiny(tmp_path: Path | None = None, *overrides: str):
     """A model and task small enough for a few CPU steps in well under a second."""
-    base = [
-        "--model.dim=32",
-        "--model.n_layers=2",
-        "--model.n_heads=2",
-        "--model.n_kv_heads=1",
-        "--data.seq_len=256",
-        "--data.batch_size=2",
-        "--data.eval_buckets=2",
-        "--data.eval_samples=2",
-        "--train.steps=4",
-        "--train.warmup_steps=1",
-        "--logging.progress_bar=false",
-        "--logging.tensorboard=false",
-        "--checkpoint.enabled=false",
-        "--train.device=cpu",
-    ]
-    if tmp_path is not None:
-        base.append(f"--logging.dir={tmp_path}")
-    return load_config(None, base + list(overrides))
+    return tiny_config(
+        tmp_path, "--train.steps=4", "--train.warmup_steps=1", "--checkpoint.enabled=false", *overrides
+    )
 
 
 def _cp_vs_single(rank, world, cfg):

@@ -1,0 +1,27 @@
+"""The tiny CPU configuration the training tests share: a few steps in well under a second."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from train.config import Config, load_config
+
+TINY = [
+    "--model.dim=32",
+    "--model.n_layers=2",
+    "--model.n_heads=2",
+    "--model.n_kv_heads=1",
+    "--data.seq_len=256",
+    "--data.batch_size=2",
+    "--data.eval_buckets=2",
+    "--data.eval_samples=2",
+    "--logging.progress_bar=false",
+    "--logging.tensorboard=false",
+    "--train.device=cpu",
+]
+
+
+def tiny_config(run_dir: Path | None, *overrides: str) -> Config:
+    """TINY, logging into `run_dir` if given, then `overrides` (later ones win)."""
+    base = TINY + ([f"--logging.dir={run_dir}"] if run_dir is not None else [])
+    return load_config(None, base + list(overrides))
