@@ -20,10 +20,11 @@ from kernels.reference import ref_attn_bwd, ref_attn_fwd
 
 BACKENDS = ("auto", "triton", "reference")
 
-__all__ = ["BACKENDS", "attn_bwd", "attn_fwd", "ref_attn_bwd", "ref_attn_fwd", "resolve_backend"]
+__all__ = ["BACKENDS", "attn_bwd", "attn_fwd", "interpreting", "ref_attn_bwd", "ref_attn_fwd", "resolve_backend"]
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
+    """Whether Triton runs in its interpreter (TRITON_INTERPRET=1): the kernels' CPU path."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -34,7 +35,7 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
         raise ValueError(f"backend must be one of {BACKENDS}, got {choice!r}")
     if choice == "auto":
         return "triton" if device.type == "cuda" else "reference"
-    if choice == "triton" and device.type != "cuda" and not _interpreting():
+    if choice == "triton" and device.type != "cuda" and not interpreting():
         raise ValueError(
             f"backend='triton' on a {device.type} tensor needs the Triton interpreter: "
             "set TRITON_INTERPRET=1 before importing triton, or use backend='reference'"

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 
+from kernels import interpreting
+
 LOG2E = 1.4426950408889634  # 1/ln 2: scores are scaled by softmax_scale·log2(e) so the kernels use exp2
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def upcast_dots(dtype: torch.dtype) -> bool:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import triton
 
-from kernels.launch_utils import interpreting
+from kernels import interpreting
 
 Tile = tuple[int, int, int, int]
 KERNELS = ("fwd", "dkdv", "dq")
