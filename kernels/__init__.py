@@ -16,6 +16,7 @@ import os
 
 import torch
 
+from kernels.checks import check_grad_out
 from kernels.reference import ref_attn_bwd, ref_attn_fwd
 
 BACKENDS = ("auto", "triton", "reference")
@@ -76,18 +77,34 @@ def attn_bwd(
     causal: bool = False,
     softmax_scale: float | None = None,
     grad_dtype: torch.dtype | None = None,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    accumulate_dq: bool = False,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention backward: returns `dq` like q, `dk`, `dv` like k, in `grad_dtype` (default q's).
 
     `o` and `lse` may be global (from a ring merge); P and delta are recomputed from them.
+    `out=(dq, dk, dv)`: write into these (views of larger buffers are fine) instead of new
+    tensors; with `accumulate_dq=True` dq is added to `out[0]` (in float32 on chip), which is
+    how the ring sums its steps' dq without a separate pass.
     """
     if resolve_backend(backend, q.device) == "reference":
-        return ref_attn_bwd(
+        grads = ref_attn_bwd(
             do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale, grad_dtype=grad_dtype
         )
+        if out is None and not accumulate_dq:
+            return grads
+        check_grad_out(out, accumulate_dq, q, k, grads[0].dtype)
+        if accumulate_dq:
+            out[0].add_(grads[0])
+        else:
+            out[0].copy_(grads[0])
+        out[1].copy_(grads[1])
+        out[2].copy_(grads[2])
+        return tuple(out)
     from kernels.triton_bwd import triton_attn_bwd
 
     return triton_attn_bwd(
-        do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale, grad_dtype=grad_dtype
+        do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale, grad_dtype=grad_dtype,
+        out=out, accumulate_dq=accumulate_dq,
     )

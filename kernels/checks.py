@@ -78,6 +78,34 @@ def check_bwd(
         raise ValueError(f"lse must be on q's device ({q.device}), got {lse.device}")
 
 
+def check_grad_out(
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    accumulate_dq: bool,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    grad_dtype: torch.dtype,
+) -> None:
+    """Check the backward's optional output buffers `out = (dq, dk, dv)`: q's and k's shapes,
+    `grad_dtype`, q's device, contiguous last dim (views of larger tensors are fine)."""
+    if out is None:
+        if accumulate_dq:
+            raise ValueError("accumulate_dq=True needs out=(dq, dk, dv): the dq buffer to add into")
+        return
+    if not isinstance(out, (tuple, list)) or len(out) != 3:
+        raise TypeError(f"out must be a tuple (dq, dk, dv) of tensors, got {type(out).__name__}")
+    for name, t, like in (("dq", out[0], q), ("dk", out[1], k), ("dv", out[2], k)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"out {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.shape != like.shape:
+            raise ValueError(f"out {name} must have shape {tuple(like.shape)}, got {tuple(t.shape)}")
+        if t.dtype != grad_dtype:
+            raise TypeError(f"out {name} must have the gradient dtype {grad_dtype}, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"out {name} must be on q's device ({q.device}), got {t.device}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"out {name} must have a contiguous last dim (stride 1), got strides {t.stride()}")
+
+
 def resolve_scale(softmax_scale: float | None, head_dim: int) -> float:
     """`softmax_scale` or the default `1/sqrt(head_dim)`; rejects non-positive or non-finite values."""
     if softmax_scale is None:

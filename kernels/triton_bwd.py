@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import check_bwd, check_qkv, resolve_scale
+from kernels.checks import check_bwd, check_grad_out, check_qkv, resolve_scale
 from kernels.launch_utils import (
     LOG2E,
     bhnd_strides,
@@ -181,7 +181,7 @@ def _bwd_dq(
     stride_dqb, stride_dqn, stride_dqh,
     H, Nq, Nk, qk_scale, softmax_scale,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     start_m = tl.program_id(0) * BLOCK_M
@@ -217,7 +217,10 @@ def _bwd_dq(
                    Nk, qk_scale, CAUSAL, True, UPCAST, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION)
 
     dq_ptrs = DQ + off_b * stride_dqb + off_h * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :]
-    store_tile(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), offs_m, offs_d, Nq, HEAD_DIM, BLOCK_D)
+    dq = dq * softmax_scale
+    if ACCUMULATE:  # add to what DQ holds (the ring's float32 sum over its steps)
+        dq += load_tile(dq_ptrs, offs_m, offs_d, Nq, True, HEAD_DIM, BLOCK_D).to(tl.float32)
+    store_tile(dq_ptrs, dq.to(DQ.dtype.element_ty), offs_m, offs_d, Nq, HEAD_DIM, BLOCK_D)
 
 
 def triton_attn_bwd(
@@ -231,25 +234,31 @@ def triton_attn_bwd(
     causal: bool = False,
     softmax_scale: float | None = None,
     grad_dtype: torch.dtype | None = None,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    accumulate_dq: bool = False,
     tiles: dict[str, Tile] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of attention with the Triton kernels.
 
     `do, o` like `q (B, Nq, H, D)`; `k, v (B, Nk, Hkv, D)`; `lse (B, H, Nq)` float32 natural log.
-    Returns `dq (B, Nq, H, D)`, `dk, dv (B, Nk, Hkv, D)`, contiguous, in `grad_dtype`
-    (default q's dtype; the ring asks for float32 to accumulate across steps).
+    Returns `dq (B, Nq, H, D)`, `dk, dv (B, Nk, Hkv, D)` in `grad_dtype` (default q's dtype; the
+    ring asks for float32 to accumulate across steps): new tensors, or `out`'s (any strides) with
+    dq added to `out[0]` instead of written when `accumulate_dq` (see `kernels.attn_bwd`).
     """
     check_qkv(q, k, v, causal)
     check_bwd(do, q, o, lse)
     scale = resolve_scale(softmax_scale, q.shape[-1])
     out_dtype = grad_dtype or q.dtype
+    check_grad_out(out, accumulate_dq, q, k, out_dtype)
     B, Nq, H, D = q.shape
     Nk, Hkv = k.shape[1], k.shape[2]
-    dq = torch.empty(q.shape, dtype=out_dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=out_dtype, device=q.device)
-    dv = torch.empty(v.shape, dtype=out_dtype, device=q.device)
+    if out is None:
+        out = tuple(torch.empty(t.shape, dtype=out_dtype, device=q.device) for t in (q, k, v))
+    dq, dk, dv = out
     if Nq == 0 or Nk == 0 or B * H == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
+        dk.zero_()
+        dv.zero_()
+        return dq if accumulate_dq else dq.zero_(), dk, dv
     lse = lse.contiguous()
     delta = torch.empty_like(lse)
     BD = block_d(D)
@@ -267,5 +276,5 @@ def triton_attn_bwd(
             Hkv, Nq, Nk, scale * LOG2E, scale), common, tiles.get("dkdv"))
     launch("dq", _bwd_dq, lambda meta: (triton.cdiv(Nq, meta["BLOCK_M"]), B * H),
            (q, k, v, do, lse, delta, dq, *strides_in, *bhnd_strides(dq), H, Nq, Nk, scale * LOG2E, scale),
-           common, tiles.get("dq"))
+           dict(common, ACCUMULATE=accumulate_dq), tiles.get("dq"))
     return dq, dk, dv

@@ -40,7 +40,7 @@ from benchlib import attn_flops, markdown_table, record, time_ms
 
 from kernels import attn_bwd, attn_fwd
 from ringflash import NullComm, ring_flash_attn_func
-from ringflash.ring import ring_backward, ring_forward
+from ringflash.ring import pack_kv, ring_backward, ring_forward
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _MESH = None
@@ -122,8 +122,9 @@ def bench_ring(args, n_local, layout, dev, dtype):
     opts = dict(causal=True, scale=D**-0.5, layout=layout, comm=null)
 
     def compute_only():
-        o, lse = ring_forward(q.detach(), k.detach(), v.detach(), **opts)
-        ring_backward(do, q.detach(), k.detach(), v.detach(), o, lse, **opts)
+        kv = pack_kv(k.detach(), v.detach())  # as the autograd function does
+        o, lse = ring_forward(q.detach(), kv, **opts)
+        ring_backward(do, q.detach(), kv, o, lse, **opts)
 
     if args.profile:
         _profile(fwd_bwd, f"ring fwd+bwd, {layout}, {n_local} tokens/rank")

@@ -15,7 +15,7 @@ last hop, already finished, in the input dtype).
 
 Communication overlaps compute: the transfer for step s+1 is posted before step s computes
 (two K/V buffers in turn), and the dK/dV of step s travel during step s+1. K and V travel packed
-in one contiguous `(2, B, N, Hkv, D)` buffer: one message per step instead of two.
+in one contiguous `(2, B, N, Hkv, D)` buffer (`pack_kv`): one message per step instead of two.
 """
 
 from __future__ import annotations
@@ -26,35 +26,47 @@ from kernels import attn_bwd, attn_fwd
 from ringflash.layout import ring_schedule
 from ringflash.merge import merge
 
-__all__ = ["RingFlashAttnFunc", "ring_backward", "ring_forward"]
+__all__ = ["RingFlashAttnFunc", "pack_kv", "ring_backward", "ring_forward"]
 
 _KV_TAG, _DKV_TAG = 0, 1  # K/V and dK/dV are in flight together in the backward
 
 
-def _packed_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Two K/V buffers `(2 buffers, 2 = k|v, B, N, Hkv, D)`, the first holding this rank's k, v."""
-    bufs = torch.empty((2, 2, *k.shape), dtype=k.dtype, device=k.device)
-    bufs[0, 0].copy_(k)
-    bufs[0, 1].copy_(v)
-    return bufs
+def pack_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """This rank's K and V as one `(2, B, N, Hkv, D)` buffer: one message per ring step.
+
+    The autograd function saves it for the backward instead of k and v (same bytes), so the
+    backward's ring starts from it without packing again.
+    """
+    return torch.stack((k, v))
 
 
-def ring_forward(q, k, v, *, causal: bool, scale: float, layout: str, comm, backend: str | None = None):
+def _ring_buffers(home: torch.Tensor, world: int):
+    """`buf(s)`: the buffer that holds the block computed at step s.
+
+    Step 0 computes on `home`; later steps alternate between two receive buffers (one when
+    W = 2), so `home` is never overwritten and the transfer into one buffer overlaps the compute
+    on the other.
+    """
+    bufs = [home] + [torch.empty_like(home) for _ in range(min(2, world - 1))]
+    return lambda s: bufs[0] if s == 0 else bufs[1 + (s - 1) % 2]
+
+
+def ring_forward(q, kv, *, causal: bool, scale: float, layout: str, comm, backend: str | None = None):
     """Ring attention forward, no autograd.
 
-    q `(B, N, H, D)`, k, v `(B, N, Hkv, D)`: this rank's shard (N local tokens).
+    q `(B, N, H, D)`, kv `(2, B, N, Hkv, D)` (`pack_kv`): this rank's shard (N local tokens).
     Returns `o (B, N, H, D)` in q's dtype and `lse (B, H, N)` float32, natural log, both over the
     whole sequence. `comm` is a `RingComm` (or `NullComm`); `backend` goes to `kernels.attn_fwd`.
     """
     if comm.world == 1:
-        return attn_fwd(q, k, v, causal=causal, softmax_scale=scale, backend=backend)
+        return attn_fwd(q, kv[0], kv[1], causal=causal, softmax_scale=scale, backend=backend)
     steps = ring_schedule(comm.rank, comm.world, q.shape[1], causal, layout)
-    kv = _packed_kv(k, v)
+    buf = _ring_buffers(kv, comm.world)
     o = lse = None
     for s, step in enumerate(steps):
-        cur, nxt = kv[s % 2], kv[(s + 1) % 2]
+        cur = buf(s)
         # Post the next block's transfer first so that it travels while this one is computed.
-        transfer = comm.send_recv(cur, nxt, _KV_TAG) if s + 1 < comm.world else None
+        transfer = comm.send_recv(cur, buf(s + 1), _KV_TAG) if s + 1 < comm.world else None
         if step is not None:
             o_blk, lse_blk = attn_fwd(
                 q[:, step.q],
@@ -74,60 +86,58 @@ def ring_forward(q, k, v, *, causal: bool, scale: float, layout: str, comm, back
     return o.to(q.dtype), lse
 
 
-def ring_backward(do, q, k, v, o, lse, *, causal: bool, scale: float, layout: str, comm, backend: str | None = None):
+def ring_backward(do, q, kv, o, lse, *, causal: bool, scale: float, layout: str, comm, backend: str | None = None):
     """Ring attention backward, no autograd.
 
-    do, q, o `(B, N, H, D)`; k, v `(B, N, Hkv, D)`; lse `(B, H, N)` float32 — the global `o` and
-    `lse` that `ring_forward` returned. Returns `dq` like q, `dk`, `dv` like k (input dtype),
-    accumulated in float32 across the ring.
+    do, q, o `(B, N, H, D)`; kv `(2, B, N, Hkv, D)` as given to `ring_forward`; lse `(B, H, N)`
+    float32 — the global `o` and `lse` that `ring_forward` returned. Returns `dq` like q, `dk`,
+    `dv` like k (input dtype), accumulated in float32 across the ring.
     """
     if comm.world == 1:
-        return attn_bwd(do, q, k, v, o, lse, causal=causal, softmax_scale=scale, backend=backend)
+        return attn_bwd(do, q, kv[0], kv[1], o, lse, causal=causal, softmax_scale=scale, backend=backend)
     world = comm.world
     steps = ring_schedule(comm.rank, world, q.shape[1], causal, layout)
-    kv = _packed_kv(k, v)
+    buf = _ring_buffers(kv, world)
     # dK/dV travel in float32: rounding each hop to bf16 would lose what the sum needs.
-    dkv = torch.empty((2, 2, *k.shape), dtype=torch.float32, device=k.device)
-    dq = None
+    dkv = torch.empty((2, *kv.shape), dtype=torch.float32, device=kv.device)
+    dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     dkv_transfer = None
     for s, step in enumerate(steps):
-        cur, nxt = kv[s % 2], kv[(s + 1) % 2]
-        kv_transfer = comm.send_recv(cur, nxt, _KV_TAG) if s + 1 < world else None
+        cur = buf(s)
+        kv_transfer = comm.send_recv(cur, buf(s + 1), _KV_TAG) if s + 1 < world else None
+        # The accumulator of the block we hold arrives from the previous rank (it is ours at s=0).
+        acc = dkv[s % 2]
         if step is not None:
             qs, ks = step.q, step.kv
-            dq_blk, dk_blk, dv_blk = attn_bwd(
+            # Step 0 (the diagonal, every row) writes dq and this block's dK/dV accumulator
+            # directly; later steps add dq on chip, and their dK/dV wait in scratch until the
+            # accumulator has arrived, so the transfer stays hidden behind this compute.
+            dk_v = acc[:, :, ks] if s == 0 else torch.empty_like(dkv[0][:, :, ks])
+            attn_bwd(
                 do[:, qs],
                 q[:, qs],
                 cur[0][:, ks],
                 cur[1][:, ks],
                 o[:, qs],
-                lse[:, :, qs].contiguous(),
+                lse[:, :, qs],
                 causal=step.causal,
                 softmax_scale=scale,
                 grad_dtype=torch.float32,
+                out=(dq[:, qs], dk_v[0], dk_v[1]),
+                accumulate_dq=s > 0,
                 backend=backend,
             )
-            if s == 0:
-                dq = dq_blk
-            else:
-                dq[:, qs] += dq_blk
-        # The accumulator of the block we hold arrives from the previous rank (it is ours at s=0).
-        acc = dkv[s % 2]
         if dkv_transfer is not None:
             dkv_transfer.wait()
-        if s == 0:  # step 0 is the full diagonal block: it initialises the accumulator
-            acc[0].copy_(dk_blk)
-            acc[1].copy_(dv_blk)
-        elif step is not None:
-            acc[0][:, step.kv] += dk_blk
-            acc[1][:, step.kv] += dv_blk
+        if s > 0 and step is not None:
+            acc[:, :, ks] += dk_v
         if s + 1 < world:
             dkv_transfer = comm.send_recv(acc, dkv[(s + 1) % 2], _DKV_TAG)
         else:
             # The last hop brings finished dK/dV home, after all compute, so nothing hides it. Home
             # would round them to the input dtype anyway: rounding before sending is bit-identical
             # and halves the exposed bytes for bf16/fp16. (Earlier hops carry partial sums: float32.)
-            final = acc.to(k.dtype)
+            final = acc.to(kv.dtype)
             home = torch.empty_like(final)
             dkv_transfer = comm.send_recv(final, home, _DKV_TAG)
         if kv_transfer is not None:
@@ -145,16 +155,19 @@ class RingFlashAttnFunc(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, layout, comm, backend):
+        # One rank needs no packing: k and v go to its single kernel call as they are.
+        kv = pack_kv(k, v) if comm.world > 1 else (k, v)
         with torch.autocast(q.device.type, enabled=False):
-            o, lse = ring_forward(q, k, v, causal=causal, scale=scale, layout=layout, comm=comm, backend=backend)
-        ctx.save_for_backward(q, k, v, o, lse)
+            o, lse = ring_forward(q, kv, causal=causal, scale=scale, layout=layout, comm=comm, backend=backend)
+        ctx.save_for_backward(q, o, lse, *(kv if comm.world == 1 else [kv]))
         ctx.args = dict(causal=causal, scale=scale, layout=layout, comm=comm, backend=backend)
         ctx.mark_non_differentiable(lse)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
-        q, k, v, o, lse = ctx.saved_tensors
+        q, o, lse, *kv = ctx.saved_tensors  # [k, v] on one rank, else [packed kv]
+        kv = kv if len(kv) == 2 else kv[0]
         with torch.autocast(q.device.type, enabled=False):
-            dq, dk, dv = ring_backward(do.contiguous(), q, k, v, o, lse, **ctx.args)
+            dq, dk, dv = ring_backward(do.contiguous(), q, kv, o, lse, **ctx.args)
         return dq, dk, dv, None, None, None, None, None

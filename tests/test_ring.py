@@ -256,11 +256,11 @@ def test_harness_reports_rank_tracebacks():
 
 def test_null_comm_runs_the_same_schedule():
     # NullComm (the benchmark's compute-only ring) runs every step's kernels without sending.
-    from ringflash.ring import ring_forward
+    from ringflash.ring import pack_kv, ring_forward
 
     c = make_case(1, n_local=16)
     q, k, v, _ = global_inputs(c)
-    o, lse = ring_forward(q, k, v, causal=True, scale=0.25, layout="zigzag", comm=ringflash.NullComm(1, 4))
+    o, lse = ring_forward(q, pack_kv(k, v), causal=True, scale=0.25, layout="zigzag", comm=ringflash.NullComm(1, 4))
     assert o.shape == q.shape and lse.shape == (2, 4, 16) and torch.isfinite(o).all()
 
 
