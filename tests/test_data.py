@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from train.config import ConfigError, DataConfig
-from train.data import FILLER, IGNORE, QUERY, DataLoader, PasskeyTask, build_source
+from train.data import FILLER, IGNORE, QUERY, DataLoader, PasskeyTask, build_source, build_sources
 
 
 def passkey(**kw) -> PasskeyTask:
@@ -158,3 +158,18 @@ def test_passkey_repetition_gap_varies():
         for pos in s.repeat_pos:
             assert torch.equal(s.tokens[pos : pos + 5], s.tokens[s.key_pos : s.key_pos + 5])
         assert (task.labels(s) != IGNORE).sum() == 4 * task.digits
+
+
+def test_sequence_length_warmup():
+    cfg = DataConfig(seq_len=512, eval_buckets=4, warmup_seq_len=128, warmup_seq_steps=2)
+    source, short = build_sources(cfg, 256)
+    loader = DataLoader(source, 2, 1, 0, 1, short, cfg.warmup_seq_steps)
+    lengths = [loader.next()[0][0].shape[1] for _ in range(4)]
+    assert lengths == [128, 128, 512, 512]
+    assert text(short(0)[0]).count("#") >= 2  # a whole passkey sequence, at the short length
+    resumed = DataLoader(source, 2, 1, 0, 1, short, cfg.warmup_seq_steps)
+    resumed.load_state_dict({**loader.state_dict(), "step": 1})
+    assert resumed.next()[0][0].shape[1] == 128
+
+    with pytest.raises(ConfigError, match=r"data.warmup_seq_len \(64\): data.seq_len \(64\) too short"):
+        build_sources(DataConfig(seq_len=512, eval_buckets=4, warmup_seq_len=64, warmup_seq_steps=1), 256)

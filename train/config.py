@@ -79,6 +79,13 @@ class DataConfig:
         "Repetitions of the key, each after its own gap; with passkey_loss = "
         "digits, each is one more retrieval to learn from per sequence.",
     )
+    warmup_seq_len: int = opt(
+        0,
+        "Sequence-length warm-up (0: off): the first warmup_seq_steps steps train on sequences of this many "
+        "tokens, batch_size of them. Many cheap short-context steps learn a skill (e.g. passkey retrieval) "
+        "that the steps at the full seq_len then stretch to long range.",
+    )
+    warmup_seq_steps: int = opt(0, "Steps of the sequence-length warm-up (see warmup_seq_len).")
     eval_buckets: int = opt(8, "Passkey depth buckets; a multiple of 2·cp puts every bucket in one rank's shard.")
     eval_samples: int = opt(16, "Passkey evaluation sequences per depth bucket (0: no evaluation).")
 
@@ -276,6 +283,17 @@ def validate(cfg: Config) -> None:
             f"data.seq_len ({d.seq_len}) must be divisible by {chunks} "
             f"({'2·cp' if p.layout == 'zigzag' else 'cp'} for the {p.layout} layout, cp={p.cp})"
         )
+    if d.warmup_seq_len:
+        if not 0 < d.warmup_seq_len < d.seq_len or d.warmup_seq_len % chunks:
+            raise ConfigError(
+                f"data.warmup_seq_len ({d.warmup_seq_len}) must be 0 (off) or shorter than data.seq_len "
+                f"({d.seq_len}) and divisible by {chunks}, like seq_len"
+            )
+        if not 0 < d.warmup_seq_steps <= t.steps:
+            raise ConfigError(
+                f"data.warmup_seq_steps ({d.warmup_seq_steps}) must be in [1, train.steps = {t.steps}] "
+                "when data.warmup_seq_len is set"
+            )
     if d.kind in ("text", "bin") and not d.path:
         raise ConfigError(f"data.path: required for data.kind = {d.kind!r}")
     if not 0 <= t.stop_at <= t.steps:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -166,6 +166,18 @@ def _bin_tokens(path: Path) -> tuple[np.ndarray, Path]:
     return np.memmap(path, dtype=np.uint16, mode="r"), path
 
 
+def build_sources(cfg: DataConfig, vocab_size: int) -> tuple:
+    """`(source, warmup_source)`: the sample source of `cfg`, and the one of the sequence-length
+    warm-up (the same data at `warmup_seq_len` tokens; None when the warm-up is off)."""
+    source = build_source(cfg, vocab_size)
+    if not cfg.warmup_seq_len:
+        return source, None
+    try:  # depth buckets are an evaluation matter: the warm-up source needs only one
+        return source, build_source(replace(cfg, seq_len=cfg.warmup_seq_len, eval_buckets=1), vocab_size)
+    except ConfigError as e:
+        raise ConfigError(f"data.warmup_seq_len ({cfg.warmup_seq_len}): {e}") from None
+
+
 def build_source(cfg: DataConfig, vocab_size: int):
     """The sample source named by `cfg.kind`; a callable `index -> (inputs (L,), labels (L,))`."""
     if cfg.kind == "passkey":
@@ -187,18 +199,27 @@ class DataLoader:
     """Micro-batches for one data-parallel rank, resumable exactly from `state_dict()`.
 
     Sample index of sequence i in micro-step m of step s: ((s·accum + m)·dp + dp_rank)·B + i, so
-    dp ranks see disjoint samples and all cp ranks of one dp group see the same ones.
+    dp ranks see disjoint samples and all cp ranks of one dp group see the same ones. Steps before
+    `warmup_steps` draw from `warmup_source` (shorter sequences), later ones from `source`.
     """
 
-    def __init__(self, source, batch_size: int, grad_accum: int, dp_rank: int, dp_size: int):
+    def __init__(
+        self, source, batch_size: int, grad_accum: int, dp_rank: int, dp_size: int,
+        warmup_source=None, warmup_steps: int = 0,
+    ):
         self.source, self.B, self.accum = source, batch_size, grad_accum
         self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.warmup_source, self.warmup_steps = warmup_source, warmup_steps if warmup_source else 0
         self.step = 0  # the next step to produce
+
+    def source_at(self, step: int):
+        return self.warmup_source if step < self.warmup_steps else self.source
 
     def batch(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Full (unsharded) `inputs, labels (B, L)` int64 of one micro-step."""
         first = ((step * self.accum + micro) * self.dp_size + self.dp_rank) * self.B
-        pairs = [self.source(first + i) for i in range(self.B)]
+        source = self.source_at(step)
+        pairs = [source(first + i) for i in range(self.B)]
         return torch.stack([x for x, _ in pairs]), torch.stack([y for _, y in pairs])
 
     def next(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from train.checkpoint import Checkpointer, complete_checkpoints
 from train.config import Config, ConfigError, to_dict
-from train.data import IGNORE, DataLoader, PasskeyTask, build_source
+from train.data import IGNORE, DataLoader, PasskeyTask, build_sources
 from train.evaluate import bucket_owners, evaluate_passkey
 from train.metrics import Logger, flops_per_token, matmul_params, peak_memory_gib, peak_tflops
 from train.model import Transformer
@@ -131,8 +131,10 @@ def _train(cfg: Config, pc: ParallelContext) -> TrainResult:
 def _loop(cfg: Config, pc: ParallelContext, log: Logger) -> TrainResult:
     t, dev = cfg.train, pc.device
     # ---- data
-    source = build_source(cfg.data, cfg.model.vocab_size)
-    loader = DataLoader(source, cfg.data.batch_size, t.grad_accum, pc.dp_rank, pc.dims.dp)
+    source, warmup_source = build_sources(cfg.data, cfg.model.vocab_size)
+    loader = DataLoader(
+        source, cfg.data.batch_size, t.grad_accum, pc.dp_rank, pc.dims.dp, warmup_source, cfg.data.warmup_seq_steps
+    )
     passkey = source if isinstance(source, PasskeyTask) and cfg.data.eval_samples > 0 else None
 
     # ---- model, optimizer, schedule (identical init on every rank; DDP also broadcasts rank 0's)
@@ -191,16 +193,23 @@ def _loop(cfg: Config, pc: ParallelContext, log: Logger) -> TrainResult:
         )
         return acc
 
-    # ---- what a step costs, for throughput and MFU
-    L, world = cfg.data.seq_len, pc.dims.world_size
-    tokens_per_step = pc.dims.dp * t.grad_accum * cfg.data.batch_size * L
-    flops_per_step = flops_per_token(cfg.model, matmul_params(raw), L) * tokens_per_step
+    # ---- what a step costs, for throughput and MFU (at the step's sequence length)
+    world, n_matmul = pc.dims.world_size, matmul_params(raw)
+
+    def step_cost(at: int) -> tuple[int, float]:
+        L = cfg.data.warmup_seq_len if at < loader.warmup_steps else cfg.data.seq_len
+        tokens = pc.dims.dp * t.grad_accum * cfg.data.batch_size * L
+        return tokens, flops_per_token(cfg.model, n_matmul, L) * tokens
+
     peak = peak_tflops(dev, cfg.logging.peak_tflops)
     n_params = raw.num_params()
+    tokens_per_step, _ = step_cost(loader.warmup_steps)
     log.print(
         f"model {n_params / 1e6:.2f}M params | dp {pc.dims.dp} × cp {pc.dims.cp} on {dev.type} "
-        f"({dist.get_backend()}) | {tokens_per_step} tokens/step, {L // pc.dims.cp} per rank per seq"
+        f"({dist.get_backend()}) | {tokens_per_step} tokens/step, {cfg.data.seq_len // pc.dims.cp} per rank per seq"
     )
+    if loader.warmup_steps:
+        log.print(f"sequence-length warm-up: {cfg.data.warmup_seq_len} tokens/seq for {loader.warmup_steps} steps")
     if passkey is not None:
         owners = bucket_owners(passkey, pc.dims.cp, cfg.parallel.layout)
         log.print("passkey depth buckets held by cp ranks: " + " ".join(map(str, owners)))
@@ -213,6 +222,9 @@ def _loop(cfg: Config, pc: ParallelContext, log: Logger) -> TrainResult:
     window_s, window_steps = 0.0, 0  # step time since the last summary line (evals excluded)
     while step < stop:
         t0 = time.perf_counter()
+        tokens_per_step, flops_per_step = step_cost(step)
+        if step == loader.warmup_steps and window_steps:  # a new sequence length: new averages
+            window_s, window_steps = 0.0, 0
         micros = loader.next()
         loss = forward_backward(model, micros, pc, cfg.parallel.layout, autocast)
         clip = t.grad_clip if t.grad_clip > 0 else float("inf")
