@@ -17,11 +17,12 @@ import os
 import torch
 
 from kernels.checks import check_grad_out
-from kernels.reference import ref_attn_bwd, ref_attn_fwd
+from kernels.reference import ref_attn_bwd, ref_attn_fwd, ref_merge
 
 BACKENDS = ("auto", "triton", "reference")
 
-__all__ = ["BACKENDS", "attn_bwd", "attn_fwd", "interpreting", "ref_attn_bwd", "ref_attn_fwd", "resolve_backend"]
+__all__ = ["BACKENDS", "attn_bwd", "attn_fwd", "interpreting", "ref_attn_bwd", "ref_attn_fwd", "ref_merge",
+           "resolve_backend"]
 
 
 def interpreting() -> bool:
@@ -52,18 +53,24 @@ def attn_fwd(
     causal: bool = False,
     softmax_scale: float | None = None,
     out_dtype: torch.dtype | None = None,
+    acc: tuple[torch.Tensor, torch.Tensor] | None = None,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward: returns `o` shaped like q in `out_dtype` (default q's) and
     `lse (B, H, Nq)` float32 (natural log). Rows with no visible key give `o = 0`, `lse = -inf`.
 
     `out_dtype=torch.float32` keeps a partial result unrounded for a caller that merges several.
+    `acc=(o_acc, lse_acc)`: a running float32 accumulator, `o_acc (B, Nq, H, D)` and
+    `lse_acc (B, H, Nq)`, views of larger buffers allowed (e.g. `o[:, rows]`, `lse[:, :, rows]`).
+    This block's result is merged into it in place, exactly (`kernels.reference.ref_merge`:
+    lse = logaddexp, weights σ(∓d); −inf on either or both sides is safe), and `acc` is
+    returned. The Triton kernel does it in its epilogue: one launch, no extra pass over O.
     """
     if resolve_backend(backend, q.device) == "reference":
-        return ref_attn_fwd(q, k, v, causal=causal, softmax_scale=softmax_scale, out_dtype=out_dtype)
+        return ref_attn_fwd(q, k, v, causal=causal, softmax_scale=softmax_scale, out_dtype=out_dtype, acc=acc)
     from kernels.triton_fwd import triton_attn_fwd
 
-    return triton_attn_fwd(q, k, v, causal=causal, softmax_scale=softmax_scale, out_dtype=out_dtype)
+    return triton_attn_fwd(q, k, v, causal=causal, softmax_scale=softmax_scale, out_dtype=out_dtype, acc=acc)
 
 
 def attn_bwd(

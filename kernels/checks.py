@@ -106,6 +106,29 @@ def check_grad_out(
             raise ValueError(f"out {name} must have a contiguous last dim (stride 1), got strides {t.stride()}")
 
 
+def check_acc(
+    acc: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, out_dtype: torch.dtype | None = None
+) -> None:
+    """Check the forward's running accumulator `acc = (o_acc, lse_acc)`: float32 `(B, Nq, H, D)`
+    with a contiguous last dim and float32 `(B, H, Nq)`, on q's device (views are fine)."""
+    if not isinstance(acc, (tuple, list)) or len(acc) != 2:
+        raise TypeError(f"acc must be a tuple (o_acc, lse_acc) of tensors, got {type(acc).__name__}")
+    B, Nq, H, _ = q.shape
+    for name, t, shape in (("o_acc", acc[0], tuple(q.shape)), ("lse_acc", acc[1], (B, H, Nq))):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"acc {name} must be a torch.Tensor, got {type(t).__name__}")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"acc {name} must have shape {shape}, got {tuple(t.shape)}")
+        if t.dtype != torch.float32:
+            raise TypeError(f"acc {name} must be float32 (the merge accumulates in float32), got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"acc {name} must be on q's device ({q.device}), got {t.device}")
+    if acc[0].stride(-1) != 1:
+        raise ValueError(f"acc o_acc must have a contiguous last dim (stride 1), got strides {acc[0].stride()}")
+    if out_dtype not in (None, torch.float32):
+        raise ValueError(f"out_dtype must be None or float32 with acc= (the accumulator is float32), got {out_dtype}")
+
+
 def resolve_scale(softmax_scale: float | None, head_dim: int) -> float:
     """`softmax_scale` or the default `1/sqrt(head_dim)`; rejects non-positive or non-finite values."""
     if softmax_scale is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.checks import check_bwd, check_qkv, resolve_scale
+from kernels.checks import check_acc, check_bwd, check_qkv, resolve_scale
 
 
 def _grouped(q: torch.Tensor, hkv: int) -> torch.Tensor:
@@ -52,20 +52,63 @@ def ref_attn_fwd(
     causal: bool = False,
     softmax_scale: float | None = None,
     out_dtype: torch.dtype | None = None,
+    acc: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of `q (B, Nq, H, D)` over `k, v (B, Nk, Hkv, D)`.
 
     Returns `o (B, Nq, H, D)` in `out_dtype` (default q's dtype) and `lse (B, H, Nq)` float32 (natural log).
-    Rows with no visible key give `o = 0` and `lse = -inf`.
+    Rows with no visible key give `o = 0` and `lse = -inf`. With `acc=(o_acc, lse_acc)` (float32)
+    the result is merged into the accumulator in place (`ref_merge`) and `acc` is returned.
     """
     check_qkv(q, k, v, causal)
+    if acc is not None:
+        check_acc(acc, q, out_dtype)
     scale = resolve_scale(softmax_scale, q.shape[-1])
     B, Nq, H, _ = q.shape
     s = _scores(q, k, causal, scale)  # (B, Hkv, G, Nq, Nk)
     lse = torch.logsumexp(s, dim=-1)  # -inf where a row sees nothing (or Nk == 0)
     p = _probabilities(s, lse)
-    o = torch.einsum("bhgqk,bhkd->bhgqd", p, v.float().permute(0, 2, 1, 3))
-    return _ungrouped(o).to(out_dtype or q.dtype), lse.reshape(B, H, Nq)
+    o = _ungrouped(torch.einsum("bhgqk,bhkd->bhgqd", p, v.float().permute(0, 2, 1, 3)))
+    lse = lse.reshape(B, H, Nq)
+    if acc is not None:
+        ref_merge(acc[0], acc[1], o, lse)
+        return acc[0], acc[1]
+    return o.to(out_dtype or q.dtype), lse
+
+
+@torch.no_grad()
+def ref_merge(o: torch.Tensor, lse: torch.Tensor, o_blk: torch.Tensor, lse_blk: torch.Tensor) -> None:
+    """Merge a block result `(o_blk, lse_blk)` into the running float32 `(o, lse)`, in place.
+
+    If `(o, lse)` is attention over keys A and `(o_blk, lse_blk)` over keys B (A ∩ B = ∅), the
+    result is attention over A ∪ B:
+
+        lse' = logaddexp(lse, lse_blk),   o' = o·σ(−d) + o_blk·σ(d),   d = lse_blk − lse
+
+    (the same as `o·exp(lse − lse') + o_blk·exp(lse_blk − lse')`, but sigmoids of the difference
+    stay exact to float32 precision where |lse| is large, and lie in [0, 1] so nothing overflows).
+    A side with lse = −inf (no key seen) gets weight exactly 0; a row with −inf on both sides
+    keeps lse = −inf and o = 0, never NaN. This is the math the Triton forward fuses (`acc=`).
+
+    o: `(B, N, H, D)` float32 (a view, e.g. some rows of a larger one, is fine); lse: `(B, H, N)`
+    float32, natural log; o_blk: like o in any float dtype; lse_blk: `(B, H, N)` float32.
+    """
+    if o.dtype != torch.float32 or lse.dtype != torch.float32 or lse_blk.dtype != torch.float32:
+        raise TypeError(f"merge accumulates in float32: got o {o.dtype}, lse {lse.dtype}, lse_blk {lse_blk.dtype}")
+    if o.shape != o_blk.shape:
+        raise ValueError(f"o_blk must have o's shape {tuple(o.shape)}, got {tuple(o_blk.shape)}")
+    B, N, H, _ = o.shape
+    if lse.shape != (B, H, N) or lse_blk.shape != (B, H, N):
+        raise ValueError(
+            f"lse and lse_blk must have shape (B, H, N) = {(B, H, N)}, "
+            f"got {tuple(lse.shape)} and {tuple(lse_blk.shape)}"
+        )
+    new = torch.logaddexp(lse, lse_blk)  # -inf only where both are -inf
+    d = lse_blk - lse
+    # Both sides empty: d is NaN; any finite weight works because o and o_blk are 0 there.
+    d = torch.where(torch.isnan(d), 0.0, d).transpose(1, 2).unsqueeze(-1)  # (B, N, H, 1)
+    o.mul_(torch.sigmoid(-d)).addcmul_(o_blk, torch.sigmoid(d))
+    lse.copy_(new)
 
 
 def ref_attn_bwd(

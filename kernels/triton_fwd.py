@@ -9,6 +9,11 @@ converted back to natural log on the way out.
 Causal attention is split into two stages so that only the blocks that straddle the diagonal
 (or the ragged end of the key sequence) pay for a mask: stage 1 runs the fully visible blocks
 without one, stage 2 the rest with it.
+
+Fused merge (`acc=`): instead of writing a fresh `(o, lse)`, the epilogue reads the caller's
+running float32 accumulator `(o_acc, lse_acc)` and writes the exact merge of it with this block's
+result back into it, so a ring step costs one kernel and no extra pass over O. The math is the
+one of `kernels.reference.ref_merge` (weights as sigmoids of the LSE difference).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import check_qkv, resolve_scale
+from kernels.checks import check_acc, check_qkv, resolve_scale
 from kernels.launch_utils import (
     LOG2E,
     bhnd_strides,
@@ -65,15 +70,40 @@ def _fwd_inner(
 
 
 @triton.jit
+def _merge_into(o_blk, lse_blk, o_ptrs, lse_ptrs, offs_m, offs_d, Nq,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This block's `(o_blk, lse_blk)` merged with the accumulator at (o_ptrs, lse_ptrs).
+
+    lse = logaddexp(lse_acc, lse_blk), o = o_acc·σ(−d) + o_blk·σ(d) with d = lse_blk − lse_acc:
+    weights in [0, 1] that are exact to float32 precision however large |lse| is. A side with
+    lse = −inf gets weight exactly 0; both sides −inf (d = NaN) keep lse = −inf and o = 0.
+    """
+    lse_acc = tl.load(lse_ptrs, mask=offs_m < Nq, other=float("-inf"))
+    o_acc = load_tile(o_ptrs, offs_m, offs_d, Nq, True, HEAD_DIM, BLOCK_D).to(tl.float32)
+    # Both -inf: d would be NaN; any finite d will do since o_acc and o_blk are 0 there. Zeroing
+    # the operands (not d) keeps -inf - -inf from being evaluated at all.
+    both = (lse_acc == float("-inf")) & (lse_blk == float("-inf"))
+    d = tl.where(both, 0.0, lse_blk) - tl.where(both, 0.0, lse_acc)
+    w_blk = tl.sigmoid(d)
+    w_acc = tl.sigmoid(-d)
+    top = tl.maximum(lse_acc, lse_blk)
+    # logaddexp as max + log(1 + e^-|d|); exp(-inf) = 0 covers the one-sided -inf rows.
+    lse = tl.where(top == float("-inf"), float("-inf"), top + tl.log(1.0 + tl.exp(-tl.abs(d))))
+    o = o_acc * w_acc[:, None] + o_blk * w_blk[:, None]
+    return o, lse
+
+
+@triton.jit
 def _attn_fwd_kernel(
     Q, K, V, O, LSE,
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_ob, stride_on, stride_oh,
+    stride_lb, stride_lh, stride_ln,
     H, Nq, Nk, qk_scale,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, MERGE: tl.constexpr,
 
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -120,8 +150,11 @@ def _attn_fwd_kernel(
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)  # ln 2
 
     o_ptrs = O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :]
+    lse_ptrs = LSE + off_b * stride_lb + off_h * stride_lh + offs_m * stride_ln
+    if MERGE:  # O, LSE hold the running accumulator: read it, write the merge back in place
+        o, lse = _merge_into(o, lse, o_ptrs, lse_ptrs, offs_m, offs_d, Nq, HEAD_DIM, BLOCK_D)
     store_tile(o_ptrs, o.to(O.dtype.element_ty), offs_m, offs_d, Nq, HEAD_DIM, BLOCK_D)
-    tl.store(LSE + off_bh * Nq + offs_m, lse, mask=offs_m < Nq)
+    tl.store(lse_ptrs, lse, mask=offs_m < Nq)
 
 
 def triton_attn_fwd(
@@ -132,24 +165,31 @@ def triton_attn_fwd(
     causal: bool = False,
     softmax_scale: float | None = None,
     out_dtype: torch.dtype | None = None,
+    acc: tuple[torch.Tensor, torch.Tensor] | None = None,
     tile: Tile | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of `q (B, Nq, H, D)` over `k, v (B, Nk, Hkv, D)` with the Triton kernel.
 
     Returns `o (B, Nq, H, D)` (contiguous, in `out_dtype`, default q's) and `lse (B, H, Nq)` float32, natural log.
+    With `acc=(o_acc, lse_acc)` (float32 `(B, Nq, H, D)` and `(B, H, Nq)`, any strides with a
+    contiguous last dim of o_acc) this block's result is merged into them in place and they are returned.
     """
     check_qkv(q, k, v, causal)
     scale = resolve_scale(softmax_scale, q.shape[-1])
     B, Nq, H, D = q.shape
     Nk, Hkv = k.shape[1], k.shape[2]
-    o = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
-    lse = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
+    if acc is not None:
+        check_acc(acc, q, out_dtype)
+        o, lse = acc
+    else:
+        o = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
+        lse = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
     if Nq == 0 or B * H == 0:
         return o, lse
     args = (q, k, v, o, lse, *bhnd_strides(q), *bhnd_strides(k), *bhnd_strides(v), *bhnd_strides(o),
-            H, Nq, Nk, scale * LOG2E)
+            *lse.stride(), H, Nq, Nk, scale * LOG2E)
     consts = dict(HEAD_DIM=D, GROUP=H // Hkv, CAUSAL=causal, UPCAST=upcast_dots(q.dtype),
-                  PRECISION=dot_precision(q.dtype), BLOCK_D=block_d(D))
+                  PRECISION=dot_precision(q.dtype), MERGE=acc is not None, BLOCK_D=block_d(D))
     launch("fwd", _attn_fwd_kernel, lambda meta: (triton.cdiv(Nq, meta["BLOCK_M"]), B * H), args, consts, tile)
     return o, lse
 
