@@ -7,22 +7,17 @@ with the same `layout` (and position ids from `global_positions`).
 
 from __future__ import annotations
 
-import struct
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import kernels
-from kernels.checks import SUPPORTED_DTYPES, check_qkv, resolve_scale
+from kernels.checks import check_qkv, resolve_scale
+from ringflash import ops
 from ringflash.comm import RingComm
-from ringflash.layout import LAYOUTS, check_layout, check_splittable
-from ringflash.ring import RingFlashAttnFunc
+from ringflash.layout import check_layout, check_splittable
 
 __all__ = ["RingFlashAttention", "ring_flash_attn_func"]
-
-# Fields of the per-call signature every rank must agree on, with how many ints each takes.
-_FIELDS = (("q.shape", 4), ("k.shape", 4), ("dtype", 1), ("layout", 1), ("causal", 1), ("softmax_scale", 1))
 
 
 def _check_local(q, k, v, causal, softmax_scale, layout, backend, world) -> float:
@@ -44,47 +39,11 @@ def _check_local(q, k, v, causal, softmax_scale, layout, backend, world) -> floa
     return resolve_scale(softmax_scale, q.shape[-1])
 
 
-def _signature(ok, q, k, causal, scale, layout) -> list[int]:
-    def shape(t):
-        return list(t.shape) if isinstance(t, torch.Tensor) and t.dim() == 4 else [-1] * 4
-
-    dtype = getattr(q, "dtype", None)
-    return [
-        int(ok),
-        *shape(q),
-        *shape(k),
-        SUPPORTED_DTYPES.index(dtype) if dtype in SUPPORTED_DTYPES else -1,
-        LAYOUTS.index(layout) if layout in LAYOUTS else -1,
-        int(bool(causal)),
-        struct.unpack("<q", struct.pack("<d", scale))[0] if scale is not None else -1,  # exact bits
-    ]
-
-
-def _check_across_ranks(comm: RingComm, rows_of_self: list[int], device) -> None:
-    rows = comm.all_gather_ints(rows_of_self, device)
-    failed = [r for r, row in enumerate(rows) if row[0] == 0]
-    if failed:
-        raise ValueError(
-            f"ring attention: rank(s) {failed} of the group rejected their inputs (see the "
-            "error raised there); every rank raises so that none waits for them"
-        )
-    i = 1
-    for name, width in _FIELDS:
-        vals = [tuple(row[i : i + width]) for row in rows]
-        if len(set(vals)) > 1:
-            if name == "dtype":
-                vals = [str(SUPPORTED_DTYPES[v[0]]) for v in vals]
-            elif name == "layout":
-                vals = [LAYOUTS[v[0]] for v in vals]
-            elif name == "softmax_scale":
-                vals = [struct.unpack("<d", struct.pack("<q", v[0]))[0] for v in vals]
-            elif width == 1:
-                vals = [v[0] for v in vals]
-            raise ValueError(
-                f"ring attention inputs differ between the ranks of the group: {name} is "
-                + ", ".join(f"{v} on rank {r}" for r, v in enumerate(vals))
-            )
-        i += width
+def _world_size(group) -> int:
+    # Only what Dynamo can fold into a constant: RingComm's own checks of the group run in the op.
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
 
 
 def ring_flash_attn_func(
@@ -129,24 +88,44 @@ def ring_flash_attn_func(
     skips it; do that only where every rank's shapes are guaranteed equal by construction (e.g. a
     training loop with fixed shapes) and the host sync matters, because a mismatch then fails in
     the transfers (or at the group timeout) rather than with a clear message.
+
+    torch.compile: the ring is one custom op, `torch.ops.ringflash.ring_attn` (ringflash/ops.py),
+    with the group passed by name, so a compiled model traces through attention without a graph
+    break (`fullgraph=True` works). This function's own checks read only tensor metadata and
+    become Dynamo guards; the cross-rank check runs inside the op, at run time, on every call,
+    compiled or not (same cost as eager). A rank whose inputs fail its own checks makes Dynamo
+    give up on the frame and run it eagerly, which raises the same errors on every rank as
+    eager does, except under `fullgraph=True`: that rank then raises Dynamo's `Unsupported`
+    (quoting our error) without telling the others, who fail at the group timeout.
     """
-    comm = RingComm(group)
+    # Traced, not run, under torch.compile: only the metadata checks happen here; the group is
+    # checked (RingComm) and the ranks compared inside the op. Eager checks the group first.
+    compiling = torch.compiler.is_compiling()
+    comm = None if compiling else RingComm(group)
+    world = _world_size(group) if compiling else comm.world
     try:
-        scale = _check_local(q, k, v, causal, softmax_scale, layout, backend, comm.world)
+        scale = _check_local(q, k, v, causal, softmax_scale, layout, backend, world)
         error = None
     except (TypeError, ValueError) as e:
         scale, error = None, e
-    if comm.world > 1 and check_ranks:
-        device = q.device if isinstance(q, torch.Tensor) else None
-        sig = _signature(error is None, q, k, causal, scale, layout)
-        if error is not None:
-            # Tell the others first (they are waiting in the same all_gather), then raise ours.
-            comm.all_gather_ints(sig, device)
-            raise error
-        _check_across_ranks(comm, sig, device)
-    elif error is not None:
+    if error is not None:
+        if world > 1 and check_ranks and not compiling:
+            # Tell the others first (they are waiting in the op's all_gather), then raise ours.
+            # Dynamo cannot trace that collective; it gives up on the frame at this raise and
+            # runs it eagerly, which announces (fullgraph=True cannot: see the docstring).
+            ops.announce_rejection(comm, q, k, causal, layout)
         raise error
-    o, lse = RingFlashAttnFunc.apply(q, k, v, causal, scale, layout, comm, backend)
+    o, lse, _ = ops.ring_attn(
+        q,
+        k,
+        v,
+        causal=causal,
+        softmax_scale=scale,
+        layout=layout,
+        group_name=ops.group_name(group),
+        backend=backend,
+        check_ranks=check_ranks and world > 1,
+    )
     return (o, lse) if return_lse else o
 
 

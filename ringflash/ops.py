@@ -1,0 +1,206 @@
+"""Ring attention as a PyTorch custom op, so that `torch.compile` traces it as one node.
+
+    o, lse = torch.ops.ringflash.ring_attn(q, k, v, causal=True, softmax_scale=0.125,
+                                           layout="zigzag", group_name="", backend=None,
+                                           check_ranks=False)
+
+`ringflash::ring_attn` runs `ring.ring_forward` and `ringflash::ring_attn_bwd` runs
+`ring.ring_backward`; the first is differentiable in q, k, v through the second (registered with
+`register_autograd`), and both have fake implementations (shapes and dtypes only), so Dynamo and
+AOTAutograd never look inside the ring loop, its communication or its kernels. Public callers use
+`ringflash.ring_flash_attn_func`, which validates the inputs and calls the op.
+
+The process group cannot be an op argument (op schemas take tensors, scalars and strings), so it
+travels by name: `group.group_name`, the key under which torch.distributed registers every group,
+turned back into the group at run time by `_resolve_process_group` (what torch's own functional
+collectives do). `""` stands for `group=None`: the default group, or this process alone when
+torch.distributed is not initialised.
+
+The cross-rank check (see `ring_flash_attn_func`) runs inside the op when `check_ranks=True`, at
+run time, so it costs the same compiled or not and needs no graph break: each rank all-gathers
+its signature and raises if any differs. A rank whose own inputs fail validation never reaches
+the op; `announce_rejection` sends its "rejected" signature into the same all_gather instead.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from kernels.checks import SUPPORTED_DTYPES
+from ringflash.comm import RingComm
+from ringflash.layout import LAYOUTS
+from ringflash.ring import pack_kv, ring_backward, ring_forward
+
+__all__ = ["announce_rejection", "group_name", "ring_attn", "ring_attn_bwd"]
+
+
+def group_name(group: dist.ProcessGroup | None) -> str:
+    """The op's name for `group`: its registered name, or `""` for None (default group / no group)."""
+    return "" if group is None else group.group_name
+
+
+def _comm(name: str) -> RingComm:
+    if not name:
+        return RingComm(None)
+    # Private in torch (2.4 to 2.13 at least) but the supported way to go from name to group: the
+    # functional collectives and DTensor rely on it.
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return RingComm(_resolve_process_group(name))
+
+
+# ---- cross-rank check -------------------------------------------------------------------------
+
+# Fields of the per-call signature every rank must agree on, with how many ints each takes.
+_FIELDS = (("q.shape", 4), ("k.shape", 4), ("dtype", 1), ("layout", 1), ("causal", 1), ("softmax_scale", 1))
+
+
+def _signature(ok, q, k, causal, scale, layout) -> list[int]:
+    def shape(t):
+        return list(t.shape) if isinstance(t, torch.Tensor) and t.dim() == 4 else [-1] * 4
+
+    dtype = getattr(q, "dtype", None)
+    return [
+        int(ok),
+        *shape(q),
+        *shape(k),
+        SUPPORTED_DTYPES.index(dtype) if dtype in SUPPORTED_DTYPES else -1,
+        LAYOUTS.index(layout) if layout in LAYOUTS else -1,
+        int(bool(causal)),
+        struct.unpack("<q", struct.pack("<d", scale))[0] if scale is not None else -1,  # exact bits
+    ]
+
+
+def _check_across_ranks(comm: RingComm, rows_of_self: list[int], device) -> None:
+    rows = comm.all_gather_ints(rows_of_self, device)
+    failed = [r for r, row in enumerate(rows) if row[0] == 0]
+    if failed:
+        raise ValueError(
+            f"ring attention: rank(s) {failed} of the group rejected their inputs (see the "
+            "error raised there); every rank raises so that none waits for them"
+        )
+    i = 1
+    for name, width in _FIELDS:
+        vals = [tuple(row[i : i + width]) for row in rows]
+        if len(set(vals)) > 1:
+            if name == "dtype":
+                vals = [str(SUPPORTED_DTYPES[v[0]]) for v in vals]
+            elif name == "layout":
+                vals = [LAYOUTS[v[0]] for v in vals]
+            elif name == "softmax_scale":
+                vals = [struct.unpack("<d", struct.pack("<q", v[0]))[0] for v in vals]
+            elif width == 1:
+                vals = [v[0] for v in vals]
+            raise ValueError(
+                f"ring attention inputs differ between the ranks of the group: {name} is "
+                + ", ".join(f"{v} on rank {r}" for r, v in enumerate(vals))
+            )
+        i += width
+
+
+def announce_rejection(comm: RingComm, q, k, causal, layout) -> None:
+    """This rank rejected its inputs: tell the others, who wait in the op's all_gather."""
+    device = q.device if isinstance(q, torch.Tensor) else None
+    comm.all_gather_ints(_signature(False, q, k, causal, None, layout), device)
+
+
+# ---- the ops ----------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("ringflash::ring_attn", mutates_args=())
+def ring_attn(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool,
+    softmax_scale: float,
+    layout: str,
+    group_name: str,
+    backend: str | None,
+    check_ranks: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`ring.ring_forward` over the group named `group_name`.
+
+    Returns `o` like q, `lse (B, H, N)` float32, and what the backward needs of k and v: the
+    packed `(2, B, N, Hkv, D)` buffer the ring started from (saved so that the backward's ring
+    need not pack again), or an empty tensor on one rank (the backward then takes k and v).
+    """
+    comm = _comm(group_name)
+    if check_ranks and comm.world > 1:
+        _check_across_ranks(comm, _signature(True, q, k, causal, softmax_scale, layout), q.device)
+    kv = pack_kv(k, v) if comm.world > 1 else (k, v)
+    # Autocast off: the merge and accumulators are float32 by design, and the reference kernel's
+    # float32 einsums must not be recast to half precision.
+    with torch.autocast(q.device.type, enabled=False):
+        o, lse = ring_forward(q, kv, causal=causal, scale=softmax_scale, layout=layout, comm=comm, backend=backend)
+    return o.contiguous(), lse.contiguous(), kv if comm.world > 1 else q.new_empty(0)
+
+
+@ring_attn.register_fake
+def _(q, k, v, *, causal, softmax_scale, layout, group_name, backend, check_ranks):
+    B, N, H, _ = q.shape
+    world = _comm(group_name).world  # a trace-time constant, like every shape here
+    return (
+        torch.empty_like(q, memory_format=torch.contiguous_format),
+        q.new_empty((B, H, N), dtype=torch.float32),
+        k.new_empty((2, *k.shape)) if world > 1 else q.new_empty(0),
+    )
+
+
+@torch.library.custom_op("ringflash::ring_attn_bwd", mutates_args=())
+def ring_attn_bwd(
+    do: Tensor,
+    q: Tensor,
+    kv: list[Tensor],
+    o: Tensor,
+    lse: Tensor,
+    *,
+    causal: bool,
+    softmax_scale: float,
+    layout: str,
+    group_name: str,
+    backend: str | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`ring.ring_backward`: `dq` like q, `dk`, `dv` like k, from the global `o` and `lse`.
+
+    `kv` is `[packed]` as `ring_attn` returned it, or `[k, v]` on one rank.
+    """
+    comm = _comm(group_name)
+    with torch.autocast(q.device.type, enabled=False):
+        dq, dk, dv = ring_backward(
+            do.contiguous(), q, kv[0] if len(kv) == 1 else tuple(kv), o, lse,
+            causal=causal, scale=softmax_scale, layout=layout, comm=comm, backend=backend,
+        )  # fmt: skip
+    if dv.untyped_storage().data_ptr() == dk.untyped_storage().data_ptr():
+        # On W > 1 ranks dK and dV come home as the two halves of one buffer, and an op's outputs
+        # may not alias each other: one copy of dV, small next to the backward's attention.
+        dv = dv.clone()
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@ring_attn_bwd.register_fake
+def _(do, q, kv, o, lse, *, causal, softmax_scale, layout, group_name, backend):
+    kshape = kv[0].shape[1:] if len(kv) == 1 else kv[0].shape
+    return q.new_empty(q.shape), q.new_empty(kshape), q.new_empty(kshape)
+
+
+def _setup_context(ctx, inputs, keyword_only_inputs, output):
+    q, k, v = inputs
+    o, lse, kv = output
+    # The packed buffer, or k and v themselves on one rank (kv is then empty).
+    ctx.save_for_backward(q, o, lse, *([kv] if kv.numel() else [k, v]))
+    ctx.kwargs = {key: val for key, val in keyword_only_inputs.items() if key != "check_ranks"}
+    ctx.mark_non_differentiable(lse, kv)
+
+
+def _backward(ctx, do, _dlse, _dkv):
+    q, o, lse, *kv = ctx.saved_tensors
+    return ring_attn_bwd(do, q, kv, o, lse, **ctx.kwargs)
+
+
+ring_attn.register_autograd(_backward, setup_context=_setup_context)
