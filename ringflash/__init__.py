@@ -5,11 +5,13 @@
     o_local = ring_flash_attn_func(q_local, k_local, v_local, causal=True)
 
 Modules: `layout` (sharding and per-step schedule), `merge` (float32 (o, lse) merge), `comm`
-(the ring over NCCL or gloo), `ring` (forward/backward loop and autograd Function), `api`.
+(the ring over NCCL or gloo), `ring` (forward/backward loop and autograd Function), `ops` (the
+ring as the custom op `torch.ops.ringflash.ring_attn`, which `api` calls and torch.compile traces
+as one node), `api`.
 LSE convention everywhere: float32, natural log, shape `(B, H, N)`.
 """
 
-from ringflash import layout
+from ringflash import layout, ops
 from ringflash.api import RingFlashAttention, ring_flash_attn_func
 from ringflash.comm import NullComm, RingComm
 from ringflash.layout import LAYOUTS, check_splittable, global_positions, shard, unshard
@@ -26,6 +28,7 @@ __all__ = [
     "global_positions",
     "layout",
     "merge",
+    "ops",
     "ring_flash_attn_func",
     "shard",
     "unshard",
