@@ -122,11 +122,25 @@ def test_bin_tokens(tmp_path):
         ("bin", lambda d: d / "missing", "does not exist"),
         ("bin", lambda d: d, "has no train.bin"),
         ("bin", lambda d: _write(d / "odd.bin", b"abc"), "odd number of bytes"),
+        ("text", lambda d: _write(d / "empty.txt", b""), "empty.txt holds 0 tokens, fewer than"),
+        ("bin", lambda d: _write(d / "empty.bin", b""), "empty.bin holds 0 tokens, fewer than"),
     ],
 )
 def test_bad_data_paths(tmp_path, kind, make, match):
     path = make(tmp_path)
     with pytest.raises(ConfigError, match=match):
+        build_source(DataConfig(kind=kind, path=str(path), seq_len=64), 256)
+
+
+@pytest.mark.parametrize("kind", ["text", "bin"])
+def test_unreadable_data_file_names_it(tmp_path, monkeypatch, kind):
+    path = _write(tmp_path / "locked.bin", b"\0" * 512)
+
+    def denied(filename, *args, **kwargs):  # what chmod 000 does for anyone but root
+        raise PermissionError(13, "Permission denied", str(filename))
+
+    monkeypatch.setattr(np, "memmap", denied)
+    with pytest.raises(ConfigError, match=r"data.path: cannot read .*locked.bin: Permission denied"):
         build_source(DataConfig(kind=kind, path=str(path), seq_len=64), 256)
 
 

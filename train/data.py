@@ -163,6 +163,8 @@ def _bin_tokens(path: Path) -> tuple[np.ndarray, Path]:
             raise ConfigError(f"data.path: directory {path.parent} has no train.bin")
     if path.stat().st_size % 2:
         raise ConfigError(f"data.path: {path} has an odd number of bytes; not a uint16 token file")
+    if not path.stat().st_size:  # np.memmap refuses an empty file; TokenWindows says it is too short
+        return np.zeros(0, np.uint16), path
     return np.memmap(path, dtype=np.uint16, mode="r"), path
 
 
@@ -187,12 +189,15 @@ def build_source(cfg: DataConfig, vocab_size: int):
     path = Path(cfg.path)
     if not path.exists():
         raise ConfigError(f"data.path: {path} does not exist (data.kind = {cfg.kind!r})")
-    if cfg.kind == "text":
-        if vocab_size < 256:
-            raise ConfigError(f"model.vocab_size ({vocab_size}) must be >= 256 for byte-level text")
-        return TokenWindows(_text_tokens(path), cfg, vocab_size, f"text {path}")
-    tokens, path = _bin_tokens(path)
-    return TokenWindows(tokens, cfg, vocab_size, f"token file {path}")
+    if cfg.kind == "text" and vocab_size < 256:
+        raise ConfigError(f"model.vocab_size ({vocab_size}) must be >= 256 for byte-level text")
+    try:
+        if cfg.kind == "text":
+            return TokenWindows(_text_tokens(path), cfg, vocab_size, f"text {path}")
+        tokens, path = _bin_tokens(path)
+        return TokenWindows(tokens, cfg, vocab_size, f"token file {path}")
+    except OSError as e:  # unreadable (permissions, a FIFO, an I/O error): name the path, not a traceback
+        raise ConfigError(f"data.path: cannot read {e.filename or path}: {e.strerror or e}") from None
 
 
 class DataLoader:
