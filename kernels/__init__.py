@@ -17,12 +17,14 @@ import os
 import torch
 
 from kernels.checks import check_grad_out
+from kernels.masks import Visibility, dense_visibility, varlen_visibility, visibility
 from kernels.reference import ref_attn_bwd, ref_attn_fwd, ref_merge
 
 BACKENDS = ("auto", "triton", "reference")
 
-__all__ = ["BACKENDS", "attn_bwd", "attn_fwd", "interpreting", "ref_attn_bwd", "ref_attn_fwd", "ref_merge",
-           "resolve_backend"]
+__all__ = ["BACKENDS", "Visibility", "attn_bwd", "attn_fwd", "attn_varlen_bwd", "attn_varlen_fwd",
+           "dense_visibility", "interpreting", "ref_attn_bwd", "ref_attn_fwd", "ref_merge", "resolve_backend",
+           "varlen_visibility", "visibility"]
 
 
 def interpreting() -> bool:
@@ -54,6 +56,8 @@ def attn_fwd(
     softmax_scale: float | None = None,
     out_dtype: torch.dtype | None = None,
     acc: tuple[torch.Tensor, torch.Tensor] | None = None,
+    window: int | None = None,
+    visibility: Visibility | None = None,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward: returns `o` shaped like q in `out_dtype` (default q's) and
@@ -65,12 +69,18 @@ def attn_fwd(
     This block's result is merged into it in place, exactly (`kernels.reference.ref_merge`:
     lse = logaddexp, weights σ(∓d); −inf on either or both sides is safe), and `acc` is
     returned. The Triton kernel does it in its epilogue: one launch, no extra pass over O.
+    `window=w` (with causal=True, Nq == Nk): causal sliding window, query i sees keys
+    i − w < j <= i, w keys counting the diagonal (flash_attn's `window_size=(w − 1, 0)`).
+    `visibility=`: any per-row key intervals, e.g. packed documents at global positions
+    (`kernels.visibility`, kernels/masks.py); it replaces `causal` and `window`, and Nq, Nk are free.
     """
+    kw = dict(causal=causal, softmax_scale=softmax_scale, out_dtype=out_dtype, acc=acc, window=window,
+              visibility=visibility)
     if resolve_backend(backend, q.device) == "reference":
-        return ref_attn_fwd(q, k, v, causal=causal, softmax_scale=softmax_scale, out_dtype=out_dtype, acc=acc)
+        return ref_attn_fwd(q, k, v, **kw)
     from kernels.triton_fwd import triton_attn_fwd
 
-    return triton_attn_fwd(q, k, v, causal=causal, softmax_scale=softmax_scale, out_dtype=out_dtype, acc=acc)
+    return triton_attn_fwd(q, k, v, **kw)
 
 
 def attn_bwd(
@@ -86,6 +96,8 @@ def attn_bwd(
     grad_dtype: torch.dtype | None = None,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     accumulate_dq: bool = False,
+    window: int | None = None,
+    visibility: Visibility | None = None,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention backward: returns `dq` like q, `dk`, `dv` like k, in `grad_dtype` (default q's).
@@ -94,10 +106,12 @@ def attn_bwd(
     `out=(dq, dk, dv)`: write into these (views of larger buffers are fine) instead of new
     tensors; with `accumulate_dq=True` dq is added to `out[0]` (in float32 on chip), which is
     how the ring sums its steps' dq without a separate pass.
+    `window`, `visibility`: the forward's mask (see `attn_fwd`).
     """
     if resolve_backend(backend, q.device) == "reference":
         grads = ref_attn_bwd(
-            do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale, grad_dtype=grad_dtype
+            do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale, grad_dtype=grad_dtype,
+            window=window, visibility=visibility,
         )
         if out is None and not accumulate_dq:
             return grads
@@ -113,5 +127,8 @@ def attn_bwd(
 
     return triton_attn_bwd(
         do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale, grad_dtype=grad_dtype,
-        out=out, accumulate_dq=accumulate_dq,
+        out=out, accumulate_dq=accumulate_dq, window=window, visibility=visibility,
     )
+
+
+from kernels.varlen import attn_varlen_bwd, attn_varlen_fwd  # noqa: E402  (uses attn_fwd/attn_bwd above)

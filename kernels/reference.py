@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from kernels.checks import check_acc, check_bwd, check_qkv, resolve_scale
+from kernels.masks import Visibility, resolve_visibility
 
 
 def _grouped(q: torch.Tensor, hkv: int) -> torch.Tensor:
@@ -25,13 +26,17 @@ def _ungrouped(x: torch.Tensor) -> torch.Tensor:
     return x.permute(0, 3, 1, 2, 4).reshape(B, N, Hkv * G, D)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, vis: Visibility | None) -> torch.Tensor:
     """Scaled scores `(B, Hkv, G, Nq, Nk)` in float32, masked entries at -inf."""
     qg = _grouped(q, k.shape[2])
     kf = k.float().permute(0, 2, 1, 3)  # (B, Hkv, Nk, D)
     s = torch.einsum("bhgqd,bhkd->bhgqk", qg, kf) * scale
-    if causal:
-        nq, nk = s.shape[-2:]
+    nq, nk = s.shape[-2:]
+    if vis is not None:  # query row i sees key rows [kv_lo[i], kv_hi[i]) (kernels/masks.py)
+        j = torch.arange(nk, device=s.device)
+        visible = (j >= vis.kv_lo[..., None]) & (j < vis.kv_hi[..., None])  # (B or 1, Nq, Nk)
+        s = s.masked_fill(~visible[:, None, None], float("-inf"))
+    elif causal:
         visible = torch.ones(nq, nk, dtype=torch.bool, device=s.device).tril()
         s = s.masked_fill(~visible, float("-inf"))
     return s
@@ -53,19 +58,23 @@ def ref_attn_fwd(
     softmax_scale: float | None = None,
     out_dtype: torch.dtype | None = None,
     acc: tuple[torch.Tensor, torch.Tensor] | None = None,
+    window: int | None = None,
+    visibility: Visibility | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of `q (B, Nq, H, D)` over `k, v (B, Nk, Hkv, D)`.
 
     Returns `o (B, Nq, H, D)` in `out_dtype` (default q's dtype) and `lse (B, H, Nq)` float32 (natural log).
     Rows with no visible key give `o = 0` and `lse = -inf`. With `acc=(o_acc, lse_acc)` (float32)
     the result is merged into the accumulator in place (`ref_merge`) and `acc` is returned.
+    `window` / `visibility`: the masks of kernels/masks.py.
     """
-    check_qkv(q, k, v, causal)
+    check_qkv(q, k, v, causal and visibility is None)
+    vis = resolve_visibility(q, k, causal, window, visibility)
     if acc is not None:
         check_acc(acc, q, out_dtype)
     scale = resolve_scale(softmax_scale, q.shape[-1])
     B, Nq, H, _ = q.shape
-    s = _scores(q, k, causal, scale)  # (B, Hkv, G, Nq, Nk)
+    s = _scores(q, k, causal, scale, vis)  # (B, Hkv, G, Nq, Nk)
     lse = torch.logsumexp(s, dim=-1)  # -inf where a row sees nothing (or Nk == 0)
     p = _probabilities(s, lse)
     o = _ungrouped(torch.einsum("bhgqk,bhkd->bhgqd", p, v.float().permute(0, 2, 1, 3)))
@@ -122,6 +131,8 @@ def ref_attn_bwd(
     causal: bool = False,
     softmax_scale: float | None = None,
     grad_dtype: torch.dtype | None = None,
+    window: int | None = None,
+    visibility: Visibility | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of attention given `do`, the forward's inputs, and `o`, `lse`.
 
@@ -130,13 +141,14 @@ def ref_attn_bwd(
     exactly what makes per-block gradients sum to the full gradient.
     Returns `dq (B, Nq, H, D)`, `dk, dv (B, Nk, Hkv, D)` in `grad_dtype` (default: q's dtype).
     """
-    check_qkv(q, k, v, causal)
+    check_qkv(q, k, v, causal and visibility is None)
+    vis = resolve_visibility(q, k, causal, window, visibility)
     check_bwd(do, q, o, lse)
     scale = resolve_scale(softmax_scale, q.shape[-1])
     out_dtype = grad_dtype or q.dtype
     B, Nq, H, _ = q.shape
     Hkv = k.shape[2]
-    s = _scores(q, k, causal, scale)
+    s = _scores(q, k, causal, scale, vis)
     lse_g = lse.view(B, Hkv, H // Hkv, Nq)
     p = _probabilities(s, lse_g)  # (B, Hkv, G, Nq, Nk)
     dog = _grouped(do, Hkv)

@@ -4,6 +4,8 @@ A tile is `rows × BLOCK_D` of a `(B, N, H, D)` tensor. Bounds checks are compil
 rows are checked only where a block can run past the sequence end (`CHECK_ROWS`), and the head
 dim only when it is not a power of two (`HEAD_DIM < BLOCK_D`, e.g. 96), so the common case
 compiles to unpredicated, vectorised accesses.
+
+`block_bounds` turns a block of rows' visible intervals (kernels/masks.py) into loop bounds.
 """
 
 import triton
@@ -32,3 +34,29 @@ def store_tile(ptrs, tile, rows, offs_d, n_rows, HEAD_DIM: tl.constexpr, BLOCK_D
         tl.store(ptrs, tile, mask=rows[:, None] < n_rows)
     else:
         tl.store(ptrs, tile, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def block_bounds(lo, hi, valid, n, BLOCK: tl.constexpr):
+    """Loop bounds of a block of rows whose visible intervals are [lo, hi) (other side's rows).
+
+    Returns (start, u_lo, u_hi, end): every block of the other side in [start, end) holds a row
+    some row here sees; blocks in [u_lo, u_hi) are seen whole by every row here (no mask needed),
+    those in [start, u_lo) and [u_hi, end) need the mask. `start`, `u_lo`, `u_hi` lie on the
+    BLOCK grid; `valid` excludes rows past the end, `n` is the other side's length.
+    """
+    lo = tl.maximum(lo, 0)
+    hi = tl.minimum(hi, n)
+    seen = valid & (lo < hi)
+    start = tl.min(tl.where(seen, lo, n), 0)
+    end = tl.max(tl.where(seen, hi, 0), 0)
+    # Where every valid row sees something, what all of them see; an empty row empties it.
+    all_lo = tl.max(tl.where(valid, tl.where(seen, lo, n), 0), 0)
+    all_hi = tl.min(tl.where(valid, tl.where(seen, hi, 0), n), 0)
+    start = start // BLOCK * BLOCK
+    u_lo = (all_lo + BLOCK - 1) // BLOCK * BLOCK
+    u_hi = all_hi // BLOCK * BLOCK
+    has_full = u_hi > u_lo
+    u_lo = tl.where(has_full, u_lo, start)
+    u_hi = tl.where(has_full, u_hi, start)
+    return start, u_lo, u_hi, end

@@ -8,6 +8,12 @@ Three launches, none with atomics, so gradients are deterministic:
 3. `_bwd_dq`: one program per (query block, batch·head) streams key blocks and accumulates dQ.
    Recomputing S and dP once more costs 2 of 7 matmuls; it buys dQ without a race or atomics.
 
+Masks beyond causal (`visibility=`, kernels/masks.py): both loops visit only the blocks some row
+sees, in three stages (masked, unmasked, masked) from the rows' intervals: `_bwd_dq` from the
+query rows' key intervals [kv_lo, kv_hi) as the forward does, `_bwd_dkdv` from the key rows'
+query intervals [q_lo, q_hi), testing the query rows' [kv_lo, kv_hi) where it masks, so both
+kernels apply exactly the forward's mask.
+
 `o` and `lse` need not be the ones this block produced: with the global (ring-merged) ones the
 per-block gradients sum to the exact full gradient. A row with `lse = -inf` saw no key anywhere;
 it is treated as `+inf` here so that its P is exactly 0 instead of `exp(+inf)`.
@@ -27,7 +33,8 @@ from kernels.launch_utils import (
     dot_precision,
     upcast_dots,
 )
-from kernels.tiles import load_tile, store_tile
+from kernels.masks import Visibility, batch_stride, resolve_visibility
+from kernels.tiles import block_bounds, load_tile, store_tile
 from kernels.tuning import Tile, launch
 
 
@@ -62,8 +69,8 @@ def _load_lse2(LSE, rows, Nq):
 @triton.jit
 def _dkdv_inner(
     dk, dv, k, v, Q, DO, LSE, Delta,
-    stride_qn, stride_don, offs_n, offs_d, lo, hi, Nq, qk_scale,
-    CAUSAL: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr,
+    KV_LO, KV_HI, stride_qn, stride_don, offs_n, offs_d, lo, hi, Nq, qk_scale,
+    CAUSAL: tl.constexpr, RANGES: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Accumulate dK, dV of one key block over query blocks [lo, hi) of one query head.
@@ -85,8 +92,13 @@ def _dkdv_inner(
         lse2 = _load_lse2(LSE, rows, Nq)
         delta = tl.load(Delta + rows, mask=rows < Nq, other=0.0)
         p_t = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - lse2[None, :])
-        if MASKED and CAUSAL:
-            p_t = tl.where(rows[None, :] >= offs_n[:, None], p_t, 0.0)
+        if MASKED:
+            if RANGES:  # the forward's mask: query row i sees key rows [kv_lo[i], kv_hi[i])
+                kv_lo = tl.load(KV_LO + rows, mask=rows < Nq, other=0)
+                kv_hi = tl.load(KV_HI + rows, mask=rows < Nq, other=0)
+                p_t = tl.where((offs_n[:, None] >= kv_lo[None, :]) & (offs_n[:, None] < kv_hi[None, :]), p_t, 0.0)
+            elif CAUSAL:
+                p_t = tl.where(rows[None, :] >= offs_n[:, None], p_t, 0.0)
         dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
@@ -100,9 +112,10 @@ def _bwd_dkdv(
     stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
     stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+    KV_LO, KV_HI, Q_LO, Q_HI, stride_rqb, stride_rkb,
     Hkv, Nq, Nk, qk_scale, softmax_scale,
-    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, RANGES: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     start_n = tl.program_id(0) * BLOCK_N
@@ -122,21 +135,38 @@ def _bwd_dkdv(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    # Causal: query blocks before this key block see none of it; the ones overlapping it
-    # (BLOCK_N is a multiple of BLOCK_M) need the mask; every later one sees all of it.
-    lo = start_n if CAUSAL else 0
-    diag_end = tl.minimum(start_n + BLOCK_N, Nq) if CAUSAL else 0
+    kv_lo_ptr = KV_LO + off_b * stride_rqb
+    kv_hi_ptr = KV_HI + off_b * stride_rqb
+    if RANGES:
+        # The query blocks some row of which sees this key block (kernels/masks.py), in three
+        # stages: unmasked where every query row sees every key row here, masked at either end.
+        col_ok = offs_n < Nk
+        q_lo = tl.load(Q_LO + off_b * stride_rkb + offs_n, mask=col_ok, other=0)
+        q_hi = tl.load(Q_HI + off_b * stride_rkb + offs_n, mask=col_ok, other=0)
+        lo, split, split2, hi = block_bounds(q_lo, q_hi, col_ok, Nq, BLOCK_M)
+    else:
+        # Causal: query blocks before this key block see none of it; the ones overlapping it
+        # (BLOCK_N is a multiple of BLOCK_M) need the mask; every later one sees all of it.
+        lo = start_n if CAUSAL else 0
+        split = tl.minimum(start_n + BLOCK_N, Nq) if CAUSAL else 0
+        split = tl.maximum(lo, split)
+        split2 = Nq
+        hi = Nq
     for g in range(GROUP):  # the query heads sharing this kv head, in a fixed order
         off_h = off_hkv * GROUP + g
         q_base = Q + off_b * stride_qb + off_h * stride_qh
         do_base = DO + off_b * stride_dob + off_h * stride_doh
         row_base = (off_b * Hkv * GROUP + off_h) * Nq
         dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, Delta + row_base,
-                             stride_qn, stride_don, offs_n, offs_d, lo, diag_end, Nq, qk_scale,
-                             CAUSAL, True, UPCAST, BLOCK_M, HEAD_DIM, BLOCK_D, PRECISION)
+                             kv_lo_ptr, kv_hi_ptr, stride_qn, stride_don, offs_n, offs_d, lo, split, Nq,
+                             qk_scale, CAUSAL, RANGES, True, UPCAST, BLOCK_M, HEAD_DIM, BLOCK_D, PRECISION)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, Delta + row_base,
-                             stride_qn, stride_don, offs_n, offs_d, tl.maximum(lo, diag_end), Nq, Nq,
-                             qk_scale, CAUSAL, False, UPCAST, BLOCK_M, HEAD_DIM, BLOCK_D, PRECISION)
+                             kv_lo_ptr, kv_hi_ptr, stride_qn, stride_don, offs_n, offs_d, split, split2, Nq,
+                             qk_scale, CAUSAL, RANGES, False, UPCAST, BLOCK_M, HEAD_DIM, BLOCK_D, PRECISION)
+        if RANGES:
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, Delta + row_base,
+                                 kv_lo_ptr, kv_hi_ptr, stride_qn, stride_don, offs_n, offs_d, split2, hi, Nq,
+                                 qk_scale, CAUSAL, RANGES, True, UPCAST, BLOCK_M, HEAD_DIM, BLOCK_D, PRECISION)
 
     dk_ptrs = DK + off_b * stride_dkb + off_hkv * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :]
     dv_ptrs = DV + off_b * stride_dvb + off_hkv * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :]
@@ -146,8 +176,8 @@ def _bwd_dkdv(
 
 @triton.jit
 def _dq_inner(
-    dq, q, do, lse2, delta, K, V, stride_kn, stride_vn, offs_m, offs_d, lo, hi, Nk, qk_scale,
-    CAUSAL: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr,
+    dq, q, do, lse2, delta, K, V, stride_kn, stride_vn, offs_m, offs_d, kv_lo, kv_hi, lo, hi, Nk, qk_scale,
+    CAUSAL: tl.constexpr, RANGES: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Accumulate dQ of one query block over key blocks [lo, hi)."""
@@ -163,9 +193,12 @@ def _dq_inner(
             v = v.to(tl.float32)
         p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse2[:, None])
         if MASKED:
-            visible = cols[None, :] < Nk
-            if CAUSAL:
-                visible = visible & (offs_m[:, None] >= cols[None, :])
+            if RANGES:
+                visible = (cols[None, :] >= kv_lo[:, None]) & (cols[None, :] < kv_hi[:, None])
+            else:
+                visible = cols[None, :] < Nk
+                if CAUSAL:
+                    visible = visible & (offs_m[:, None] >= cols[None, :])
             p = tl.where(visible, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
@@ -179,9 +212,10 @@ def _bwd_dq(
     stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
     stride_dqb, stride_dqn, stride_dqh,
+    KV_LO, KV_HI, stride_rqb,
     H, Nq, Nk, qk_scale, softmax_scale,
-    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, RANGES: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     start_m = tl.program_id(0) * BLOCK_M
@@ -205,16 +239,29 @@ def _bwd_dq(
 
     k_base = K + off_b * stride_kb + off_hkv * stride_kh
     v_base = V + off_b * stride_vb + off_hkv * stride_vh
-    if CAUSAL:
-        split = start_m  # BLOCK_M is a multiple of BLOCK_N: keys before the block are all visible
-        hi = tl.minimum(start_m + BLOCK_M, Nk)
+    if RANGES:  # as the forward: masked, unmasked, masked key blocks from the rows' intervals
+        row_ok = offs_m < Nq
+        kv_lo = tl.maximum(tl.load(KV_LO + off_b * stride_rqb + offs_m, mask=row_ok, other=0), 0)
+        kv_hi = tl.minimum(tl.load(KV_HI + off_b * stride_rqb + offs_m, mask=row_ok, other=0), Nk)
+        lo, split, split2, hi = block_bounds(kv_lo, kv_hi, row_ok, Nk, BLOCK_N)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, kv_lo, kv_hi,
+                       split, split2, Nk, qk_scale, False, True, False, UPCAST, BLOCK_N, HEAD_DIM, BLOCK_D,
+                       PRECISION)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, kv_lo, kv_hi,
+                       lo, split, Nk, qk_scale, False, True, True, UPCAST, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, kv_lo, kv_hi,
+                       split2, hi, Nk, qk_scale, False, True, True, UPCAST, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION)
     else:
-        split = (Nk // BLOCK_N) * BLOCK_N
-        hi = Nk
-    dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, 0, split,
-                   Nk, qk_scale, CAUSAL, False, UPCAST, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION)
-    dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, split, hi,
-                   Nk, qk_scale, CAUSAL, True, UPCAST, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION)
+        if CAUSAL:
+            split = start_m  # BLOCK_M is a multiple of BLOCK_N: keys before the block are all visible
+            hi = tl.minimum(start_m + BLOCK_M, Nk)
+        else:
+            split = (Nk // BLOCK_N) * BLOCK_N
+            hi = Nk
+        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, offs_m, offs_m,
+                       0, split, Nk, qk_scale, CAUSAL, False, False, UPCAST, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, offs_m, offs_m,
+                       split, hi, Nk, qk_scale, CAUSAL, False, True, UPCAST, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION)
 
     dq_ptrs = DQ + off_b * stride_dqb + off_h * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :]
     dq = dq * softmax_scale
@@ -236,6 +283,8 @@ def triton_attn_bwd(
     grad_dtype: torch.dtype | None = None,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     accumulate_dq: bool = False,
+    window: int | None = None,
+    visibility: Visibility | None = None,
     tiles: dict[str, Tile] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of attention with the Triton kernels.
@@ -244,8 +293,10 @@ def triton_attn_bwd(
     Returns `dq (B, Nq, H, D)`, `dk, dv (B, Nk, Hkv, D)` in `grad_dtype` (default q's dtype; the
     ring asks for float32 to accumulate across steps): new tensors, or `out`'s (any strides) with
     dq added to `out[0]` instead of written when `accumulate_dq` (see `kernels.attn_bwd`).
+    `window` / `visibility`: the forward's mask (kernels/masks.py).
     """
-    check_qkv(q, k, v, causal)
+    check_qkv(q, k, v, causal and visibility is None)
+    vis = resolve_visibility(q, k, causal, window, visibility)
     check_bwd(do, q, o, lse)
     scale = resolve_scale(softmax_scale, q.shape[-1])
     out_dtype = grad_dtype or q.dtype
@@ -266,15 +317,22 @@ def triton_attn_bwd(
         o, do, delta, *bhnd_strides(o), *bhnd_strides(do), H, Nq, HEAD_DIM=D, BLOCK_M=64, BLOCK_D=BD,
     )
     common = dict(
-        HEAD_DIM=D, GROUP=H // Hkv, CAUSAL=causal, UPCAST=upcast_dots(q.dtype),
-        PRECISION=dot_precision(q.dtype), BLOCK_D=BD,
+        HEAD_DIM=D, GROUP=H // Hkv, CAUSAL=causal and vis is None, RANGES=vis is not None,
+        UPCAST=upcast_dots(q.dtype), PRECISION=dot_precision(q.dtype), BLOCK_D=BD,
     )
+    if vis is None:  # placeholders, never read
+        kv_ranges, q_ranges = (q, q, 0), (q, q, 0)
+    else:
+        kv_ranges = (vis.kv_lo, vis.kv_hi, batch_stride(vis.kv_lo))
+        q_ranges = (vis.q_lo, vis.q_hi, batch_stride(vis.q_lo))
     strides_in = (*bhnd_strides(q), *bhnd_strides(k), *bhnd_strides(v), *bhnd_strides(do))
     tiles = tiles or {}
     launch("dkdv", _bwd_dkdv, lambda meta: (triton.cdiv(Nk, meta["BLOCK_N"]), B * Hkv),
            (q, k, v, do, lse, delta, dk, dv, *strides_in, *bhnd_strides(dk), *bhnd_strides(dv),
+            *kv_ranges[:2], *q_ranges[:2], kv_ranges[2], q_ranges[2],
             Hkv, Nq, Nk, scale * LOG2E, scale), common, tiles.get("dkdv"))
     launch("dq", _bwd_dq, lambda meta: (triton.cdiv(Nq, meta["BLOCK_M"]), B * H),
-           (q, k, v, do, lse, delta, dq, *strides_in, *bhnd_strides(dq), H, Nq, Nk, scale * LOG2E, scale),
+           (q, k, v, do, lse, delta, dq, *strides_in, *bhnd_strides(dq), *kv_ranges,
+            H, Nq, Nk, scale * LOG2E, scale),
            dict(common, ACCUMULATE=accumulate_dq), tiles.get("dq"))
     return dq, dk, dv

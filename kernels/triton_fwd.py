@@ -10,6 +10,12 @@ Causal attention is split into two stages so that only the blocks that straddle 
 (or the ragged end of the key sequence) pay for a mask: stage 1 runs the fully visible blocks
 without one, stage 2 the rest with it.
 
+Masks beyond causal (`visibility=`, kernels/masks.py): packed documents, sliding windows, a ring
+step's rows at arbitrary global positions. Query row i sees key rows [kv_lo[i], kv_hi[i]); the
+program takes the min/max of its rows' intervals and runs three stages over the key blocks in
+range: masked blocks where the intervals start, unmasked blocks every row sees whole, masked
+blocks where they end. Key blocks outside every row's interval are never visited.
+
 Fused merge (`acc=`): instead of writing a fresh `(o, lse)`, the epilogue reads the caller's
 running float32 accumulator `(o_acc, lse_acc)` and writes the exact merge of it with this block's
 result back into it, so a ring step costs one kernel and no extra pass over O. The math is the
@@ -30,7 +36,8 @@ from kernels.launch_utils import (
     dot_precision,
     upcast_dots,
 )
-from kernels.tiles import load_tile, store_tile
+from kernels.masks import Visibility, batch_stride, resolve_visibility
+from kernels.tiles import block_bounds, load_tile, store_tile
 from kernels.tuning import Tile, launch
 
 
@@ -38,11 +45,14 @@ from kernels.tuning import Tile, launch
 def _fwd_inner(
     acc, l_i, m_i, q,
     k_ptrs, v_ptrs, stride_kn, stride_vn,
-    offs_m, offs_n, offs_d, lo, hi, Nk, qk_scale,
-    CAUSAL: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr,
+    offs_m, offs_n, offs_d, kv_lo, kv_hi, lo, hi, Nk, qk_scale,
+    CAUSAL: tl.constexpr, RANGES: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Fold key/value blocks [lo, hi) into the online-softmax state (acc, l_i, m_i)."""
+    """Fold key/value blocks [lo, hi) into the online-softmax state (acc, l_i, m_i).
+
+    MASKED blocks hide keys past Nk and, by the causal diagonal or the rows' intervals
+    [kv_lo, kv_hi) (RANGES; they lie within [0, Nk)), the keys a row does not see."""
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         k = load_tile(k_ptrs + start_n * stride_kn, cols, offs_d, Nk, MASKED, HEAD_DIM, BLOCK_D)
@@ -52,9 +62,12 @@ def _fwd_inner(
             v = v.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         if MASKED:
-            visible = cols[None, :] < Nk
-            if CAUSAL:
-                visible = visible & (offs_m[:, None] >= cols[None, :])
+            if RANGES:
+                visible = (cols[None, :] >= kv_lo[:, None]) & (cols[None, :] < kv_hi[:, None])
+            else:
+                visible = cols[None, :] < Nk
+                if CAUSAL:
+                    visible = visible & (offs_m[:, None] >= cols[None, :])
             qk = tl.where(visible, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         if MASKED:
@@ -101,9 +114,10 @@ def _attn_fwd_kernel(
     stride_vb, stride_vn, stride_vh,
     stride_ob, stride_on, stride_oh,
     stride_lb, stride_lh, stride_ln,
+    KV_LO, KV_HI, stride_rb,
     H, Nq, Nk, qk_scale,
-    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr, MERGE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, RANGES: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, MERGE: tl.constexpr,
 
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -128,20 +142,39 @@ def _attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    if CAUSAL:
-        # Keys before this query block are visible to all of it; the block on the diagonal is not.
-        # BLOCK_M is a multiple of BLOCK_N, so the split falls on a key-block boundary.
-        split = start_m * BLOCK_M
-        hi = tl.minimum(split + BLOCK_M, Nk)
+    if RANGES:
+        # Masked blocks where the rows' intervals begin, unmasked ones all rows see, masked ones
+        # where the intervals end; nothing outside them (kernels/masks.py).
+        row_ok = offs_m < Nq
+        kv_lo = tl.load(KV_LO + off_b * stride_rb + offs_m, mask=row_ok, other=0)
+        kv_hi = tl.load(KV_HI + off_b * stride_rb + offs_m, mask=row_ok, other=0)
+        kv_lo = tl.maximum(kv_lo, 0)
+        kv_hi = tl.minimum(kv_hi, Nk)
+        lo, split, split2, hi = block_bounds(kv_lo, kv_hi, row_ok, Nk, BLOCK_N)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
+                                   offs_m, offs_n, offs_d, kv_lo, kv_hi, split, split2, Nk, qk_scale,
+                                   False, True, False, UPCAST, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
+                                   offs_m, offs_n, offs_d, kv_lo, kv_hi, lo, split, Nk, qk_scale,
+                                   False, True, True, UPCAST, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
+                                   offs_m, offs_n, offs_d, kv_lo, kv_hi, split2, hi, Nk, qk_scale,
+                                   False, True, True, UPCAST, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION)
     else:
-        split = (Nk // BLOCK_N) * BLOCK_N  # full key blocks, then a ragged tail
-        hi = Nk
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
-                               offs_m, offs_n, offs_d, 0, split, Nk, qk_scale,
-                               CAUSAL, False, UPCAST, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
-                               offs_m, offs_n, offs_d, split, hi, Nk, qk_scale,
-                               CAUSAL, True, UPCAST, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION)
+        if CAUSAL:
+            # Keys before this query block are visible to all of it; the block on the diagonal is
+            # not. BLOCK_M is a multiple of BLOCK_N, so the split falls on a key-block boundary.
+            split = start_m * BLOCK_M
+            hi = tl.minimum(split + BLOCK_M, Nk)
+        else:
+            split = (Nk // BLOCK_N) * BLOCK_N  # full key blocks, then a ragged tail
+            hi = Nk
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
+                                   offs_m, offs_n, offs_d, offs_m, offs_m, 0, split, Nk, qk_scale,
+                                   CAUSAL, False, False, UPCAST, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
+                                   offs_m, offs_n, offs_d, offs_m, offs_m, split, hi, Nk, qk_scale,
+                                   CAUSAL, False, True, UPCAST, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION)
 
     # Rows that saw no key (l_i == 0) get o = 0 and lse = -inf rather than 0/0.
     empty = l_i == 0.0
@@ -166,6 +199,8 @@ def triton_attn_fwd(
     softmax_scale: float | None = None,
     out_dtype: torch.dtype | None = None,
     acc: tuple[torch.Tensor, torch.Tensor] | None = None,
+    window: int | None = None,
+    visibility: Visibility | None = None,
     tile: Tile | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of `q (B, Nq, H, D)` over `k, v (B, Nk, Hkv, D)` with the Triton kernel.
@@ -173,8 +208,10 @@ def triton_attn_fwd(
     Returns `o (B, Nq, H, D)` (contiguous, in `out_dtype`, default q's) and `lse (B, H, Nq)` float32, natural log.
     With `acc=(o_acc, lse_acc)` (float32 `(B, Nq, H, D)` and `(B, H, Nq)`, any strides with a
     contiguous last dim of o_acc) this block's result is merged into them in place and they are returned.
+    `window` (causal sliding window) and `visibility` (any per-row key intervals): kernels/masks.py.
     """
-    check_qkv(q, k, v, causal)
+    check_qkv(q, k, v, causal and visibility is None)
+    vis = resolve_visibility(q, k, causal, window, visibility)
     scale = resolve_scale(softmax_scale, q.shape[-1])
     B, Nq, H, D = q.shape
     Nk, Hkv = k.shape[1], k.shape[2]
@@ -187,9 +224,17 @@ def triton_attn_fwd(
     if Nq == 0 or B * H == 0:
         return o, lse
     args = (q, k, v, o, lse, *bhnd_strides(q), *bhnd_strides(k), *bhnd_strides(v), *bhnd_strides(o),
-            *lse.stride(), H, Nq, Nk, scale * LOG2E)
-    consts = dict(HEAD_DIM=D, GROUP=H // Hkv, CAUSAL=causal, UPCAST=upcast_dots(q.dtype),
+            *lse.stride(), *_ranges_args(vis, q), H, Nq, Nk, scale * LOG2E)
+    consts = dict(HEAD_DIM=D, GROUP=H // Hkv, CAUSAL=causal and vis is None, RANGES=vis is not None,
+                  UPCAST=upcast_dots(q.dtype),
                   PRECISION=dot_precision(q.dtype), MERGE=acc is not None, BLOCK_D=block_d(D))
     launch("fwd", _attn_fwd_kernel, lambda meta: (triton.cdiv(Nq, meta["BLOCK_M"]), B * H), args, consts, tile)
     return o, lse
 
+
+
+def _ranges_args(vis: Visibility | None, q: torch.Tensor) -> tuple:
+    """(KV_LO, KV_HI, batch stride) kernel arguments; placeholders, never read, without a Visibility."""
+    if vis is None:
+        return q, q, 0
+    return vis.kv_lo, vis.kv_hi, batch_stride(vis.kv_lo)

@@ -76,7 +76,7 @@ def launch(kernel: str, jit_fn, grid: Callable[[dict], tuple], args: tuple, cons
         if key not in _autotuned:
             configs = [_as_config(kernel, t) for t in candidates(kernel, block_d)]
             _autotuned[key] = triton.autotune(
-                configs=configs, key=["Nq", "Nk", "CAUSAL", "GROUP", "HEAD_DIM"])(jit_fn)
+                configs=configs, key=["Nq", "Nk", "CAUSAL", "RANGES", "GROUP", "HEAD_DIM"])(jit_fn)
         _autotuned[key][grid](*args, **consts)
         return
     config = _as_config(kernel, tile or tile_for(kernel, block_d))

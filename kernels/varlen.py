@@ -1,0 +1,99 @@
+"""Packed variable-length sequences, in flash_attn's `*_varlen_*` style.
+
+Documents of any lengths are packed back to back into `(total, H, D)` tensors; `cu_seqlens`
+`(n_docs + 1,)` holds their boundaries (0, end of document 0, ..., total). Each token attends
+only within its own document: causally by default, optionally within a causal sliding window.
+This is `kernels.attn_fwd/attn_bwd` on a batch of one with a `Visibility` built from the
+boundaries (kernels/masks.py), so key blocks of other documents are skipped, not masked.
+
+Unlike flash_attn, query and key documents are the same packing (self-attention) and the grid
+spans the packed tokens, so `max_seqlen` is accepted for drop-in compatibility but not needed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import kernels
+from kernels.masks import Visibility, varlen_visibility
+
+__all__ = ["attn_varlen_bwd", "attn_varlen_fwd"]
+
+
+def _check_packed(**tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(f"{name} must have 3 dims (total_tokens, heads, head_dim), got shape {tuple(t.shape)}")
+
+
+def _visibility(cu_seqlens: torch.Tensor, total: int, causal: bool, window: int | None,
+                visibility: Visibility | None) -> Visibility:
+    return visibility if visibility is not None else varlen_visibility(cu_seqlens, total, causal=causal,
+                                                                        window=window)
+
+
+def attn_varlen_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int | None = None,
+    *,
+    causal: bool = True,
+    window: int | None = None,
+    softmax_scale: float | None = None,
+    out_dtype: torch.dtype | None = None,
+    visibility: Visibility | None = None,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention within packed documents.
+
+    q `(total, H, D)`, k, v `(total, Hkv, D)` (H % Hkv == 0), fp16/bf16/fp32, any strides with a
+    contiguous last dim; cu_seqlens `(n_docs + 1,)` int32/int64 on q's device.
+    causal: within a document, token i sees j <= i (False: the whole document).
+    window: causal sliding window, w keys counting the diagonal (flash_attn's `window_size=(w − 1, 0)`).
+    visibility: the `kernels.varlen_visibility(cu_seqlens, total, causal=, window=)` of an earlier
+    call, to skip rebuilding it (the backward needs the same one).
+    Returns `o (total, H, D)` in `out_dtype` (default q's) and `lse (H, total)` float32, natural log.
+    """
+    del max_seqlen  # the grid spans the packed tokens
+    _check_packed(q=q, k=k, v=v)
+    vis = _visibility(cu_seqlens, q.shape[0], causal, window, visibility)
+    o, lse = kernels.attn_fwd(q[None], k[None], v[None], softmax_scale=softmax_scale, out_dtype=out_dtype,
+                              visibility=vis, backend=backend)
+    return o[0], lse[0]
+
+
+def attn_varlen_bwd(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int | None = None,
+    *,
+    causal: bool = True,
+    window: int | None = None,
+    softmax_scale: float | None = None,
+    grad_dtype: torch.dtype | None = None,
+    visibility: Visibility | None = None,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of `attn_varlen_fwd`: do, o like q `(total, H, D)`; lse `(H, total)` float32.
+
+    Returns `dq (total, H, D)`, `dk, dv (total, Hkv, D)` in `grad_dtype` (default q's dtype).
+    Tokens whose lse is −inf (no visible key) get zero gradients.
+    """
+    del max_seqlen
+    _check_packed(do=do, q=q, k=k, v=v, o=o)
+    if not isinstance(lse, torch.Tensor) or lse.dim() != 2:
+        raise ValueError(f"lse must have shape (heads, total_tokens), got {getattr(lse, 'shape', lse)}")
+    vis = _visibility(cu_seqlens, q.shape[0], causal, window, visibility)
+    dq, dk, dv = kernels.attn_bwd(do[None], q[None], k[None], v[None], o[None], lse[None],
+                                  softmax_scale=softmax_scale, grad_dtype=grad_dtype, visibility=vis,
+                                  backend=backend)
+    return dq[0], dk[0], dv[0]
