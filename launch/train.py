@@ -2,12 +2,19 @@
 
 Any option can be overridden as `--section.key=value` (see `--help`); `--resume` continues the
 latest complete checkpoint of the run (or `--resume PATH` a given one).
+
+Fault tolerance: under `torchrun --max-restarts=N` a restarted attempt (TORCHELASTIC_RESTART_COUNT
+> 0) resumes the latest complete checkpoint by itself, so a killed rank costs at most the steps
+since the last save (set `--checkpoint.interval`). Exit codes: 2 configuration or checkpoint
+error, 3 non-finite loss, 4 communication failure (a peer rank died, hung past
+`parallel.timeout_s`, or skipped a collective): each rank prints its own one-line error.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -35,21 +42,50 @@ def main(argv: list[str] | None = None) -> int:
         help="continue the latest complete checkpoint, or the one at PATH",
     )
     args, overrides = parser.parse_known_args(argv)
+    rank = int(os.environ.get("RANK", 0))
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    if args.resume is None and restart > 0:
+        # torchrun restarted the job after a failure: this is the same run, not a new one (which
+        # would refuse the checkpoints the first attempt left). Fresh if none was saved yet.
+        args.resume = "latest"
+        if rank == 0:
+            print(f"torchrun restart {restart}: resuming the latest complete checkpoint", flush=True)
     if args.resume is not None:
         overrides.append(f"--checkpoint.resume={args.resume}")
-    rank0 = int(os.environ.get("RANK", 0)) == 0
     try:
         cfg = load_config(args.config, overrides)
         result = train(cfg)
     except (ConfigError, NonFiniteLossError) as e:
         # Every rank raises the same error; one clear line instead of N tracebacks.
-        if rank0:
+        if rank == 0:
             print(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, ConfigError) else 3
-    if rank0 and result.losses:
+    except RuntimeError as e:
+        if not _is_comm_failure(e):
+            raise
+        # Each rank sees its own side of it (a timeout here, a closed connection there).
+        print(
+            f"error: rank {rank}: communication failed: {_first_line(e)}. A peer rank died, hung longer than "
+            f"parallel.timeout_s, or skipped a collective; see the first rank that failed.",
+            file=sys.stderr,
+        )
+        return 4
+    if rank == 0 and result.losses:
         first, last = result.losses[min(result.losses)], result.losses[max(result.losses)]
         print(f"done: step {result.final_step}, loss {first:.4f} -> {last:.4f}")
     return 0
+
+
+def _is_comm_failure(e: RuntimeError) -> bool:
+    import torch.distributed as dist
+
+    if isinstance(e, dist.DistError):
+        return True
+    return bool(re.search(r"gloo|nccl|Timed out|Connection closed|Connection reset|Broken pipe", str(e)))
+
+
+def _first_line(e: BaseException) -> str:
+    return next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
 
 
 if __name__ == "__main__":

@@ -99,6 +99,11 @@ class ParallelConfig:
         ("zigzag", "contiguous"),
     )
     backend: str = opt("auto", "Process-group backend; auto means nccl on CUDA, gloo on CPU.", ("auto", "nccl", "gloo"))
+    timeout_s: float = opt(
+        600.0,
+        "Process-group timeout in seconds: a collective or ring transfer that waits longer (a rank "
+        "died, hangs or skipped a call) raises on every rank instead of hanging the job.",
+    )
 
 
 @dataclass
@@ -298,6 +303,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"data.path: required for data.kind = {d.kind!r}")
     if not 0 <= t.stop_at <= t.steps:
         raise ConfigError(f"train.stop_at ({t.stop_at}) must be in [0, train.steps = {t.steps}]")
+    if not p.timeout_s > 0:
+        raise ConfigError(f"parallel.timeout_s: must be > 0, got {p.timeout_s}")
     if t.warmup_steps < 0:
         raise ConfigError(f"train.warmup_steps: must be >= 0, got {t.warmup_steps}")
 

@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ringflash
-from train.config import Config, ConfigError, ParallelConfig
+from train.config import Config, ConfigError, ParallelConfig, to_dict
 
 
 @dataclass
@@ -80,13 +80,40 @@ def resolve_device(device: str) -> torch.device:
     return torch.device("cpu")
 
 
+def _attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """Under torchrun, the agent's store seen through a prefix unique to this restart attempt.
+
+    torchrun's workers share the agent's TCPStore, which outlives a restart; the default env://
+    init reuses the same keys in every attempt, so after `--max-restarts` kicks in a rank can
+    read the previous attempt's peer addresses and fail to connect (gloo: "Connection refused",
+    then a 5-minute connect timeout; pytorch/pytorch#135712). None outside torchrun's agent store.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]),
+        is_master=False,
+        timeout=timeout,
+    )
+    return dist.PrefixStore(f"ringflash/{run_id}/attempt_{attempt}", store)
+
+
 @contextmanager
-def distributed(cfg: ParallelConfig, device: str = "auto", timeout_s: float = 600):
+def distributed(cfg: ParallelConfig, device: str = "auto", timeout_s: float | None = None):
     """Join (or start) the process group, build the mesh, and tear down what we started.
 
     Under torchrun the env:// rendezvous is used; a plain `python launch/train.py` becomes a
     world of one, so one code path serves both. An already-initialised group (a test harness)
     is used as it is and left alone on exit.
+
+    The group's timeout (`timeout_s`, default `cfg.timeout_s`) bounds every collective and ring
+    transfer: a rank that died, hangs or skipped a call makes the others raise after at most
+    that long (gloo: the blocked call raises; NCCL: the watchdog aborts the process), and
+    torchrun then restarts or stops the job instead of leaving it hung.
     """
     dev = resolve_device(device)
     if dev.type == "cuda":
@@ -97,8 +124,12 @@ def distributed(cfg: ParallelConfig, device: str = "auto", timeout_s: float = 60
     started = not dist.is_initialized()
     try:
         if started:
-            timeout = datetime.timedelta(seconds=timeout_s)
-            if "RANK" in os.environ:
+            timeout = datetime.timedelta(seconds=cfg.timeout_s if timeout_s is None else timeout_s)
+            store = _attempt_store(timeout)
+            if store is not None:
+                rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+                dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+            elif "RANK" in os.environ:
                 dist.init_process_group(backend, timeout=timeout)
             else:
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
@@ -112,18 +143,47 @@ def distributed(cfg: ParallelConfig, device: str = "auto", timeout_s: float = 60
             dist.destroy_process_group()
 
 
+def check_same_config(cfg: Config) -> None:
+    """Raise ConfigError on every rank unless every rank of the job runs the same configuration.
+
+    The model's ring skips its per-call cross-rank check (see `parallelize`), so ranks launched
+    with different settings (a stale TOML on one node, a per-rank override) would otherwise meet
+    in transfers of different sizes and fail late and obscurely, or wait until the timeout. One
+    small all_gather at start-up instead names every differing key and each rank's value.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    mine = {f"{section}.{key}": value for section, fields in to_dict(cfg).items() for key, value in fields.items()}
+    every: list[dict] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(every, mine)
+    differ = [key for key in mine if len({repr(theirs.get(key)) for theirs in every}) > 1]
+    if differ:
+        detail = "; ".join(
+            f"{key} is " + ", ".join(f"{theirs.get(key)!r} on rank {r}" for r, theirs in enumerate(every))
+            for key in differ
+        )
+        raise ConfigError(
+            f"the ranks were launched with different configurations: {detail}. "
+            "Give every rank the same config file and overrides."
+        )
+
+
 def parallelize(model: nn.Module, pc: ParallelContext, cfg: Config) -> nn.Module:
     """Ring attention over the cp group, then compile, activation checkpointing and DDP.
 
     The order matters: checkpointing wraps blocks that already hold the ring (and compiled
-    parts), and DDP wraps everything last so that it sees the final parameters.
+    parts), and DDP wraps everything last so that it sees the final parameters. First of all,
+    every rank checks that all ranks run the same configuration (`check_same_config`).
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+    check_same_config(cfg)
+
     for i, block in enumerate(model.blocks):
         # One code path for every cp: with a world-1 group the ring is a single local kernel call.
-        # check_ranks=False: every cp rank shards the same config-fixed sequence length, so shapes
-        # agree by construction, and the check would cost a host sync per layer on NCCL.
+        # check_ranks=False: every cp rank shards the same config-fixed sequence length (the
+        # configs agree: check_same_config above), so shapes agree by construction, and the
+        # check would cost a host sync per layer on NCCL.
         block.attn.core = ringflash.RingFlashAttention(
             group=pc.cp_group, layout=cfg.parallel.layout, causal=True, check_ranks=False
         )
