@@ -2,6 +2,7 @@
 
     python launch/bench_kernels.py                      # the full table, appended to BENCHMARKS.md
     python launch/bench_kernels.py --seqlens 4096 --head-dims 128 --no-flex   # quicker
+    python launch/bench_kernels.py --masks              # packed documents and sliding windows
 
 bf16, B·N = 32k tokens, H·D = 2048, causal and not. FLOPs in FlashAttention's convention
 (forward 4·B·H·N²·D, halved when causal; backward 2.5× forward). Each implementation is timed in
@@ -19,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from benchlib import REPO, attn_flops, markdown_table, record, time_ms
 
+from kernels import varlen_visibility
+from kernels.masks import dense_visibility
 from kernels.triton_bwd import triton_attn_bwd
 from kernels.triton_fwd import triton_attn_fwd
 
@@ -78,7 +81,11 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=2048, help="H·D")
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (it compiles for ~1 min)")
     ap.add_argument("--plot", default=str(REPO / "docs" / "bench_kernels.png"))
+    ap.add_argument("--masks", action="store_true",
+                    help="instead: packed documents and sliding windows against dense causal (ours only)")
     args = ap.parse_args()
+    if args.masks:
+        return masks(args.seqlens[-1], args.head_dims[-1], args.hidden)
 
     impls = {"ringflash": _ours, "sdpa-flash": _sdpa("flash"), "sdpa-cudnn": _sdpa("cudnn")}
     if not args.no_flex:
@@ -115,6 +122,41 @@ def main() -> None:
     record(f"Kernels: bf16 attention, B·N = {args.tokens}, H·D = {args.hidden}", table,
            notes=f"Dense bf16 matmul (8192³) in the same run: {ceiling:.0f} TFLOP/s.")
     _plot(points, Path(args.plot))
+
+
+def masks(N: int, D: int, hidden: int) -> None:
+    """One packed sequence of N tokens: dense causal, documents (uniform and mixed lengths) and
+    sliding windows. TFLOP/s count only the (query, key) pairs the mask keeps, so a kernel that
+    skips the hidden blocks keeps its dense rate while its time falls with the work."""
+    H = hidden // D
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (torch.randn(1, N, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
+    mixed = torch.randint(1024, 8193, (N // 1024,), generator=torch.Generator().manual_seed(0))
+    mixed = torch.cat([torch.zeros(1, dtype=torch.long), mixed.cumsum(0)])
+    mixed = torch.cat([mixed[mixed < N], torch.tensor([N])])
+    cases = {"dense causal": None}
+    for L in (1024, 4096):
+        cases[f"documents of {L}"] = torch.arange(0, N + 1, L)
+    cases["documents of 1k-8k"] = mixed
+    for w in (1024, 4096):
+        cases[f"window {w}"] = w
+    rows, base = [], None
+    for name, spec in cases.items():
+        if spec is None:
+            kw, pairs = dict(causal=True), N * (N + 1) / 2
+        else:
+            vis = (dense_visibility(N, window=spec, device="cuda") if isinstance(spec, int)
+                   else varlen_visibility(spec.to("cuda", torch.int32), N))
+            kw, pairs = dict(visibility=vis), (vis.kv_hi - vis.kv_lo).double().sum().item()
+        o, lse = triton_attn_fwd(q, k, v, **kw)
+        t_f = time_ms(lambda kw=kw: triton_attn_fwd(q, k, v, **kw))
+        t_b = time_ms(lambda kw=kw, o=o, lse=lse: triton_attn_bwd(do, q, k, v, o, lse, **kw))
+        flops = 4.0 * pairs * H * D
+        base = base or t_f + t_b
+        rows.append((name, flops / t_f * 1e-9, 2.5 * flops / t_b * 1e-9, t_f + t_b, base / (t_f + t_b)))
+    record(f"Kernels: masks on one packed sequence, bf16, N = {N}, H = {H}, D = {D}",
+           markdown_table(["mask", "fwd TFLOP/s", "bwd TFLOP/s", "fwd+bwd ms", "speed-up vs dense causal"], rows),
+           notes="TFLOP/s over the (query, key) pairs the mask keeps; blocks it hides are skipped.")
 
 
 def _plot(points, path: Path) -> None:

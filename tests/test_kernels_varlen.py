@@ -236,6 +236,24 @@ def test_visibility_rows_with_no_key(backend):
     assert (dk[:, :20] == 0).all() and (dv[:, :20] == 0).all()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_batch_of_packed_sequences(backend):
+    """The batch form with different documents per batch element (`q_doc`, `k_doc` of shape (B, N))."""
+    B, N, H, Hkv, D = 2, 75, 4, 2, 32
+    g = torch.Generator().manual_seed(10)
+    q, do = _randn(B, N, H, D, g=g, dtype=torch.float32), _randn(B, N, H, D, g=g, dtype=torch.float32)
+    k, v = _randn(B, N, Hkv, D, g=g, dtype=torch.float32), _randn(B, N, Hkv, D, g=g, dtype=torch.float32)
+    pos = torch.arange(N)
+    doc = torch.stack([pos // 30, (pos >= 7).long() + (pos >= 70).long()])
+    vis = visibility(pos, pos, causal=True, window=20, q_doc=doc, k_doc=doc)
+    assert vis.kv_lo.shape == (B, N)
+    o, lse = attn_fwd(q, k, v, visibility=vis, backend=backend)
+    dq, dk, dv = attn_bwd(do, q, k, v, o, lse, visibility=vis, backend=backend)
+    mask = torch.stack([_mask(pos, pos, True, 20, d, d) for d in doc])
+    truth = masked_f64(q, k, v, mask, do=do)
+    _assert_close(dict(o=o, lse=lse, dq=dq, dk=dk, dv=dv), truth, torch.float32)
+
+
 def test_visibility_intervals():
     """The interval form against the mask it stands for, and its inverse against the transpose."""
     q_pos = torch.tensor([0, 1, 2, 3, 10, 11, 12, 13])
