@@ -3,7 +3,19 @@
 A checkpoint is a directory `step_00000100/` written by every rank in parallel. It is first
 written as `step_00000100.tmp/` and renamed only after every rank has finished, so a directory
 without the suffix is always complete: a crash mid-save leaves a `.tmp` that is ignored (and
-cleaned at the next start). Only the last `keep` complete checkpoints are kept.
+cleaned at the next start). Only the last `keep` complete checkpoints are kept; an old one is
+first renamed to `.old` and only then deleted, so a crash while deleting it never leaves a
+half-deleted directory under a complete checkpoint's name. DCP fsyncs every file it writes and
+the directory is fsynced after the rename, so a published checkpoint also survives a power cut.
+
+Loading checks the checkpoint against this run before touching the model: every rank must have
+resolved the same checkpoint, and its parameter names and shapes must be this model's (a
+checkpoint of another model shape names the differing `model.*` settings). What cannot be used
+raises `CheckpointError` (a `ConfigError`: the launcher prints it as one line).
+
+Fault injection for tests and `launch/soak.py`: `RINGFLASH_FAULT=save:STEP:RANK[:ATTEMPT]` kills
+rank RANK with SIGKILL while it saves step STEP, after its shards are written and before the
+checkpoint is published, in torchrun attempt ATTEMPT (default 0; `TORCHELASTIC_RESTART_COUNT`).
 
 Contents: model and optimizer (DCP's FQN-keyed state dicts, so DDP, compile and activation
 checkpointing wrappers do not change the keys), the training state (step, scheduler, data
@@ -12,20 +24,60 @@ position) and each rank's RNG states under a per-rank key.
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import pickle
 import re
 import shutil
+import signal
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from train.config import ConfigError
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint cannot be resumed by this run: another model shape, unreadable or corrupt."""
+
+
+def _failpoint(where: str, step: int, rank: int) -> None:
+    """Die here, like a killed process (no cleanup, no exception), if RINGFLASH_FAULT says so."""
+    spec = os.environ.get("RINGFLASH_FAULT", "")
+    if not spec:
+        return
+    parts = [*spec.split(":"), "0"]  # ATTEMPT defaults to 0
+    try:
+        at = (parts[0], int(parts[1]), int(parts[2]), int(parts[3]))
+    except (IndexError, ValueError):
+        raise ValueError(f"RINGFLASH_FAULT must be WHERE:STEP:RANK[:ATTEMPT], got {spec!r}") from None
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if at == (where, step, rank, attempt):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove(path: Path) -> None:
+    """Delete a checkpoint directory: renamed away first (atomic), so it is never half-complete."""
+    trash = path.with_name(path.name + ".old")
+    shutil.rmtree(trash, ignore_errors=True)
+    path.rename(trash)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def complete_checkpoints(directory: str | Path) -> list[Path]:
@@ -76,13 +128,15 @@ class Checkpointer:
             self.dir.mkdir(parents=True, exist_ok=True)
         dist.barrier()
         dcp.save(self._state(model, optimizer, train_state), checkpoint_id=tmp)
+        _failpoint("save", step, self.rank)
         dist.barrier()  # every rank's shards are on disk before the rename publishes them
         if self.rank == 0:
-            if final.exists():
-                shutil.rmtree(final)
+            if final.exists():  # the same step saved again (a resumed run that stopped early)
+                _remove(final)
             tmp.rename(final)
+            _fsync_dir(self.dir)
             for old in complete_checkpoints(self.dir)[: -self.keep]:
-                shutil.rmtree(old, ignore_errors=True)
+                _remove(old)
         dist.barrier()
         return final
 
@@ -92,27 +146,91 @@ class Checkpointer:
             return None
         if resume == "latest":
             found = complete_checkpoints(self.dir)
-            return found[-1] if found else None
-        path = Path(resume)
-        if not (path / ".metadata").is_file():
-            raise ConfigError(f"checkpoint.resume: {path} is not a complete checkpoint (no .metadata)")
+            path = found[-1] if found else None
+        else:
+            path = Path(resume)
+            if not (path / ".metadata").is_file():
+                raise CheckpointError(f"checkpoint.resume: {path} is not a complete checkpoint (no .metadata)")
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # Every rank loads collectively, so all must load the same one; they may not when
+            # the checkpoint directory is not on a filesystem shared by every node.
+            every: list[str | None] = [None] * dist.get_world_size()
+            dist.all_gather_object(every, None if path is None else str(path))
+            if len(set(every)) > 1:
+                raise CheckpointError(
+                    f"checkpoint.resume = {resume!r} resolves differently on different ranks: "
+                    + ", ".join(f"{p} on rank {r}" for r, p in enumerate(every))
+                    + f". checkpoint.dir ({self.dir}) must be on a filesystem every rank shares."
+                )
         return path
 
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-        """Restore model, optimizer and this rank's RNG in place; return the saved train_state."""
+        """Restore model, optimizer and this rank's RNG in place; return the saved train_state.
+
+        Raises CheckpointError if the checkpoint holds another model (parameter names or shapes
+        differ: checked before anything is loaded) or cannot be read (a damaged file may be found
+        halfway through loading: the run must stop then, and does, since every rank raises).
+        """
+        try:
+            saved_keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+            head = {"train": b""}
+            dcp.load(head, checkpoint_id=path)  # the small blob first: it holds the saved config
+            train_state = pickle.loads(head["train"])
+        except (OSError, EOFError, pickle.UnpicklingError, CheckpointException) as e:
+            raise CheckpointError(f"checkpoint {path} cannot be read: {_first_line(e)}") from None
         state = self._state(model, optimizer, {})
-        saved_keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        _check_same_model(path, state["model"], saved_keys, model, train_state.get("config", {}).get("model"))
         rng_key = f"rng_rank{self.rank}"
         if not any(k.startswith(rng_key + ".") for k in saved_keys):
             state.pop(rng_key)  # saved with fewer ranks: this rank keeps its fresh RNG
-        dcp.load(state, checkpoint_id=path)
+        state.pop("train")
+        try:
+            dcp.load(state, checkpoint_id=path)
+        except CheckpointException as e:  # a BaseException: it would slip past `except Exception`
+            raise CheckpointError(f"checkpoint {path} cannot be read: {_first_line(e)}") from None
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         if rng_key in state:
             _set_rng_state(state[rng_key], self.device)
-        return pickle.loads(state["train"])
+        return train_state
 
     def clean_partial(self) -> None:
-        """Remove `.tmp` directories left by a save that never finished (rank 0 only)."""
+        """Remove what a killed save left: `.tmp` (never published) and `.old` (being deleted); rank 0."""
         if self.rank == 0 and self.dir.is_dir():
-            for p in self.dir.glob("step_*.tmp"):
+            for p in [*self.dir.glob("step_*.tmp"), *self.dir.glob("step_*.old")]:
                 shutil.rmtree(p, ignore_errors=True)
+
+
+def _first_line(e: BaseException) -> str:
+    """The informative line of an exception; DCP's wrap every rank's traceback in one message."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    errors = [line for line in lines if re.match(r"^\w*(Error|Exception)\b", line)]
+    return (errors or lines or [type(e).__name__])[-1]
+
+
+def _check_same_model(path: Path, model_sd: dict, saved_keys: dict, model: nn.Module, saved_cfg: dict | None) -> None:
+    """CheckpointError naming the parameters (and `model.*` settings) in which the checkpoint differs."""
+    saved = {
+        k.removeprefix("model."): tuple(m.size)
+        for k, m in saved_keys.items()
+        if k.startswith("model.") and isinstance(m, TensorStorageMetadata)
+    }
+    here = {k: tuple(v.shape) for k, v in model_sd.items() if isinstance(v, torch.Tensor)}
+    problems = [f"{k} is {saved[k]} there, {here[k]} here" for k in here if k in saved and saved[k] != here[k]]
+    missing, extra = sorted(set(here) - set(saved)), sorted(set(saved) - set(here))
+    if missing:
+        problems.append(f"{len(missing)} parameter(s) of this model are not in it ({', '.join(missing[:3])}, ...)")
+    if extra:
+        problems.append(f"it has {len(extra)} parameter(s) this model lacks ({', '.join(extra[:3])}, ...)")
+    if not problems:
+        return
+    settings = ""
+    mine = getattr(getattr(model, "module", model), "cfg", None)
+    if saved_cfg and dataclasses.is_dataclass(mine):
+        mine = dataclasses.asdict(mine)
+        differ = [f"model.{k} = {v!r} there, {mine[k]!r} here" for k, v in saved_cfg.items() if mine.get(k, v) != v]
+        if differ:
+            settings = " Its settings differ: " + "; ".join(differ) + "."
+    raise CheckpointError(
+        f"checkpoint {path} holds another model: {'; '.join(problems[:4])}.{settings}"
+        " Resume with the same [model] settings, or start a new run in another checkpoint.dir."
+    )
