@@ -28,6 +28,7 @@ w keys *counting the diagonal* (w = 1: each token sees only itself). flash_attn'
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -131,7 +132,15 @@ def visibility(
 
 
 def dense_visibility(n: int, *, window: int, device: torch.device | str | None = None) -> Visibility:
-    """Causal sliding window over one sequence of `n` tokens (the batch form's `window=`)."""
+    """Causal sliding window over one sequence of `n` tokens (the batch form's `window=`).
+
+    Cached per (n, window, device): a model calls it with the same few shapes in every layer
+    and step, and the tensors are never written."""
+    return _dense_visibility(n, window, torch.device(device or "cpu"))
+
+
+@functools.lru_cache(maxsize=64)
+def _dense_visibility(n: int, window: int, device: torch.device) -> Visibility:
     pos = torch.arange(n, device=device)
     return visibility(pos, pos, causal=True, window=window)
 
