@@ -1,6 +1,6 @@
 """Soak: 2-rank CPU training under torchrun, with periodic checkpoints and two injected kills.
 
-    python launch/soak.py                  # 3000 steps, a checkpoint every 250, ~10 minutes on 2 cores
+    python launch/soak.py                  # 2000 steps, a checkpoint every 200: ~4 minutes on 2 CPU cores
     python launch/soak.py --steps 200 --interval 25 --kill-step 60 --save-kill-step 150   # a quick one
 
 Faults (torchrun gets `--max-restarts` = the number of faults, and every restart resumes the

@@ -87,6 +87,8 @@ def _attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
     init reuses the same keys in every attempt, so after `--max-restarts` kicks in a rank can
     read the previous attempt's peer addresses and fail to connect (gloo: "Connection refused",
     then a 5-minute connect timeout; pytorch/pytorch#135712). None outside torchrun's agent store.
+    Every agent counts its own restarts, which agree as long as all nodes restart together (a
+    failure restarts every node); a node added later by elastic scale-up would not agree.
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
