@@ -174,17 +174,15 @@ def parallelize(model: nn.Module, pc: ParallelContext, cfg: Config) -> nn.Module
     """Ring attention over the cp group, then compile, activation checkpointing and DDP.
 
     The order matters: checkpointing wraps blocks that already hold the ring (and compiled
-    parts), and DDP wraps everything last so that it sees the final parameters. First of all,
-    every rank checks that all ranks run the same configuration (`check_same_config`).
+    parts), and DDP wraps everything last so that it sees the final parameters. The ranks must
+    run the same configuration (the trainer checks it first of all, `check_same_config`).
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-    check_same_config(cfg)
 
     for i, block in enumerate(model.blocks):
         # One code path for every cp: with a world-1 group the ring is a single local kernel call.
         # check_ranks=False: every cp rank shards the same config-fixed sequence length (the
-        # configs agree: check_same_config above), so shapes agree by construction, and the
+        # configs agree: check_same_config), so shapes agree by construction, and the
         # check would cost a host sync per layer on NCCL.
         block.attn.core = ringflash.RingFlashAttention(
             group=pc.cp_group, layout=cfg.parallel.layout, causal=True, check_ranks=False

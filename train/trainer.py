@@ -29,7 +29,7 @@ from train.data import IGNORE, DataLoader, PasskeyTask, build_sources
 from train.evaluate import bucket_owners, evaluate_passkey
 from train.metrics import Logger, flops_per_token, matmul_params, peak_memory_gib, peak_tflops
 from train.model import Transformer
-from train.parallel import ParallelContext, distributed, parallelize, shard_batch
+from train.parallel import ParallelContext, check_same_config, distributed, parallelize, shard_batch
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -130,6 +130,8 @@ def _train(cfg: Config, pc: ParallelContext) -> TrainResult:
 
 def _loop(cfg: Config, pc: ParallelContext, log: Logger) -> TrainResult:
     t, dev = cfg.train, pc.device
+    # Before anything that can fail on one rank only: a rank with another config is named here.
+    check_same_config(cfg)
     # ---- data
     source, warmup_source = build_sources(cfg.data, cfg.model.vocab_size)
     loader = DataLoader(
