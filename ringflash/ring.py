@@ -6,7 +6,8 @@ schedule says for that block pair (full, causal diagonal, half, or nothing), and
 block on. One loop serves every layout and causality; `ring_schedule` supplies each step's
 query rows, key rows and causal flag.
 
-Forward: partial `(o, lse)` are merged in float32 (merge.py); o is cast once to q's dtype.
+Forward: partial `(o, lse)` are merged in float32 (merge.py's math, fused into the forward
+kernel through `attn_fwd(acc=...)`); o is cast once to q's dtype.
 Backward: the kernels recompute `P = exp(S·scale − lse)` and `delta = rowsum(do·o)` from the
 *global* `o` and `lse`, so each block's gradients are exact pieces of the full gradient. dQ
 accumulates locally in float32; the float32 dK/dV of each block travel around the ring behind
@@ -24,7 +25,6 @@ import torch
 
 from kernels import attn_bwd, attn_fwd
 from ringflash.layout import ring_schedule
-from ringflash.merge import merge
 
 __all__ = ["RingFlashAttnFunc", "pack_kv", "ring_backward", "ring_forward"]
 
@@ -68,19 +68,20 @@ def ring_forward(q, kv, *, causal: bool, scale: float, layout: str, comm, backen
         # Post the next block's transfer first so that it travels while this one is computed.
         transfer = comm.send_recv(cur, buf(s + 1), _KV_TAG) if s + 1 < comm.world else None
         if step is not None:
-            o_blk, lse_blk = attn_fwd(
+            # Step 0 (the diagonal, every query row) starts the float32 accumulators; later steps
+            # merge into their rows inside the kernel (`acc=`): one launch, no extra pass over o.
+            o_lse = attn_fwd(
                 q[:, step.q],
                 cur[0][:, step.kv],
                 cur[1][:, step.kv],
                 causal=step.causal,
                 softmax_scale=scale,
                 out_dtype=torch.float32,  # partial results stay unrounded until the last merge
+                acc=None if s == 0 else (o[:, step.q], lse[:, :, step.q]),
                 backend=backend,
             )
-            if s == 0:  # the diagonal block covers every query row: start the accumulators
-                o, lse = o_blk, lse_blk
-            else:
-                merge(o[:, step.q], lse[:, :, step.q], o_blk, lse_blk)
+            if s == 0:
+                o, lse = o_lse
         if transfer is not None:
             transfer.wait()
     return o.to(q.dtype), lse
