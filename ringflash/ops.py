@@ -165,28 +165,24 @@ def ring_attn_bwd(
     layout: str,
     group_name: str,
     backend: str | None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """`ring.ring_backward`: `dq` like q, `dk`, `dv` like k, from the global `o` and `lse`.
+) -> tuple[Tensor, Tensor]:
+    """`ring.ring_backward`: `dq` like q and `dkv (2, B, N, Hkv, D)` (dK, dV packed, as they come
+    home in one message; the autograd formula splits them, outside the op, without a copy).
 
     `kv` is `[packed]` as `ring_attn` returned it, or `[k, v]` on one rank.
     """
     comm = _comm(group_name)
     with torch.autocast(q.device.type, enabled=False):
-        dq, dk, dv = ring_backward(
+        return ring_backward(
             do.contiguous(), q, kv[0] if len(kv) == 1 else tuple(kv), o, lse,
             causal=causal, scale=softmax_scale, layout=layout, comm=comm, backend=backend,
         )  # fmt: skip
-    if dv.untyped_storage().data_ptr() == dk.untyped_storage().data_ptr():
-        # On W > 1 ranks dK and dV come home as the two halves of one buffer, and an op's outputs
-        # may not alias each other: one copy of dV, small next to the backward's attention.
-        dv = dv.clone()
-    return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @ring_attn_bwd.register_fake
 def _(do, q, kv, o, lse, *, causal, softmax_scale, layout, group_name, backend):
     kshape = kv[0].shape[1:] if len(kv) == 1 else kv[0].shape
-    return q.new_empty(q.shape), q.new_empty(kshape), q.new_empty(kshape)
+    return q.new_empty(q.shape), q.new_empty((2, *kshape))
 
 
 def _setup_context(ctx, inputs, keyword_only_inputs, output):
@@ -200,7 +196,8 @@ def _setup_context(ctx, inputs, keyword_only_inputs, output):
 
 def _backward(ctx, do, _dlse, _dkv):
     q, o, lse, *kv = ctx.saved_tensors
-    return ring_attn_bwd(do, q, kv, o, lse, **ctx.kwargs)
+    dq, dkv = ring_attn_bwd(do, q, kv, o, lse, **ctx.kwargs)
+    return dq, dkv[0], dkv[1]
 
 
 ring_attn.register_autograd(_backward, setup_context=_setup_context)

@@ -91,11 +91,15 @@ def ring_backward(do, q, kv, o, lse, *, causal: bool, scale: float, layout: str,
     """Ring attention backward, no autograd.
 
     do, q, o `(B, N, H, D)`; kv `(2, B, N, Hkv, D)` as given to `ring_forward`; lse `(B, H, N)`
-    float32 — the global `o` and `lse` that `ring_forward` returned. Returns `dq` like q, `dk`,
-    `dv` like k (input dtype), accumulated in float32 across the ring.
+    float32 — the global `o` and `lse` that `ring_forward` returned. Returns `dq` like q and
+    `dkv (2, B, N, Hkv, D)`, dK and dV packed like kv, in the input dtype, accumulated in float32
+    across the ring. (Packed because they come home as one message; callers split them.)
     """
     if comm.world == 1:
-        return attn_bwd(do, q, kv[0], kv[1], o, lse, causal=causal, softmax_scale=scale, backend=backend)
+        dq = torch.empty_like(q)
+        dkv = torch.empty((2, *kv[0].shape), dtype=kv[0].dtype, device=q.device)
+        attn_bwd(do, q, kv[0], kv[1], o, lse, causal=causal, softmax_scale=scale, out=(dq, *dkv), backend=backend)
+        return dq, dkv
     world = comm.world
     steps = ring_schedule(comm.rank, world, q.shape[1], causal, layout)
     buf = _ring_buffers(kv, world)
@@ -144,7 +148,7 @@ def ring_backward(do, q, kv, o, lse, *, causal: bool, scale: float, layout: str,
         if kv_transfer is not None:
             kv_transfer.wait()
     dkv_transfer.wait()
-    return dq.to(q.dtype), home[0], home[1]
+    return dq.to(q.dtype), home
 
 
 class RingFlashAttnFunc(torch.autograd.Function):
@@ -170,5 +174,5 @@ class RingFlashAttnFunc(torch.autograd.Function):
         q, o, lse, *kv = ctx.saved_tensors  # [k, v] on one rank, else [packed kv]
         kv = kv if len(kv) == 2 else kv[0]
         with torch.autocast(q.device.type, enabled=False):
-            dq, dk, dv = ring_backward(do.contiguous(), q, kv, o, lse, **ctx.args)
-        return dq, dk, dv, None, None, None, None, None
+            dq, dkv = ring_backward(do.contiguous(), q, kv, o, lse, **ctx.args)
+        return dq, dkv[0], dkv[1], None, None, None, None, None
