@@ -1,0 +1,66 @@
+"""What the fused merge saves: one ring step's forward as kernel + separate merge against
+`attn_fwd(acc=...)`, which merges into the ring's float32 accumulators inside the kernel.
+
+    python launch/bench_merge.py            # one GPU; appends to BENCHMARKS.md
+
+The shapes are the non-diagonal steps of a zigzag causal ring (bf16, H = 16, D = 128): all of this
+rank's queries against half of a block's keys, and half of its queries against all of the keys.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from benchlib import attn_flops, markdown_table, record, time_ms
+
+from kernels import attn_fwd, ref_merge
+
+
+def step_times(n_q: int, n_k: int, heads: int, head_dim: int) -> tuple[float, float]:
+    """(separate ms, fused ms) of one step: queries `n_q` rows of a float32 accumulator, keys `n_k`."""
+    dev, dt = "cuda", torch.bfloat16
+    q = torch.randn(1, n_q, heads, head_dim, device=dev, dtype=dt)
+    k, v = (torch.randn(1, n_k, heads, head_dim, device=dev, dtype=dt) for _ in range(2))
+    o0, lse0 = attn_fwd(q, k, v, out_dtype=torch.float32)  # a realistic running accumulator
+    o, lse = o0.clone(), lse0.clone()
+
+    def separate():
+        o_blk, lse_blk = attn_fwd(q, k, v, out_dtype=torch.float32)
+        ref_merge(o, lse, o_blk, lse_blk)
+
+    def fused():
+        attn_fwd(q, k, v, out_dtype=torch.float32, acc=(o, lse))
+
+    return time_ms(separate), time_ms(fused)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens-per-rank", type=int, nargs="+", default=[8192, 32768])
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--no-record", action="store_true")
+    args = ap.parse_args()
+    rows = []
+    for n in args.tokens_per_rank:
+        for n_q, n_k in ((n, n // 2), (n // 2, n)):
+            sep, fus = step_times(n_q, n_k, args.heads, args.head_dim)
+            tflops = attn_flops(1, args.heads, n_q, n_k, args.head_dim, causal=False) / fus / 1e9
+            rows.append((n, f"{n_q}×{n_k}", f"{sep:.3f}", f"{fus:.3f}", f"{sep - fus:.3f}", f"{sep / fus:.3f}",
+                         f"{tflops:.0f}"))
+    headers = ("tokens/rank", "q rows × keys", "kernel + merge ms", "fused ms", "saved ms", "ratio", "fused TFLOP/s")
+    table = markdown_table(headers, rows)
+    if args.no_record:
+        print(table)
+    else:
+        record(
+            f"Fused merge: one zigzag ring step's forward, bf16, H={args.heads}, D={args.head_dim}",
+            table,
+            "kernel + merge = `attn_fwd(out_dtype=float32)` then `kernels.ref_merge` (the pre-fusion ring step); "
+            "fused = `attn_fwd(acc=(o, lse))`.",
+        )
+
+
+if __name__ == "__main__":
+    main()
