@@ -5,7 +5,8 @@ rows are checked only where a block can run past the sequence end (`CHECK_ROWS`)
 dim only when it is not a power of two (`HEAD_DIM < BLOCK_D`, e.g. 96), so the common case
 compiles to unpredicated, vectorised accesses.
 
-`block_bounds` turns a block of rows' visible intervals (kernels/masks.py) into loop bounds.
+`block_bounds` turns a block of rows' visible intervals (kernels/masks.py) into loop bounds;
+`visible_keys` is the mask the forward and the dQ pass apply inside masked blocks.
 """
 
 import triton
@@ -60,3 +61,17 @@ def block_bounds(lo, hi, valid, n, BLOCK: tl.constexpr):
     u_lo = tl.where(has_full, u_lo, start)
     u_hi = tl.where(has_full, u_hi, start)
     return start, u_lo, u_hi, end
+
+
+@triton.jit
+def visible_keys(rows, cols, kv_lo, kv_hi, Nk, CAUSAL: tl.constexpr, RANGES: tl.constexpr):
+    """`(rows × cols)` mask of the keys each query row sees: its interval `[kv_lo, kv_hi)` (RANGES),
+    else the keys that exist and, causal, are not after the row. (The forward and the dQ pass.)"""
+    if RANGES:
+        visible = (cols[None, :] >= kv_lo[:, None]) & (cols[None, :] < kv_hi[:, None])
+    else:
+        visible = cols[None, :] < Nk
+        if CAUSAL:
+            visible = visible & (rows[:, None] >= cols[None, :])
+    return visible
+

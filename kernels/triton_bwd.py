@@ -34,7 +34,7 @@ from kernels.launch_utils import (
     upcast_dots,
 )
 from kernels.masks import Visibility, batch_stride, resolve_visibility
-from kernels.tiles import block_bounds, load_tile, store_tile
+from kernels.tiles import block_bounds, load_tile, store_tile, visible_keys
 from kernels.tuning import Tile, launch
 
 
@@ -193,12 +193,7 @@ def _dq_inner(
             v = v.to(tl.float32)
         p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse2[:, None])
         if MASKED:
-            if RANGES:
-                visible = (cols[None, :] >= kv_lo[:, None]) & (cols[None, :] < kv_hi[:, None])
-            else:
-                visible = cols[None, :] < Nk
-                if CAUSAL:
-                    visible = visible & (offs_m[:, None] >= cols[None, :])
+            visible = visible_keys(offs_m, cols, kv_lo, kv_hi, Nk, CAUSAL, RANGES)
             p = tl.where(visible, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])

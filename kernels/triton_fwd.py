@@ -37,7 +37,7 @@ from kernels.launch_utils import (
     upcast_dots,
 )
 from kernels.masks import Visibility, batch_stride, resolve_visibility
-from kernels.tiles import block_bounds, load_tile, store_tile
+from kernels.tiles import block_bounds, load_tile, store_tile, visible_keys
 from kernels.tuning import Tile, launch
 
 
@@ -62,12 +62,7 @@ def _fwd_inner(
             v = v.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         if MASKED:
-            if RANGES:
-                visible = (cols[None, :] >= kv_lo[:, None]) & (cols[None, :] < kv_hi[:, None])
-            else:
-                visible = cols[None, :] < Nk
-                if CAUSAL:
-                    visible = visible & (offs_m[:, None] >= cols[None, :])
+            visible = visible_keys(offs_m, cols, kv_lo, kv_hi, Nk, CAUSAL, RANGES)
             qk = tl.where(visible, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         if MASKED:
