@@ -106,6 +106,14 @@ def test_missing_file():
         (["--parallel.cp=2", "--data.warmup_seq_len=130", "--data.warmup_seq_steps=1"], r"warmup_seq_len \(130\)"),
         (["--data.warmup_seq_len=1024", "--data.warmup_seq_steps=1"], "shorter than data.seq_len"),
         (["--data.warmup_seq_len=128"], r"data.warmup_seq_steps \(0\) must be in \[1, train.steps"),
+        (["--data.pack_documents=true"], "data.pack_documents: needs data.kind = text or bin"),
+        (
+            ["--data.kind=bin", "--data.path=x", "--data.pack_documents=true"],
+            r"data.eod_token \(50256, auto for bin\) must be a token id in \[0, model.vocab_size = 256\)",
+        ),
+        (["--data.kind=text", "--data.path=x", "--data.pack_documents=true", "--data.eod_token=256"], "eod_token"),
+        (["--data.eod_token=-2"], r"data.eod_token: must be -1 \(auto\)"),
+        (["--model.window=-1"], r"model.window: must be >= 0"),
     ],
 )
 def test_inconsistent_values(args, match):

@@ -46,6 +46,12 @@ class ModelConfig:
     norm_eps: float = opt(1e-5, "RMSNorm epsilon.")
     tie_embeddings: bool = opt(True, "Share the token embedding with the output projection.")
     init_std: float = opt(0.02, "Std of the normal init; residual projections get std/sqrt(2·n_layers).")
+    window: int = opt(
+        0,
+        "Sliding-window attention: 0 means full causal attention; w > 0 lets each token see itself and "
+        "the w − 1 tokens before it (flash_attn's window_size = (w − 1, 0)). Under cp the ring skips the "
+        "key blocks outside every query's window, so the attention cost falls with w.",
+    )
 
 
 @dataclass
@@ -58,6 +64,22 @@ class DataConfig:
     path: str = opt(
         "",
         "text: a file or a directory of files; bin: a .bin file or a directory holding train.bin. Unused for passkey.",
+    )
+    pack_documents: bool = opt(
+        False,
+        "text and bin only: the token stream is a sequence of documents, each ended by eod_token, and "
+        "attention never crosses a document boundary (each sequence is a window of the stream, so it "
+        "packs several documents; the first may start mid-document). The label of every EOD token (the "
+        "next document's first token, unpredictable) takes no loss; the EOD token itself, as the label "
+        "of a document's last token, does: the model learns where documents end.",
+    )
+    eod_token: int = opt(
+        -1,
+        "End-of-document token for pack_documents. -1 (auto): 50256 for bin (GPT-2's <|endoftext|>, which "
+        "nanoGPT's prepare.py scripts append after every document) and 0 for text (the NUL byte, absent "
+        "from text files). For text, a directory gives one document per file: an EOD token is appended to "
+        "every file that does not already end with one, and any EOD byte inside a file ends a document "
+        "too. A token >= 256 (with model.vocab_size above it) cannot occur in text at all.",
     )
     seq_len: int = opt(512, "Tokens per sequence, the whole context before it is sharded over cp.")
     batch_size: int = opt(4, "Sequences per data-parallel rank per micro-step.")
@@ -299,6 +321,21 @@ def validate(cfg: Config) -> None:
                 f"data.warmup_seq_steps ({d.warmup_seq_steps}) must be in [1, train.steps = {t.steps}] "
                 "when data.warmup_seq_len is set"
             )
+    if m.window < 0:
+        raise ConfigError(f"model.window: must be >= 0 (0: full causal attention), got {m.window}")
+    if d.eod_token < -1:
+        raise ConfigError(f"data.eod_token: must be -1 (auto) or a token id >= 0, got {d.eod_token}")
+    if d.pack_documents:
+        if d.kind not in ("text", "bin"):
+            raise ConfigError(
+                f"data.pack_documents: needs data.kind = text or bin (a {d.kind} sequence is one document)"
+            )
+        eod = resolve_eod_token(d)
+        if not 0 <= eod < m.vocab_size:
+            raise ConfigError(
+                f"data.eod_token ({eod}{', auto for ' + d.kind if d.eod_token == -1 else ''}) must be a token "
+                f"id in [0, model.vocab_size = {m.vocab_size})"
+            )
     if d.kind in ("text", "bin") and not d.path:
         raise ConfigError(f"data.path: required for data.kind = {d.kind!r}")
     if not 0 <= t.stop_at <= t.steps:
@@ -307,6 +344,13 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"parallel.timeout_s: must be > 0, got {p.timeout_s}")
     if t.warmup_steps < 0:
         raise ConfigError(f"train.warmup_steps: must be >= 0, got {t.warmup_steps}")
+
+
+def resolve_eod_token(d: DataConfig) -> int:
+    """The end-of-document token of `d`, with -1 (auto) resolved by `d.kind` (see DataConfig.eod_token)."""
+    if d.eod_token != -1:
+        return d.eod_token
+    return 50256 if d.kind == "bin" else 0
 
 
 def describe() -> str:
