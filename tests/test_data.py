@@ -187,3 +187,55 @@ def test_sequence_length_warmup():
 
     with pytest.raises(ConfigError, match=r"data.warmup_seq_len \(64\): data.seq_len \(64\) too short"):
         build_sources(DataConfig(seq_len=512, eval_buckets=4, warmup_seq_len=64, warmup_seq_steps=1), 256)
+
+
+def _check_packed(x, y, doc, eod):
+    """Document ids step by one right after each EOD input; labels across a boundary are IGNORE."""
+    ends = x == eod
+    assert int(doc[0]) == 0 and torch.equal(doc[1:] - doc[:-1], ends[:-1].long())
+    assert (y[ends] == IGNORE).all()  # the next document's first token: not predictable
+    torch.testing.assert_close(x[1:][~ends[:-1]], y[:-1][~ends[:-1]])  # elsewhere the next token, EOD included
+
+
+def test_packed_text_directory_is_one_document_per_file(tmp_path):
+    # Each file one letter, of its own length; b already ends with the EOD byte; c holds one inside.
+    (tmp_path / "a.txt").write_bytes(b"a" * 11)
+    (tmp_path / "b.txt").write_bytes(b"b" * 5 + b"\0")
+    (tmp_path / "c.txt").write_bytes(b"c" * 7 + b"\0" + b"d" * 9)
+    src = build_source(DataConfig(kind="text", path=str(tmp_path), seq_len=24, pack_documents=True), 256)
+    assert src.tokens.tobytes() == b"a" * 11 + b"\0" + b"b" * 5 + b"\0" + b"c" * 7 + b"\0" + b"d" * 9 + b"\0"
+    for i in range(20):
+        x, y, doc = src(i)
+        assert x.shape == y.shape == doc.shape == (24,) and doc.dtype == torch.int64
+        _check_packed(x, y, doc, 0)
+        for d in doc.unique():
+            assert len(set(text(x[(doc == d) & (x != 0)]))) <= 1  # one file's letter per document
+    assert any(int(src(i)[2][-1]) >= 2 for i in range(20))
+    x, y, doc = src(3)
+    again = build_source(DataConfig(kind="text", path=str(tmp_path), seq_len=24, pack_documents=True), 256)(3)
+    assert all(torch.equal(a, b) for a, b in zip((x, y, doc), again, strict=True))  # a pure function of the index
+    # An EOD token outside the bytes (vocab 257) cannot occur in text: only the files separate.
+    src = build_source(DataConfig(kind="text", path=str(tmp_path), seq_len=24, pack_documents=True, eod_token=256), 257)
+    assert int((torch.from_numpy(src.tokens.astype(np.int64)) == 256).sum()) == 3
+    _check_packed(*src(0), 256)
+
+
+def test_packed_bin_uses_gpt2_end_of_text(tmp_path):
+    rng = np.random.default_rng(0)
+    docs = [np.append(rng.integers(0, 50000, rng.integers(1, 40)), 50256) for _ in range(50)]
+    np.concatenate(docs).astype(np.uint16).tofile(tmp_path / "train.bin")
+    src = build_source(DataConfig(kind="bin", path=str(tmp_path), seq_len=64, pack_documents=True), 50304)
+    for i in range(10):
+        _check_packed(*src(i), 50256)
+    loader = DataLoader(src, batch_size=3, grad_accum=2, dp_rank=0, dp_size=1)
+    micros = loader.next()
+    assert len(micros) == 2 and all(len(m) == 3 and m[2].shape == (3, 64) for m in micros)
+    resumed = DataLoader(src, 3, 2, 0, 1)
+    resumed.load_state_dict(loader.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(loader.next()[1], resumed.next()[1], strict=True))
+
+
+def test_packed_text_without_any_eod_is_an_error(tmp_path):
+    path = _write(tmp_path / "one.txt", b"no separator here " * 10)
+    with pytest.raises(ConfigError, match=r"data.eod_token: text .*one.txt never holds the end-of-document token 0"):
+        build_source(DataConfig(kind="text", path=str(path), seq_len=64, pack_documents=True), 256)

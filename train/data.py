@@ -1,7 +1,11 @@
 """Training data: a synthetic passkey task (the default), byte-level text, nanoGPT token files.
 
 Every source maps a sample index to one sequence, `(inputs (L,), labels (L,))` int64, labels
-shifted by one and -100 where no loss is taken. `DataLoader` turns (step, micro-step, dp rank)
+shifted by one and -100 where no loss is taken. With `data.pack_documents` a text or bin source
+returns `(inputs, labels, doc_ids)`: `doc_ids (L,)` int64, non-decreasing from 0, the document of
+each input position of the whole (unsharded) sequence; an end-of-document (EOD) token belongs to the
+document it ends. The DataLoader stacks whatever the source returns, so a batch is `(inputs,
+labels)` or `(inputs, labels, doc_ids)`, each `(B, L)`. `DataLoader` turns (step, micro-step, dp rank)
 into sample indices, so a batch is a pure function of the seed and the step: resuming needs only
 the step, and every cp rank of a dp group builds the same global sequences before taking its shard.
 
@@ -27,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from train.config import ConfigError, DataConfig
+from train.config import ConfigError, DataConfig, resolve_eod_token
 
 IGNORE = -100  # label of positions that take no loss (F.cross_entropy's ignore_index)
 
@@ -124,9 +128,14 @@ class PasskeyTask:
 
 
 class TokenWindows:
-    """Random windows of `seq_len + 1` tokens from one long token array (bytes or uint16)."""
+    """Random windows of `seq_len + 1` tokens from one long token array (bytes or uint16).
 
-    def __init__(self, tokens: np.ndarray, cfg: DataConfig, vocab_size: int, what: str):
+    With `eod` (packing on), each window also gets its document ids, and the labels that would
+    predict across a boundary are IGNORE: the label of an EOD input is the next document's first
+    token, which the model, seeing only the current document, cannot predict.
+    """
+
+    def __init__(self, tokens: np.ndarray, cfg: DataConfig, vocab_size: int, what: str, eod: int | None = None):
         if len(tokens) < cfg.seq_len + 1:
             raise ConfigError(
                 f"data.path: {what} holds {len(tokens)} tokens, fewer than data.seq_len + 1 = {cfg.seq_len + 1}"
@@ -137,22 +146,47 @@ class TokenWindows:
         largest = int(tokens.max())
         if largest >= vocab_size:
             raise ConfigError(f"data.path: {what} holds token {largest} but model.vocab_size is {vocab_size}")
-        self.tokens, self.L, self.seed = tokens, cfg.seq_len, cfg.seed
+        if eod is not None and not (tokens == eod).any():
+            # Packing would silently be one endless document: almost surely the wrong eod_token.
+            raise ConfigError(
+                f"data.eod_token: {what} never holds the end-of-document token {eod}, so data.pack_documents "
+                "would find no document boundary; set data.eod_token to the separator the data uses"
+            )
+        self.tokens, self.L, self.seed, self.eod = tokens, cfg.seq_len, cfg.seed, eod
 
-    def __call__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, index: int) -> tuple[torch.Tensor, ...]:
         start = random.Random(f"window:{self.seed}:{index}").randrange(len(self.tokens) - self.L)
         window = torch.from_numpy(self.tokens[start : start + self.L + 1].astype(np.int64))
-        return window[:-1], window[1:]
+        inputs, labels = window[:-1], window[1:]
+        if self.eod is None:
+            return inputs, labels
+        ends = inputs == self.eod  # (L,) an EOD input is the last token of its document
+        doc_ids = torch.cumsum(ends, 0) - ends.long()  # documents ended strictly before each position
+        return inputs, labels.masked_fill(ends, IGNORE), doc_ids
 
 
-def _text_tokens(path: Path) -> np.ndarray:
-    """Bytes of a file, or of every file under a directory (sorted, concatenated)."""
+def _text_tokens(path: Path, eod: int | None = None) -> np.ndarray:
+    """Bytes of a file, or of every file under a directory (sorted, concatenated).
+
+    With `eod` (packing), a directory is one document per file: each file that does not already
+    end with `eod` gets it appended. An `eod` >= 256 (not a byte) makes the result uint16.
+    """
+    dtype = np.uint8 if eod is None or eod < 256 else np.uint16
     if path.is_file():
-        return np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size else np.zeros(0, np.uint8)
+        if not path.stat().st_size:
+            return np.zeros(0, dtype)
+        data = np.memmap(path, dtype=np.uint8, mode="r")
+        return data if dtype == np.uint8 else data.astype(dtype)
     files = sorted(p for p in path.rglob("*") if p.is_file())
     if not files:
         raise ConfigError(f"data.path: directory {path} holds no files")
-    return np.frombuffer(b"".join(p.read_bytes() for p in files), dtype=np.uint8)
+    if eod is None:
+        return np.frombuffer(b"".join(p.read_bytes() for p in files), dtype=np.uint8)
+    docs = []
+    for p in files:
+        doc = np.frombuffer(p.read_bytes(), dtype=np.uint8).astype(dtype)
+        docs.append(doc if len(doc) and doc[-1] == eod else np.append(doc, np.array(eod, dtype)))
+    return np.concatenate(docs)
 
 
 def _bin_tokens(path: Path) -> tuple[np.ndarray, Path]:
@@ -181,7 +215,8 @@ def build_sources(cfg: DataConfig, vocab_size: int) -> tuple:
 
 
 def build_source(cfg: DataConfig, vocab_size: int):
-    """The sample source named by `cfg.kind`; a callable `index -> (inputs (L,), labels (L,))`."""
+    """The sample source named by `cfg.kind`; a callable `index -> (inputs (L,), labels (L,))`,
+    or `(inputs, labels, doc_ids (L,))` with `cfg.pack_documents`."""
     if cfg.kind == "passkey":
         if vocab_size < 256:
             raise ConfigError(f"model.vocab_size ({vocab_size}) must be >= 256 for byte-level passkey")
@@ -191,11 +226,12 @@ def build_source(cfg: DataConfig, vocab_size: int):
         raise ConfigError(f"data.path: {path} does not exist (data.kind = {cfg.kind!r})")
     if cfg.kind == "text" and vocab_size < 256:
         raise ConfigError(f"model.vocab_size ({vocab_size}) must be >= 256 for byte-level text")
+    eod = resolve_eod_token(cfg) if cfg.pack_documents else None
     try:
         if cfg.kind == "text":
-            return TokenWindows(_text_tokens(path), cfg, vocab_size, f"text {path}")
+            return TokenWindows(_text_tokens(path, eod), cfg, vocab_size, f"text {path}", eod)
         tokens, path = _bin_tokens(path)
-        return TokenWindows(tokens, cfg, vocab_size, f"token file {path}")
+        return TokenWindows(tokens, cfg, vocab_size, f"token file {path}", eod)
     except OSError as e:  # unreadable (permissions, a FIFO, an I/O error): name the path, not a traceback
         raise ConfigError(f"data.path: cannot read {e.filename or path}: {e.strerror or e}") from None
 
@@ -220,14 +256,15 @@ class DataLoader:
     def source_at(self, step: int):
         return self.warmup_source if step < self.warmup_steps else self.source
 
-    def batch(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Full (unsharded) `inputs, labels (B, L)` int64 of one micro-step."""
+    def batch(self, step: int, micro: int) -> tuple[torch.Tensor, ...]:
+        """Full (unsharded) `inputs, labels (B, L)` int64 of one micro-step, and `doc_ids (B, L)`
+        when the source packs documents."""
         first = ((step * self.accum + micro) * self.dp_size + self.dp_rank) * self.B
         source = self.source_at(step)
-        pairs = [source(first + i) for i in range(self.B)]
-        return torch.stack([x for x, _ in pairs]), torch.stack([y for _, y in pairs])
+        samples = [source(first + i) for i in range(self.B)]
+        return tuple(torch.stack(column) for column in zip(*samples, strict=True))
 
-    def next(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def next(self) -> list[tuple[torch.Tensor, ...]]:
         """The `grad_accum` micro-batches of the next step."""
         micros = [self.batch(self.step, m) for m in range(self.accum)]
         self.step += 1
