@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from train.config import ModelConfig, load_config
-from train.model import Transformer, apply_rope, rope_angles
+from train.model import DocumentMask, Transformer, apply_rope, rope_angles
 
 TINY = ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2)
 
@@ -91,3 +91,48 @@ def test_swappable_attention_core():
         block.attn.core = Spy()
     m(torch.randint(0, 256, (2, 8)))
     assert calls == [((2, 8, 4, 16), (2, 8, 2, 16))] * 2
+
+
+def test_mask_reaches_every_core_unopened():
+    m = model()
+    seen, token = [], object()
+
+    class Spy(torch.nn.Module):
+        def forward(self, q, k, v, mask=None):
+            seen.append(mask)
+            return torch.zeros_like(q)
+
+    for block in m.blocks:
+        block.attn.core = Spy()
+    m(torch.randint(0, 256, (2, 8)), mask=token)
+    assert seen == [token, token]
+
+
+def test_document_mask_isolates_documents():
+    # Two documents (11 and 13 tokens); a different first document must not move the second's logits.
+    m = model()
+    doc_ids = torch.tensor([[0] * 11 + [1] * 13])
+    a = torch.randint(0, 256, (1, 24))
+    b = a.clone()
+    b[0, :11] = torch.randint(0, 256, (11,))
+    la, lb = m(a, mask=DocumentMask(doc_ids)), m(b, mask=DocumentMask(doc_ids))
+    torch.testing.assert_close(la[:, 11:], lb[:, 11:])
+    assert not torch.allclose(m(a)[:, 11:], m(b)[:, 11:])  # without the mask they do see each other
+    # The second document alone, at the same positions, gives the same logits.
+    torch.testing.assert_close(la[:, 11:], m(a[:, 11:], torch.arange(11, 24)))
+    with pytest.raises(TypeError, match=r"mask: LocalCausalAttention takes a train.model.DocumentMask"):
+        m(a, mask="not a mask")
+
+
+def test_sliding_window():
+    # With window w and 2 layers, token i depends on tokens i - 2(w - 1) .. i only.
+    w = 4
+    m = model(ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, window=w))
+    idx = torch.randint(0, 256, (1, 32))
+    changed = idx.clone()
+    changed[0, :10] = (changed[0, :10] + 1) % 256
+    a, b = m(idx), m(changed)
+    torch.testing.assert_close(a[:, 10 + 2 * (w - 1) :], b[:, 10 + 2 * (w - 1) :])
+    assert not torch.allclose(a[:, 10 : 10 + 2 * (w - 1)], b[:, 10 : 10 + 2 * (w - 1)])
+    full = model()  # the same weights (same seed) without a window see everything
+    assert not torch.allclose(full(idx)[:, 20:], full(changed)[:, 20:])

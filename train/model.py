@@ -2,7 +2,11 @@
 
 The model knows nothing about distribution. Each block's attention calls `self.core(q, k, v)`
 on `(B, N, H, D)` / `(B, N, Hkv, D)` tensors; by default that is causal attention over the local
-sequence, and `train.parallel.parallelize` swaps in `RingFlashAttention` over the cp group. For
+sequence, and `train.parallel.parallelize` swaps in `RingFlashAttention` over the cp group.
+`Transformer.forward(idx, pos, mask)` hands an optional attention mask, unopened, to every
+block's core as `core(q, k, v, mask=mask)`: whoever swapped the core in builds a mask it
+understands (the trainer: `ringflash.ring_mask`, once per batch). The default core understands
+`DocumentMask` and rejects anything else. For
 the same reason RoPE takes explicit positions: under context parallelism a rank holds tokens
 from several places in the sequence (zigzag), and each must be rotated by its *global* position.
 """
@@ -10,6 +14,7 @@ from several places in the sequence (zigzag), and each must be rotated by its *g
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -48,15 +53,55 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.flatten(-2).to(x.dtype)
 
 
-class LocalCausalAttention(nn.Module):
-    """Causal softmax attention over the local sequence: the model's default `core`."""
+@dataclass(frozen=True)
+class DocumentMask:
+    """The default core's mask: packed documents that never attend across their boundaries.
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    `doc_ids (B, N)` integer, the document of every position of the (whole, unsharded) sequence,
+    non-decreasing along each row.
+    """
+
+    doc_ids: torch.Tensor
+
+
+class LocalCausalAttention(nn.Module):
+    """Causal softmax attention over the local sequence: the model's default `core`.
+
+    `window` (0: off) restricts query i to keys i − window < j <= i; a `DocumentMask` further to
+    keys of its own document. Both are built as a dense boolean mask: this core is the
+    single-device reference and CPU path, not the fast one.
+    """
+
+    def __init__(self, window: int = 0):
+        super().__init__()
+        self.window = window
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask | None = None
+    ) -> torch.Tensor:
+        B, N = q.shape[:2]
+        if mask is not None and not isinstance(mask, DocumentMask):
+            raise TypeError(
+                f"mask: LocalCausalAttention takes a train.model.DocumentMask, got {type(mask).__name__} "
+                "(a ring mask needs the ring attention core that train.parallel.parallelize installs)"
+            )
+        if mask is not None and mask.doc_ids.shape != (B, N):
+            raise ValueError(f"mask.doc_ids: expected shape {(B, N)}, got {tuple(mask.doc_ids.shape)}")
         # SDPA wants (B, H, N, D); enable_gqa shares each k/v head across its query group.
-        o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
-        )
-        return o.transpose(1, 2)
+        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if mask is None and not self.window:
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True).transpose(1, 2)
+        i = torch.arange(N, device=q.device)
+        offset = i[:, None] - i[None, :]  # (N, N) query minus key position
+        allowed = offset >= 0
+        if self.window:
+            allowed = allowed & (offset < self.window)
+        if mask is not None:
+            doc = mask.doc_ids.to(q.device)
+            allowed = allowed & (doc[:, :, None] == doc[:, None, :])  # (B, N, N)
+            allowed = allowed[:, None]  # (B, 1, N, N): one mask for every head
+        # Every row sees at least its own diagonal, so no row is all masked (no NaN).
+        return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=allowed, enable_gqa=True).transpose(1, 2)
 
 
 class Attention(nn.Module):
@@ -68,15 +113,16 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
-        self.core: nn.Module = LocalCausalAttention()
+        self.core: nn.Module = LocalCausalAttention(cfg.window)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
         B, N, _ = x.shape
         q = self.wq(x).view(B, N, self.n_heads, self.head_dim)  # (B, N, H, D)
         k = self.wk(x).view(B, N, self.n_kv_heads, self.head_dim)  # (B, N, Hkv, D)
         v = self.wv(x).view(B, N, self.n_kv_heads, self.head_dim)  # (B, N, Hkv, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = self.core(q, k, v)  # (B, N, H, D)
+        # Without a mask the core is called as before, so a core that takes no mask still works.
+        o = self.core(q, k, v) if mask is None else self.core(q, k, v, mask=mask)  # (B, N, H, D)
         return self.wo(o.reshape(B, N, -1))
 
 
@@ -102,8 +148,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask)
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -132,14 +178,18 @@ class Transformer(nn.Module):
             else:
                 nn.init.normal_(p, std=std)
 
-    def forward(self, idx: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits `(B, N, vocab)` for tokens `idx (B, N)` at global positions `pos (N,)` (default 0..N-1)."""
+    def forward(self, idx: torch.Tensor, pos: torch.Tensor | None = None, mask=None) -> torch.Tensor:
+        """Logits `(B, N, vocab)` for tokens `idx (B, N)` at global positions `pos (N,)` (default 0..N-1).
+
+        `mask`: None (causal, or the core's own window), or an attention mask the blocks' cores
+        understand, passed to each of them unchanged (module docstring).
+        """
         if pos is None:
             pos = torch.arange(idx.shape[1], device=idx.device)
         cos, sin = rope_angles(pos, self.cfg.dim // self.cfg.n_heads, self.cfg.rope_theta)
         x = self.tok_emb(idx)  # (B, N, dim)
         for block in self.blocks:
-            x = block(x, cos, sin)
+            x = block(x, cos, sin, mask)
         return self.lm_head(self.norm(x))  # (B, N, vocab)
 
     def num_params(self, exclude_embedding: bool = False) -> int:
