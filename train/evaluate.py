@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from train.data import IGNORE, PasskeyTask
-from train.parallel import ParallelContext, shard_batch
+from train.parallel import ParallelContext, attention_mask, shard_batch
 
 
 def bucket_owners(task: PasskeyTask, cp: int, layout: str) -> list[int]:
@@ -38,10 +38,13 @@ def evaluate_passkey(
     samples_per_bucket: int,
     batch_size: int,
     autocast: contextlib.AbstractContextManager,
+    window: int = 0,
 ) -> list[float]:
-    """Retrieval accuracy per depth bucket (the same list on every rank)."""
+    """Retrieval accuracy per depth bucket (the same list on every rank). `window`: the model's
+    sliding window (`model.window`, 0: none), applied as in training."""
     was_training = model.training
     model.eval()
+    mask = attention_mask(None, task.L, pc, layout, window)  # None without a window; one for every batch
     correct = torch.zeros(task.buckets, dtype=torch.long, device=pc.device)
     for b in range(task.buckets):
         # dp ranks split the bucket's fixed samples; the cp ranks of one dp group share them.
@@ -52,7 +55,7 @@ def evaluate_passkey(
             labels[:, : -task.digits] = IGNORE  # score the answer only, whatever the training loss
             x, y, pos = shard_batch(tokens[:, :-1], labels, pc, layout)
             with autocast:
-                logits = model(x, pos)  # (B, L/cp, vocab)
+                logits = model(x, pos, mask=mask)  # (B, L/cp, vocab)
             hits = ((logits.argmax(-1) == y) & (y != IGNORE)).sum(1)  # (B,) digits right on this rank
             dist.all_reduce(hits, group=pc.cp_group)  # the answer may straddle shards
             correct[b] += (hits == task.digits).sum()

@@ -5,7 +5,9 @@ NVLink) and data parallelism spans the outer dimension.
 
     with distributed(cfg.parallel, cfg.train.device) as pc:   # torn down in `finally`
         model = parallelize(Transformer(cfg.model).to(pc.device), pc, cfg)
+        mask = attention_mask(doc_ids, inputs.shape[1], pc, cfg.parallel.layout, cfg.model.window)
         x, y, pos = shard_batch(inputs, labels, pc, cfg.parallel.layout)
+        logits = model(x, pos, mask=mask)
 """
 
 from __future__ import annotations
@@ -213,7 +215,8 @@ def shard_batch(
     """This cp rank's share of full `(B, L)` inputs and labels, and their global positions.
 
     Returns `(B, L/cp)` inputs and labels on `pc.device` and positions `(L/cp,)`: the same slices
-    of all three, in the layout the ring expects.
+    of all three, in the layout the ring expects. Document ids are not sharded: the ring's mask is
+    built from the global ones (`attention_mask`).
     """
     cp, r = pc.dims.cp, pc.cp_rank
     ringflash.layout.check_splittable(inputs.shape[1], cp, layout)
@@ -221,3 +224,30 @@ def shard_batch(
     y = ringflash.shard(labels, 1, r, cp, layout=layout)
     pos = ringflash.global_positions(x.shape[1], r, cp, layout=layout, device=pc.device)
     return x.to(pc.device, non_blocking=True), y.to(pc.device, non_blocking=True), pos
+
+
+def attention_mask(
+    doc_ids: torch.Tensor | None,
+    seq_len: int,
+    pc: ParallelContext,
+    layout: str,
+    window: int = 0,
+):
+    """The ring's mask for one micro-batch, or None when there is nothing to mask beyond causality.
+
+    `doc_ids (B, seq_len)` are the *global* (unsharded) document ids of the batch, as every cp rank
+    holds them before `shard_batch`; None means one document per sequence. `window` is
+    `model.window` (0: none). Built once per micro-batch and handed to every layer through the
+    model (`Transformer.forward(..., mask=)`), so no layer rebuilds it.
+    """
+    if doc_ids is None and not window:
+        return None  # plain causal: no mask, no overhead
+    return ringflash.ring_mask(
+        doc_ids,
+        seqlen=seq_len,
+        group=pc.cp_group,
+        layout=layout,
+        causal=True,
+        window=window or None,
+        device=pc.device,
+    )

@@ -29,7 +29,14 @@ from train.data import IGNORE, DataLoader, PasskeyTask, build_sources
 from train.evaluate import bucket_owners, evaluate_passkey
 from train.metrics import Logger, flops_per_token, matmul_params, peak_memory_gib, peak_tflops
 from train.model import Transformer
-from train.parallel import ParallelContext, check_same_config, distributed, parallelize, shard_batch
+from train.parallel import (
+    ParallelContext,
+    attention_mask,
+    check_same_config,
+    distributed,
+    parallelize,
+    shard_batch,
+)
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -80,27 +87,31 @@ def autocast_for(cfg: Config, device: torch.device) -> contextlib.AbstractContex
 
 def forward_backward(
     model: nn.Module,
-    micros: list[tuple[torch.Tensor, torch.Tensor]],
+    micros: list[tuple[torch.Tensor, ...]],
     pc: ParallelContext,
     layout: str,
     autocast: contextlib.AbstractContextManager,
+    window: int = 0,
 ) -> torch.Tensor:
     """Accumulate the gradient of the step's global-mean loss; return that loss (0-dim, every rank).
 
-    `micros` are this dp rank's full `(B, L)` micro-batches; each is sharded over cp here.
+    `micros` are this dp rank's full `(B, L)` micro-batches, `(inputs, labels)` or, with packed
+    documents, `(inputs, labels, doc_ids)`; each is sharded over cp here, after its attention mask
+    (documents and/or `window`, `model.window`) is built from the global batch.
     """
-    n_tokens = sum(int((y != IGNORE).sum()) for _, y in micros)
+    n_tokens = sum(int((micro[1] != IGNORE).sum()) for micro in micros)
     n_tokens = torch.tensor(n_tokens, dtype=torch.float32, device=pc.device)
     dist.all_reduce(n_tokens, group=pc.dp_group)  # every cp rank already counted the whole sequences
     scale = pc.dims.world_size / n_tokens.clamp(min=1)  # DDP divides by the world size
     loss_sum = torch.zeros((), device=pc.device)
-    for i, (inputs, labels) in enumerate(micros):
+    for i, (inputs, labels, *doc_ids) in enumerate(micros):
+        mask = attention_mask(doc_ids[0] if doc_ids else None, inputs.shape[1], pc, layout, window)
         x, y, pos = shard_batch(inputs, labels, pc, layout)
         last = i == len(micros) - 1
         # Gradients are all-reduced once, after the last micro-step.
         with contextlib.nullcontext() if last else model.no_sync():
             with autocast:
-                logits = model(x, pos)  # (B, L/cp, vocab)
+                logits = model(x, pos, mask=mask)  # (B, L/cp, vocab)
             local = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE, reduction="sum")
             (local * scale).backward()
         loss_sum += local.detach()
@@ -184,7 +195,14 @@ def _loop(cfg: Config, pc: ParallelContext, log: Logger) -> TrainResult:
 
     def evaluate(at: int) -> list[float]:
         acc = evaluate_passkey(
-            raw, passkey, pc, cfg.parallel.layout, cfg.data.eval_samples, cfg.data.batch_size, autocast
+            raw,
+            passkey,
+            pc,
+            cfg.parallel.layout,
+            cfg.data.eval_samples,
+            cfg.data.batch_size,
+            autocast,
+            window=cfg.model.window,
         )
         log.scalars(at, {f"passkey/acc_bucket{i}": a for i, a in enumerate(acc)})
         log.scalars(at, {"passkey/acc_mean": sum(acc) / len(acc), "passkey/acc_min": min(acc)})
@@ -228,7 +246,7 @@ def _loop(cfg: Config, pc: ParallelContext, log: Logger) -> TrainResult:
         if step == loader.warmup_steps and window_steps:  # a new sequence length: new averages
             window_s, window_steps = 0.0, 0
         micros = loader.next()
-        loss = forward_backward(model, micros, pc, cfg.parallel.layout, autocast)
+        loss = forward_backward(model, micros, pc, cfg.parallel.layout, autocast, cfg.model.window)
         clip = t.grad_clip if t.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(raw.parameters(), clip)
         loss_f, norm_f = loss.item(), grad_norm.item()  # identical on every rank (all-reduced)
