@@ -29,8 +29,15 @@ _PEAK_TFLOPS = (
 
 
 def flops_per_token(model_cfg, n_matmul_params: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6·(matmul params) + 6·n_layers·seq_len·dim (causal attention)."""
-    return 6.0 * n_matmul_params + 6.0 * model_cfg.n_layers * seq_len * model_cfg.dim
+    """Training FLOPs per token: 6·(matmul params) + 12·n_layers·dim·(keys a query sees on average).
+
+    Causal attention: seq_len/2 keys. A sliding window (`model_cfg.window` = w < seq_len) sees
+    w − w(w − 1)/(2·seq_len) on average, so MFU counts only the work a window needs. Packed
+    documents are counted as dense causal (their cost depends on the batch): an upper bound.
+    """
+    w = getattr(model_cfg, "window", 0)
+    keys = seq_len / 2 if not w or w >= seq_len else w - w * (w - 1) / (2 * seq_len)
+    return 6.0 * n_matmul_params + 12.0 * model_cfg.n_layers * keys * model_cfg.dim
 
 
 def matmul_params(model: nn.Module) -> int:
