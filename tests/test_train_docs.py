@@ -108,11 +108,14 @@ def tiny(*overrides: str):
 
 def _cp_vs_single(rank, world, cfg):
     """One step's loss and gradients through cp ranks equal one process with the dense local mask."""
+    import ringflash
     from train.model import DocumentMask, Transformer
     from train.parallel import distributed, parallelize
     from train.trainer import forward_backward
 
     impl = _ring_or_standin()
+    built, ring_mask = [], ringflash.ring_mask
+    ringflash.ring_mask = lambda *a, **kw: built.append(kw) or ring_mask(*a, **kw)
     with distributed(cfg.parallel, "cpu") as pc:
         torch.manual_seed(0)
         model = Transformer(cfg.model)
@@ -121,6 +124,8 @@ def _cp_vs_single(rank, world, cfg):
         source = build_source(cfg.data, cfg.model.vocab_size)
         micros = DataLoader(source, cfg.data.batch_size, cfg.train.grad_accum, 0, 1).next()
         loss = forward_backward(ddp, micros, pc, cfg.parallel.layout, contextlib.nullcontext(), cfg.model.window)
+        assert len(built) == len(micros)  # one mask per micro-batch, shared by every layer
+        assert all(kw["window"] == (cfg.model.window or None) and kw["group"] is pc.cp_group for kw in built)
 
         n_tokens = sum(int((m[1] != IGNORE).sum()) for m in micros)
         ref_sum = 0
@@ -214,3 +219,10 @@ def test_trainer_packed_text_and_windowed_passkey(tmp_path):
     passkey = tiny("--parallel.cp=2", "--train.steps=1", "--model.window=32")
     _, acc = run_ranks(_train_in_ranks, 2, args=(passkey,))[0]
     assert len(acc) == 2
+
+
+def test_no_mask_without_documents_or_window():
+    from train.parallel import attention_mask
+
+    # Plain causal training builds nothing (pc is not even looked at).
+    assert attention_mask(None, 256, None, "zigzag", 0) is None
