@@ -4,7 +4,11 @@
     q_local = shard(q, dim=1, rank=rank, world=world)          # (B, N/W, H, D), zigzag layout
     o_local = ring_flash_attn_func(q_local, k_local, v_local, causal=True)
 
-Modules: `layout` (sharding and per-step schedule), `merge` (float32 (o, lse) merge), `comm`
+Packed documents and sliding windows: `mask = ring_mask(doc_ids, group=g, window=w, device=...)`
+once per batch (doc_ids global, unsharded), then `ring_flash_attn_func(..., mask=mask)`.
+
+Modules: `layout` (sharding and per-step schedule), `masks` (document/window masks per ring
+step), `merge` (float32 (o, lse) merge), `comm`
 (the ring over NCCL or gloo), `ring` (forward/backward loop and autograd Function), `ops` (the
 ring as the custom op `torch.ops.ringflash.ring_attn`, which `api` calls and torch.compile traces
 as one node), `api`.
@@ -15,6 +19,7 @@ from ringflash import layout, ops
 from ringflash.api import RingFlashAttention, ring_flash_attn_func
 from ringflash.comm import NullComm, RingComm
 from ringflash.layout import LAYOUTS, check_splittable, global_positions, shard, unshard
+from ringflash.masks import RingMask, ring_mask
 from ringflash.merge import merge
 from ringflash.ring import RingFlashAttnFunc
 
@@ -24,12 +29,14 @@ __all__ = [
     "RingComm",
     "RingFlashAttention",
     "RingFlashAttnFunc",
+    "RingMask",
     "check_splittable",
     "global_positions",
     "layout",
     "merge",
     "ops",
     "ring_flash_attn_func",
+    "ring_mask",
     "shard",
     "unshard",
 ]

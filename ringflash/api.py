@@ -16,6 +16,7 @@ from kernels.checks import check_qkv, resolve_scale
 from ringflash import ops
 from ringflash.comm import RingComm
 from ringflash.layout import check_layout, check_splittable
+from ringflash.masks import RingMask, window_mask
 
 __all__ = ["RingFlashAttention", "ring_flash_attn_func"]
 
@@ -39,6 +40,43 @@ def _check_local(q, k, v, causal, softmax_scale, layout, backend, world) -> floa
     return resolve_scale(softmax_scale, q.shape[-1])
 
 
+def _check_mask(mask, q, causal, window, layout, world, rank) -> None:
+    """A RingMask must describe this call: raises TypeError/ValueError naming `mask`."""
+    if not isinstance(mask, RingMask):
+        raise TypeError(f"mask must be a ringflash.RingMask (from ring_mask) or None, got {type(mask).__name__}")
+    wrong = [
+        (name, mine, theirs)
+        for name, mine, theirs in (
+            ("causal", mask.causal, causal),
+            ("layout", mask.layout, layout),
+            ("world size", mask.world, world),
+            ("rank", mask.rank, rank if rank is not None else mask.rank),
+            ("local length", mask.n_local, q.shape[1]),
+            ("device", mask.device, q.device),
+        )
+        if mine != theirs
+    ]
+    if window is not None and window != mask.window:
+        wrong.append(("window", mask.window, window))
+    if mask.batch not in (1, q.shape[0]):
+        wrong.append(("batch size", mask.batch, q.shape[0]))
+    if wrong:
+        raise ValueError(
+            "mask disagrees with the call: "
+            + "; ".join(f"mask's {name} is {m!r}, the call's {c!r}" for name, m, c in wrong)
+            + " (build it with ring_mask(..., group=, layout=, causal=, window=, device=q.device) for these inputs)"
+        )
+
+
+def _check_window(window, causal) -> None:
+    if window is None:
+        return
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be a positive int (keys seen, counting the diagonal), got {window!r}")
+    if not causal:
+        raise ValueError("window needs causal=True (a causal sliding window: i - window < j <= i)")
+
+
 def _world_size(group) -> int:
     # Only what Dynamo can fold into a constant: RingComm's own checks of the group run in the op.
     if group is None and not (dist.is_available() and dist.is_initialized()):
@@ -50,13 +88,16 @@ def ring_flash_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    causal: bool = False,
+    causal: bool | None = None,
     softmax_scale: float | None = None,
     group: dist.ProcessGroup | None = None,
     layout: str = "zigzag",
     return_lse: bool = False,
     backend: str | None = None,
     check_ranks: bool = True,
+    *,
+    window: int | None = None,
+    mask: RingMask | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over a sequence sharded across the ranks of `group`.
 
@@ -64,6 +105,7 @@ def ring_flash_attn_func(
         q: `(B, N_local, H, D)`, this rank's queries; fp16, bf16 or fp32.
         k, v: `(B, N_local, Hkv, D)`, same dtype and device, `H % Hkv == 0` (GQA/MQA).
         causal: mask by *global* position (the layout's order), as on the unsharded sequence.
+            None (the default): `mask.causal` with a mask, else False.
         softmax_scale: default `1/sqrt(D)`.
         group: the context-parallel process group; None = the default group if torch.distributed
             is initialised, else this process alone. One rank makes it a single local kernel call.
@@ -73,14 +115,23 @@ def ring_flash_attn_func(
             (not differentiable).
         backend: kernel backend for `kernels.attn_fwd/attn_bwd` (None: Triton on CUDA, reference on CPU).
         check_ranks: see below.
+        window: causal sliding window, w keys counting the diagonal (global query i sees keys
+            i − w < j <= i); needs causal. Without `mask`, the window-only mask is built here,
+            cached per (N_local, window, rank, world, layout, device).
+        mask: a `RingMask` from `ringflash.ring_mask` (packed documents and/or a window, built
+            once per batch for this rank and reused by every layer): attention follows it, and
+            the ring steps it empties launch no kernel (ringflash/masks.py gives the cost
+            model). Its causal, layout, world, rank, local length and device must be the call's
+            (ValueError otherwise); a `window` given here must equal the mask's.
 
     Returns `o (B, N_local, H, D)` in q's dtype (and `lse`). Gradients flow to q, k, v in their dtype.
 
     Communication: NCCL for CUDA tensors; gloo with CPU tensors, or with CUDA tensors staged
     through pinned host memory (several ranks sharing one GPU). See ringflash/comm.py.
 
-    Cross-rank check: before the ring starts, every rank all-gathers a 13-int64 signature (whether
-    its own inputs passed validation, q and k shapes, dtype, layout, causal, softmax_scale). If any
+    Cross-rank check: before the ring starts, every rank all-gathers a 15-int64 signature (whether
+    its own inputs passed validation, q and k shapes, dtype, layout, causal, softmax_scale,
+    window, and the mask's fingerprint: a hash of its documents' boundaries, window and layout). If any
     rank rejected its inputs or the signatures differ, every rank raises ValueError, naming the
     field and each rank's value, instead of hanging in a transfer of the wrong size. Cost: one
     tiny all_gather per call (tens of microseconds on NCCL, about a round trip on gloo) and, on an
@@ -103,8 +154,16 @@ def ring_flash_attn_func(
     compiling = torch.compiler.is_compiling()
     comm = None if compiling else RingComm(group)
     world = _world_size(group) if compiling else comm.world
+    if causal is None:
+        causal = mask.causal if isinstance(mask, RingMask) else False
     try:
         scale = _check_local(q, k, v, causal, softmax_scale, layout, backend, world)
+        _check_window(window, causal)
+        if mask is not None:
+            _check_mask(mask, q, causal, window, layout, world, None if compiling else comm.rank)
+        elif window is not None:
+            rank = 0 if world == 1 else dist.get_rank(group)
+            mask = window_mask(q.shape[1], window, rank, world, layout, q.device)
         error = None
     except (TypeError, ValueError) as e:
         scale, error = None, e
@@ -115,26 +174,33 @@ def ring_flash_attn_func(
             # runs it eagerly, which announces (fullgraph=True cannot: see the docstring).
             ops.announce_rejection(comm, q, k, causal, layout)
         raise error
+    plan, vis = mask.op_args() if mask is not None else ([], [])
     o, lse, _ = ops.ring_attn(
         q,
         k,
         v,
+        vis,
         causal=causal,
         softmax_scale=scale,
         layout=layout,
         group_name=ops.group_name(group),
         backend=backend,
         check_ranks=check_ranks and world > 1,
+        window=None if mask is None else mask.window,
+        mask_plan=plan or None,
+        mask_key=0 if mask is None else mask.fingerprint,
     )
     return (o, lse) if return_lse else o
 
 
 class RingFlashAttention(nn.Module):
-    """`ring_flash_attn_func` as a module with fixed settings: `forward(q, k, v) -> o`.
+    """`ring_flash_attn_func` as a module with fixed settings: `forward(q, k, v, mask=None) -> o`.
 
     q `(B, N_local, H, D)`, k, v `(B, N_local, Hkv, D)`; o like q. Causal by default (language
     models). With no group and no torch.distributed it is plain single-device attention, so a
-    model can hold it unconditionally.
+    model can hold it unconditionally. `window`: a causal sliding window in every call (see
+    `ring_flash_attn_func`); `forward(..., mask=)`: this batch's `RingMask` (packed documents),
+    whose causal flag must be the module's and whose window must be the module's if it has one.
     """
 
     def __init__(
@@ -145,15 +211,18 @@ class RingFlashAttention(nn.Module):
         softmax_scale: float | None = None,
         backend: str | None = None,
         check_ranks: bool = True,
+        window: int | None = None,
     ):
         super().__init__()
         check_layout(layout)
+        _check_window(window, causal)
         if backend is not None and backend not in kernels.BACKENDS:
             raise ValueError(f"backend must be one of {kernels.BACKENDS} or None, got {backend!r}")
         self.group, self.layout, self.causal = group, layout, causal
         self.softmax_scale, self.backend, self.check_ranks = softmax_scale, backend, check_ranks
+        self.window = window
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: RingMask | None = None) -> torch.Tensor:
         return ring_flash_attn_func(
             q,
             k,
@@ -164,7 +233,10 @@ class RingFlashAttention(nn.Module):
             layout=self.layout,
             backend=self.backend,
             check_ranks=self.check_ranks,
+            window=self.window,
+            mask=mask,
         )
 
     def extra_repr(self) -> str:
-        return f"layout={self.layout!r}, causal={self.causal}, backend={self.backend!r}"
+        window = f", window={self.window}" if self.window is not None else ""
+        return f"layout={self.layout!r}, causal={self.causal}{window}, backend={self.backend!r}"

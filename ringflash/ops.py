@@ -1,8 +1,8 @@
 """Ring attention as a PyTorch custom op, so that `torch.compile` traces it as one node.
 
-    o, lse = torch.ops.ringflash.ring_attn(q, k, v, causal=True, softmax_scale=0.125,
-                                           layout="zigzag", group_name="", backend=None,
-                                           check_ranks=False)
+    o, lse, _ = torch.ops.ringflash.ring_attn(q, k, v, [], causal=True, softmax_scale=0.125,
+                                              layout="zigzag", group_name="", backend=None,
+                                              check_ranks=False)
 
 `ringflash::ring_attn` runs `ring.ring_forward` and `ringflash::ring_attn_bwd` runs
 `ring.ring_backward`; the first is differentiable in q, k, v through the second (registered with
@@ -20,6 +20,14 @@ The cross-rank check (see `ring_flash_attn_func`) runs inside the op when `check
 run time, so it costs the same compiled or not and needs no graph break: each rank all-gathers
 its signature and raises if any differs. A rank whose own inputs fail validation never reaches
 the op; `announce_rejection` sends its "rejected" signature into the same all_gather instead.
+
+A document/window mask (`ringflash.RingMask`, ringflash/masks.py) travels as op arguments:
+its `Visibility` tensors as the flat input list `mask_vis` (4 per masked step; `[]` without a
+mask), its host metadata (rows and kind of each step, skipped steps) as the ints `mask_plan`
+(5 per step; empty without a mask), and, for the cross-rank check, `window` and the mask's
+`mask_key` (a hash of its global definition: documents' boundaries, window, layout, world).
+Under torch.compile the ints are constants of the graph: a batch whose plan differs (other
+skipped steps or rows) recompiles; the tensors are inputs and change freely.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from torch import Tensor
 from kernels.checks import SUPPORTED_DTYPES
 from ringflash.comm import RingComm
 from ringflash.layout import LAYOUTS
+from ringflash.masks import decode
 from ringflash.ring import pack_kv, ring_backward, ring_forward
 
 __all__ = ["announce_rejection", "group_name", "ring_attn", "ring_attn_bwd"]
@@ -56,10 +65,13 @@ def _comm(name: str) -> RingComm:
 # ---- cross-rank check -------------------------------------------------------------------------
 
 # Fields of the per-call signature every rank must agree on, with how many ints each takes.
-_FIELDS = (("q.shape", 4), ("k.shape", 4), ("dtype", 1), ("layout", 1), ("causal", 1), ("softmax_scale", 1))
+_FIELDS = (
+    ("q.shape", 4), ("k.shape", 4), ("dtype", 1), ("layout", 1), ("causal", 1), ("softmax_scale", 1),
+    ("window", 1), ("mask", 1),
+)  # fmt: skip
 
 
-def _signature(ok, q, k, causal, scale, layout) -> list[int]:
+def _signature(ok, q, k, causal, scale, layout, window=None, mask_key=0) -> list[int]:
     def shape(t):
         return list(t.shape) if isinstance(t, torch.Tensor) and t.dim() == 4 else [-1] * 4
 
@@ -72,6 +84,8 @@ def _signature(ok, q, k, causal, scale, layout) -> list[int]:
         LAYOUTS.index(layout) if layout in LAYOUTS else -1,
         int(bool(causal)),
         struct.unpack("<q", struct.pack("<d", scale))[0] if scale is not None else -1,  # exact bits
+        window if isinstance(window, int) else 0,
+        mask_key,
     ]
 
 
@@ -93,6 +107,11 @@ def _check_across_ranks(comm: RingComm, rows_of_self: list[int], device) -> None
                 vals = [LAYOUTS[v[0]] for v in vals]
             elif name == "softmax_scale":
                 vals = [struct.unpack("<d", struct.pack("<q", v[0]))[0] for v in vals]
+            elif name == "window":
+                vals = [v[0] or None for v in vals]
+            elif name == "mask":  # the fingerprint of ringflash.ring_mask's arguments
+                name = "the mask (documents, window or layout given to ring_mask)"
+                vals = ["none" if v[0] == 0 else f"{v[0] & (2**64 - 1):016x}" for v in vals]
             elif width == 1:
                 vals = [v[0] for v in vals]
             raise ValueError(
@@ -108,6 +127,10 @@ def announce_rejection(comm: RingComm, q, k, causal, layout) -> None:
     comm.all_gather_ints(_signature(False, q, k, causal, None, layout), device)
 
 
+def _decode(mask_plan, mask_vis):
+    return decode(list(mask_plan), list(mask_vis)) if mask_plan else None
+
+
 # ---- the ops ----------------------------------------------------------------------------------
 
 
@@ -116,6 +139,7 @@ def ring_attn(
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    mask_vis: list[Tensor],
     *,
     causal: bool,
     softmax_scale: float,
@@ -123,26 +147,35 @@ def ring_attn(
     group_name: str,
     backend: str | None,
     check_ranks: bool,
+    window: int | None = None,
+    mask_plan: list[int] | None = None,
+    mask_key: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """`ring.ring_forward` over the group named `group_name`.
 
     Returns `o` like q, `lse (B, H, N)` float32, and what the backward needs of k and v: the
     packed `(2, B, N, Hkv, D)` buffer the ring started from (saved so that the backward's ring
     need not pack again), or an empty tensor on one rank (the backward then takes k and v).
+    `mask_vis`, `mask_plan`, `window`, `mask_key`: a `RingMask` (module docstring).
     """
     comm = _comm(group_name)
     if check_ranks and comm.world > 1:
-        _check_across_ranks(comm, _signature(True, q, k, causal, softmax_scale, layout), q.device)
+        sig = _signature(True, q, k, causal, softmax_scale, layout, window, mask_key)
+        _check_across_ranks(comm, sig, q.device)
+    plan = _decode(mask_plan, mask_vis)
     kv = pack_kv(k, v) if comm.world > 1 else (k, v)
     # Autocast off: the merge and accumulators are float32 by design, and the reference kernel's
     # float32 einsums must not be recast to half precision.
     with torch.autocast(q.device.type, enabled=False):
-        o, lse = ring_forward(q, kv, causal=causal, scale=softmax_scale, layout=layout, comm=comm, backend=backend)
+        o, lse = ring_forward(
+            q, kv, causal=causal, scale=softmax_scale, layout=layout, comm=comm, backend=backend, plan=plan
+        )
     return o.contiguous(), lse.contiguous(), kv if comm.world > 1 else q.new_empty(0)
 
 
 @ring_attn.register_fake
-def _(q, k, v, *, causal, softmax_scale, layout, group_name, backend, check_ranks):
+def _(q, k, v, mask_vis, *, causal, softmax_scale, layout, group_name, backend, check_ranks, window=None,
+      mask_plan=None, mask_key=0):  # fmt: skip
     B, N, H, _ = q.shape
     world = _comm(group_name).world  # a trace-time constant, like every shape here
     return (
@@ -159,12 +192,14 @@ def ring_attn_bwd(
     kv: list[Tensor],
     o: Tensor,
     lse: Tensor,
+    mask_vis: list[Tensor],
     *,
     causal: bool,
     softmax_scale: float,
     layout: str,
     group_name: str,
     backend: str | None,
+    mask_plan: list[int] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """`ring.ring_backward`: `dq` like q and `dkv (2, B, N, Hkv, D)` (dK, dV packed, as they come
     home in one message; the autograd formula splits them, outside the op, without a copy).
@@ -176,28 +211,34 @@ def ring_attn_bwd(
         return ring_backward(
             do.contiguous(), q, kv[0] if len(kv) == 1 else tuple(kv), o, lse,
             causal=causal, scale=softmax_scale, layout=layout, comm=comm, backend=backend,
+            plan=_decode(mask_plan, mask_vis),
         )  # fmt: skip
 
 
 @ring_attn_bwd.register_fake
-def _(do, q, kv, o, lse, *, causal, softmax_scale, layout, group_name, backend):
+def _(do, q, kv, o, lse, mask_vis, *, causal, softmax_scale, layout, group_name, backend, mask_plan=None):
     kshape = kv[0].shape[1:] if len(kv) == 1 else kv[0].shape
     return q.new_empty(q.shape), q.new_empty((2, *kshape))
 
 
 def _setup_context(ctx, inputs, keyword_only_inputs, output):
-    q, k, v = inputs
+    q, k, v, mask_vis = inputs
     o, lse, kv = output
-    # The packed buffer, or k and v themselves on one rank (kv is then empty).
-    ctx.save_for_backward(q, o, lse, *([kv] if kv.numel() else [k, v]))
-    ctx.kwargs = {key: val for key, val in keyword_only_inputs.items() if key != "check_ranks"}
+    # The packed buffer, or k and v themselves on one rank (kv is then empty); then the mask's
+    # Visibility tensors.
+    kvs = [kv] if kv.numel() else [k, v]
+    ctx.n_kv = len(kvs)
+    ctx.save_for_backward(q, o, lse, *kvs, *mask_vis)
+    drop = ("check_ranks", "window", "mask_key")  # the cross-rank check ran in the forward
+    ctx.kwargs = {key: val for key, val in keyword_only_inputs.items() if key not in drop}
     ctx.mark_non_differentiable(lse, kv)
 
 
 def _backward(ctx, do, _dlse, _dkv):
-    q, o, lse, *kv = ctx.saved_tensors
-    dq, dkv = ring_attn_bwd(do, q, kv, o, lse, **ctx.kwargs)
-    return dq, dkv[0], dkv[1]
+    q, o, lse, *rest = ctx.saved_tensors
+    kv, mask_vis = rest[: ctx.n_kv], rest[ctx.n_kv :]
+    dq, dkv = ring_attn_bwd(do, q, kv, o, lse, mask_vis, **ctx.kwargs)
+    return dq, dkv[0], dkv[1], [None] * len(mask_vis)
 
 
 ring_attn.register_autograd(_backward, setup_context=_setup_context)

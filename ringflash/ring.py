@@ -3,8 +3,11 @@
 W ranks each hold a shard of the sequence (ringflash/layout.py). At step s = 0 … W−1 a rank
 holds the key/value block that started on rank (r − s) mod W, computes what the layout's
 schedule says for that block pair (full, causal diagonal, half, or nothing), and passes the
-block on. One loop serves every layout and causality; `ring_schedule` supplies each step's
-query rows, key rows and causal flag.
+block on. One loop serves every layout, causality and mask: a plan supplies each step's query
+rows, key rows and either the causal flag (`ring_schedule`) or the kernels' `Visibility` of a
+document/window mask (`RingMask.schedule()`, ringflash/masks.py). A step the plan skips
+launches nothing, but its K/V (and, backward, dK/dV) still travel: every rank does the same
+transfers in the same order.
 
 Forward: partial `(o, lse)` are merged in float32 (merge.py's math, fused into the forward
 kernel through `attn_fwd(acc=...)`); o is cast once to q's dtype.
@@ -24,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from kernels import attn_bwd, attn_fwd
-from ringflash.layout import ring_schedule
+from ringflash.layout import Step, ring_schedule
 
 __all__ = ["RingFlashAttnFunc", "pack_kv", "ring_backward", "ring_forward"]
 
@@ -51,34 +54,53 @@ def _ring_buffers(home: torch.Tensor, world: int):
     return lambda s: bufs[0] if s == 0 else bufs[1 + (s - 1) % 2]
 
 
-def ring_forward(q, kv, *, causal: bool, scale: float, layout: str, comm, backend: str | None = None):
+def _plan(plan, comm, n_local: int, causal: bool, layout: str) -> list:
+    """Per step `(Step, Visibility or None)`, or None where nothing is computed."""
+    if plan is None:
+        plan = [
+            None if st is None else (st, None) for st in ring_schedule(comm.rank, comm.world, n_local, causal, layout)
+        ]
+    if len(plan) != comm.world or plan[0] is None:
+        raise ValueError(f"a ring plan needs {comm.world} steps, step 0 computed; got {len(plan)}")
+    return plan
+
+
+def _mask(step: Step, vis) -> dict:
+    # The kernels take either the dense/causal flag or a Visibility (which replaces it).
+    return dict(causal=False, visibility=vis) if vis is not None else dict(causal=step.causal)
+
+
+def ring_forward(q, kv, *, causal: bool, scale: float, layout: str, comm, backend: str | None = None, plan=None):
     """Ring attention forward, no autograd.
 
     q `(B, N, H, D)`, kv `(2, B, N, Hkv, D)` (`pack_kv`): this rank's shard (N local tokens).
     Returns `o (B, N, H, D)` in q's dtype and `lse (B, H, N)` float32, natural log, both over the
     whole sequence. `comm` is a `RingComm` (or `NullComm`); `backend` goes to `kernels.attn_fwd`.
+    `plan`: per step `(Step, Visibility or None)` or None (skipped), e.g. `RingMask.schedule()`;
+    None: `ring_schedule(causal)`. Step 0 must cover every row (it starts the accumulators).
     """
+    plan = _plan(plan, comm, q.shape[1], causal, layout)
     if comm.world == 1:
-        return attn_fwd(q, kv[0], kv[1], causal=causal, softmax_scale=scale, backend=backend)
-    steps = ring_schedule(comm.rank, comm.world, q.shape[1], causal, layout)
+        return attn_fwd(q, kv[0], kv[1], softmax_scale=scale, backend=backend, **_mask(*plan[0]))
     buf = _ring_buffers(kv, comm.world)
     o = lse = None
-    for s, step in enumerate(steps):
+    for s, entry in enumerate(plan):
         cur = buf(s)
         # Post the next block's transfer first so that it travels while this one is computed.
         transfer = comm.send_recv(cur, buf(s + 1), _KV_TAG) if s + 1 < comm.world else None
-        if step is not None:
+        if entry is not None:
+            step, vis = entry
             # Step 0 (the diagonal, every query row) starts the float32 accumulators; later steps
             # merge into their rows inside the kernel (`acc=`): one launch, no extra pass over o.
             o_lse = attn_fwd(
                 q[:, step.q],
                 cur[0][:, step.kv],
                 cur[1][:, step.kv],
-                causal=step.causal,
                 softmax_scale=scale,
                 out_dtype=torch.float32,  # partial results stay unrounded until the last merge
                 acc=None if s == 0 else (o[:, step.q], lse[:, :, step.q]),
                 backend=backend,
+                **_mask(step, vis),
             )
             if s == 0:
                 o, lse = o_lse
@@ -87,27 +109,31 @@ def ring_forward(q, kv, *, causal: bool, scale: float, layout: str, comm, backen
     return o.to(q.dtype), lse
 
 
-def ring_backward(do, q, kv, o, lse, *, causal: bool, scale: float, layout: str, comm, backend: str | None = None):
+def ring_backward(
+    do, q, kv, o, lse, *, causal: bool, scale: float, layout: str, comm, backend: str | None = None, plan=None
+):
     """Ring attention backward, no autograd.
 
     do, q, o `(B, N, H, D)`; kv `(2, B, N, Hkv, D)` as given to `ring_forward`; lse `(B, H, N)`
     float32 — the global `o` and `lse` that `ring_forward` returned. Returns `dq` like q and
     `dkv (2, B, N, Hkv, D)`, dK and dV packed like kv, in the input dtype, accumulated in float32
     across the ring. (Packed because they come home as one message; callers split them.)
+    `plan`: as in `ring_forward` (the same one).
     """
+    plan = _plan(plan, comm, q.shape[1], causal, layout)
     if comm.world == 1:
         dq = torch.empty_like(q)
         dkv = torch.empty((2, *kv[0].shape), dtype=kv[0].dtype, device=q.device)
-        attn_bwd(do, q, kv[0], kv[1], o, lse, causal=causal, softmax_scale=scale, out=(dq, *dkv), backend=backend)
+        attn_bwd(do, q, kv[0], kv[1], o, lse, softmax_scale=scale, out=(dq, *dkv), backend=backend, **_mask(*plan[0]))
         return dq, dkv
     world = comm.world
-    steps = ring_schedule(comm.rank, world, q.shape[1], causal, layout)
     buf = _ring_buffers(kv, world)
     # dK/dV travel in float32: rounding each hop to bf16 would lose what the sum needs.
     dkv = torch.empty((2, *kv.shape), dtype=torch.float32, device=kv.device)
     dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     dkv_transfer = None
-    for s, step in enumerate(steps):
+    for s, entry in enumerate(plan):
+        step, vis = entry if entry is not None else (None, None)
         cur = buf(s)
         kv_transfer = comm.send_recv(cur, buf(s + 1), _KV_TAG) if s + 1 < world else None
         # The accumulator of the block we hold arrives from the previous rank (it is ours at s=0).
@@ -125,12 +151,12 @@ def ring_backward(do, q, kv, o, lse, *, causal: bool, scale: float, layout: str,
                 cur[1][:, ks],
                 o[:, qs],
                 lse[:, :, qs],
-                causal=step.causal,
                 softmax_scale=scale,
                 grad_dtype=torch.float32,
                 out=(dq[:, qs], dk_v[0], dk_v[1]),
                 accumulate_dq=s > 0,
                 backend=backend,
+                **_mask(step, vis),
             )
         if dkv_transfer is not None:
             dkv_transfer.wait()
@@ -159,13 +185,15 @@ class RingFlashAttnFunc(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, layout, comm, backend):
+    def forward(ctx, q, k, v, causal, scale, layout, comm, backend, plan=None):
         # One rank needs no packing: k and v go to its single kernel call as they are.
         kv = pack_kv(k, v) if comm.world > 1 else (k, v)
         with torch.autocast(q.device.type, enabled=False):
-            o, lse = ring_forward(q, kv, causal=causal, scale=scale, layout=layout, comm=comm, backend=backend)
+            o, lse = ring_forward(
+                q, kv, causal=causal, scale=scale, layout=layout, comm=comm, backend=backend, plan=plan
+            )
         ctx.save_for_backward(q, o, lse, *(kv if comm.world == 1 else [kv]))
-        ctx.args = dict(causal=causal, scale=scale, layout=layout, comm=comm, backend=backend)
+        ctx.args = dict(causal=causal, scale=scale, layout=layout, comm=comm, backend=backend, plan=plan)
         ctx.mark_non_differentiable(lse)
         return o, lse
 
@@ -175,4 +203,4 @@ class RingFlashAttnFunc(torch.autograd.Function):
         kv = kv if len(kv) == 2 else kv[0]
         with torch.autocast(q.device.type, enabled=False):
             dq, dkv = ring_backward(do.contiguous(), q, kv, o, lse, **ctx.args)
-        return dq, dkv[0], dkv[1], None, None, None, None, None
+        return dq, dkv[0], dkv[1], None, None, None, None, None, None

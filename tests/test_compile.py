@@ -65,7 +65,7 @@ def _ring_opcheck_worker(rank, world):
     q = torch.randn(1, 8, 4, 16, generator=g, requires_grad=True)
     k, v = (torch.randn(1, 8, 2, 16, generator=g, requires_grad=True) for _ in range(2))
     opts = dict(causal=True, softmax_scale=0.25, layout="zigzag", group_name="", backend=None, check_ranks=False)
-    torch.library.opcheck(torch.ops.ringflash.ring_attn.default, (q, k, v), opts)
+    torch.library.opcheck(torch.ops.ringflash.ring_attn.default, (q, k, v, []), opts)
 
 
 def test_ring_op_opcheck_one_rank():

@@ -1,0 +1,317 @@
+"""Packed documents and causal sliding windows across the ring: `ring_mask` and `RingMask`.
+
+    mask = ring_mask(doc_ids, group=cp_group, causal=True, window=None, device="cuda")  # once per batch
+    o = ring_flash_attn_func(q, k, v, causal=True, group=cp_group, mask=mask)           # every layer
+
+`doc_ids` is the *global* (unsharded) `(B, N)` or `(N,)` tensor of document ids, non-decreasing
+along each row; every rank holds it before sharding its batch, so building the mask needs no
+communication. For this rank, the mask holds one `RingStep` per ring step: the local query rows
+and visiting key rows it touches, and the kernels' `Visibility` for that rectangle (built by
+`kernels.visibility` from the rows' global positions and document ids), or nothing when the step
+is skipped because no (query, key) pair in it is visible.
+
+Which steps run, and on which rows, is computed here exactly, on the host, from the
+`Visibility` of the whole local block pair: a step's rectangle is the bounding box of the query
+rows that see some key and the key rows that some query sees (the union over the batch), so
+a step is skipped iff no pair in it is visible. Inside the rectangle the kernels skip the tiles
+no row sees, so compute falls with the document lengths and the window. Step 0 (this rank's own
+keys, the diagonal) always runs on every row: it initialises the accumulators.
+
+Cost model, per layer and per direction, on W ranks with N local tokens:
+- Communication does not fall with the mask: every rank still sends and receives W − 1 K/V
+  blocks (the forward) and W − 1 K/V blocks plus W dK/dV blocks (the backward), because every
+  rank must do the same number of transfers in the same order, and the ring keeps them in
+  lock step. A skipped step costs its transfer (hidden behind the previous step's compute when
+  there is one) and nothing else: no kernel launch, no merge.
+- Compute falls with what is visible: about (visible pairs / N²) of a dense step, at tile
+  granularity. A sliding window w on the zigzag layout leaves, per rank, the diagonal plus the
+  steps whose key chunks lie within w of its query chunks: for w ≤ N/2 (one chunk) only the
+  chunks adjacent in the global order, i.e. at most 2 off-diagonal steps of the W − 1.
+- So once the visible work of the remaining steps is smaller than a K/V transfer, the ring is
+  bound by communication: time ≈ (W − 1) · transfer, whatever the window. (A halo exchange of
+  only the w keys a rank needs would be cheaper for small windows; not done here.)
+
+Without documents and without a window (or with a window of the whole sequence) the mask is
+the plain causal schedule: no `Visibility`, the kernels' dense causal path.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from kernels import Visibility, visibility
+from ringflash.layout import LAYOUTS, Step, check_layout, check_splittable, global_positions, ring_schedule, shard
+
+__all__ = ["RingMask", "RingStep", "ring_mask", "window_mask"]
+
+
+@dataclass(frozen=True)
+class RingStep:
+    """One ring step of a mask: `step` (rows and causal flag, as in `layout.Step`) and `vis`, the
+    `Visibility` of the rectangle `step.q × step.kv` (None: dense, causal if `step.causal`)."""
+
+    step: Step
+    vis: Visibility | None
+
+
+@dataclass(frozen=True, eq=False)
+class RingMask:
+    """What rank `rank` of `world` computes at each ring step under a document/window mask.
+
+    Attributes: `steps` (`world` entries, `RingStep` or None where the step is skipped),
+    `causal`, `window` (None or keys seen, counting the diagonal), `layout`, `rank`, `world`,
+    `n_local` (local tokens), `batch` (the mask's batch size; 1 = shared by every row),
+    `n_docs` (documents in the whole batch), `fingerprint` (an int64 hash of everything that
+    must agree between ranks: checked across ranks by the op), `device`.
+    """
+
+    steps: tuple[RingStep | None, ...]
+    causal: bool
+    window: int | None
+    layout: str
+    rank: int
+    world: int
+    n_local: int
+    batch: int
+    n_docs: int
+    fingerprint: int
+    device: torch.device
+    plan: tuple[int, ...] = ()  # op_args(), precomputed: plain attribute reads under torch.compile
+    tensors: tuple[torch.Tensor, ...] = ()
+
+    def __post_init__(self):
+        ints, tensors = _encode(self.schedule())
+        object.__setattr__(self, "plan", tuple(ints))
+        object.__setattr__(self, "tensors", tuple(tensors))
+
+    @property
+    def skipped(self) -> tuple[int, ...]:
+        """The steps that launch no kernel (their K/V still travel around the ring)."""
+        return tuple(s for s, st in enumerate(self.steps) if st is None)
+
+    def schedule(self) -> list[tuple[Step, Visibility | None] | None]:
+        """Per step `(Step, Visibility or None)`, or None where skipped: what ring.py loops over."""
+        return [None if st is None else (st.step, st.vis) for st in self.steps]
+
+    def op_args(self) -> tuple[list[int], list[torch.Tensor]]:
+        """The mask as custom-op arguments (ringflash/ops.py): host metadata as ints, 5 per step
+        `[q_start, q_stop, kv_start, kv_stop, kind]` (kind −1 skipped, 0 dense, 1 causal,
+        2 visibility), and the Visibility tensors, 4 per step of kind 2, in step order."""
+        return list(self.plan), list(self.tensors)
+
+    def __repr__(self) -> str:
+        return (
+            f"RingMask(rank={self.rank}, world={self.world}, layout={self.layout!r}, causal={self.causal}, "
+            f"window={self.window}, n_local={self.n_local}, batch={self.batch}, n_docs={self.n_docs}, "
+            f"skipped={self.skipped})"
+        )
+
+
+def _encode(schedule) -> tuple[list[int], list[torch.Tensor]]:
+    ints: list[int] = []
+    tensors: list[torch.Tensor] = []
+    for entry in schedule:
+        if entry is None:
+            ints += [0, 0, 0, 0, -1]
+            continue
+        step, vis = entry
+        kind = 2 if vis is not None else int(step.causal)
+        ints += [step.q.start, step.q.stop, step.kv.start, step.kv.stop, kind]
+        if vis is not None:
+            tensors += list(vis)
+    return ints, tensors
+
+
+def decode(ints: list[int], tensors: list[torch.Tensor]) -> list[tuple[Step, Visibility | None] | None]:
+    """Inverse of `RingMask.op_args`: the schedule ring.py loops over."""
+    if len(ints) % 5:
+        raise ValueError(f"mask plan must hold 5 ints per step, got {len(ints)}")
+    out: list[tuple[Step, Visibility | None] | None] = []
+    t = 0
+    for i in range(0, len(ints), 5):
+        q0, q1, k0, k1, kind = ints[i : i + 5]
+        if kind < 0:
+            out.append(None)
+            continue
+        vis = None
+        if kind == 2:
+            vis = Visibility(*tensors[t : t + 4])
+            t += 4
+        out.append((Step(slice(q0, q1), slice(k0, k1), kind == 1), vis))
+    if t != len(tensors):
+        raise ValueError(f"mask tensors: expected {t} for the plan, got {len(tensors)}")
+    return out
+
+
+def _group_rank_world(group) -> tuple[int, int]:
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("group: this process is not a member of the given process group")
+    return rank, dist.get_world_size(group)
+
+
+def _check_doc_ids(doc_ids) -> torch.Tensor:
+    if not isinstance(doc_ids, torch.Tensor):
+        raise TypeError(f"doc_ids must be a torch.Tensor or None, got {type(doc_ids).__name__}")
+    if doc_ids.dtype.is_floating_point or doc_ids.dtype.is_complex or doc_ids.dtype == torch.bool:
+        raise TypeError(f"doc_ids must be an integer tensor, got {doc_ids.dtype}")
+    if doc_ids.dim() not in (1, 2) or doc_ids.shape[-1] < 1:
+        raise ValueError(f"doc_ids must have shape (N_global,) or (B, N_global), got {tuple(doc_ids.shape)}")
+    d = doc_ids.detach().to("cpu", torch.int64)  # one copy per batch: the host work happens here
+    d = d.unsqueeze(0) if d.dim() == 1 else d
+    if d.shape[1] > 1 and bool((d[:, 1:] < d[:, :-1]).any()):
+        row = int((d[:, 1:] < d[:, :-1]).any(1).nonzero()[0])
+        raise ValueError(f"doc_ids must be non-decreasing along each row (documents packed in order); row {row} is not")
+    return d
+
+
+def _fingerprint(causal, window, layout, world, n_global, doc: torch.Tensor | None) -> tuple[int, int]:
+    """(number of documents, an int64 hash of the mask's global definition): equal on every rank
+    given the same arguments. Documents enter as their boundaries (run lengths) per row."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(repr((causal, window, layout, world, n_global)).encode())
+    n_docs = 1
+    if doc is not None:
+        change = torch.ones_like(doc, dtype=torch.bool)
+        change[:, 1:] = doc[:, 1:] != doc[:, :-1]
+        n_docs = int(change.sum())
+        starts = change.nonzero()  # (row, position) of every document start: cu_seqlens per row
+        h.update(repr(tuple(doc.shape)).encode())
+        h.update(starts.numpy().tobytes())
+    return n_docs, int.from_bytes(h.digest(), "little", signed=True)
+
+
+def _bounds(mask: torch.Tensor) -> slice | None:
+    """The bounding slice of the True entries of a 1-D bool tensor (None if there are none)."""
+    idx = mask.nonzero()
+    return None if idx.numel() == 0 else slice(int(idx[0]), int(idx[-1]) + 1)
+
+
+def _dense(vis: Visibility, causal_diag: bool) -> bool:
+    # The rectangle's mask is exactly the dense one (all keys, or causal on a square diagonal).
+    nk = vis.q_lo.shape[1]
+    hi = torch.arange(1, vis.kv_hi.shape[1] + 1) if causal_diag else torch.full((vis.kv_hi.shape[1],), nk)
+    if causal_diag and vis.kv_hi.shape[1] != nk:
+        return False
+    return bool((vis.kv_lo == 0).all()) and bool((vis.kv_hi == hi.to(vis.kv_hi.dtype)).all())
+
+
+def ring_mask(
+    doc_ids: torch.Tensor | None,
+    *,
+    seqlen: int | None = None,
+    group: dist.ProcessGroup | None = None,
+    layout: str = "zigzag",
+    causal: bool = True,
+    window: int | None = None,
+    device: torch.device | str | None = None,
+) -> RingMask:
+    """Build this rank's `RingMask` (module docstring) for one batch; reuse it in every layer.
+
+    Args:
+        doc_ids: global `(B, N_global)` or `(N_global,)` integer document ids, non-decreasing
+            along each row (any CPU or device tensor; it is read on the host once). None: one
+            document, then `seqlen` gives N_global.
+        seqlen: N_global when doc_ids is None (if both are given they must agree).
+        group: the context-parallel group (None: the default group, or this process alone).
+        layout: how the inputs are sharded (`"zigzag"` or `"contiguous"`); N_global must split.
+        causal: key position <= query position (global order).
+        window: causal sliding window, w keys counting the diagonal (query i sees
+            i − w < j <= i); needs causal=True.
+        device: where the `Visibility` tensors live (q's device; default CPU).
+    """
+    check_layout(layout)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be a positive int (keys seen, counting the diagonal), got {window!r}")
+        if not causal:
+            raise ValueError("window needs causal=True (a causal sliding window: i - window < j <= i)")
+    rank, world = _group_rank_world(group)
+    doc = None if doc_ids is None else _check_doc_ids(doc_ids)
+    if doc is None:
+        if seqlen is None:
+            raise ValueError("seqlen: give N_global when doc_ids is None (one document)")
+        n_global = seqlen
+    else:
+        n_global = doc.shape[1]
+        if seqlen is not None and seqlen != n_global:
+            raise ValueError(f"seqlen={seqlen} disagrees with doc_ids.shape[-1] = {n_global}")
+    check_splittable(n_global, world, layout)
+    device = _device(device)
+    return _build(doc, n_global, rank, world, layout, causal, window, device)
+
+
+def _device(device) -> torch.device:
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())  # compare equal to q.device
+    return device
+
+
+def _build(doc, n_global, rank, world, layout, causal, window, device) -> RingMask:
+    n_local = n_global // world
+    # A window of the whole sequence sees the whole causal past: the plain causal mask.
+    window_eff = None if window is not None and window >= n_global else window
+    n_docs, fp = _fingerprint(causal, window, layout, world, n_global, doc)
+    steps: list[RingStep | None] = []
+    if doc is None and window_eff is None:
+        for step in ring_schedule(rank, world, n_local, causal, layout):
+            steps.append(None if step is None else RingStep(step, None))
+    else:
+        pos_r = global_positions(n_local, rank, world, layout)
+        doc_r = None if doc is None else shard(doc, 1, rank, world, layout)
+        full = slice(0, n_local)
+        for s in range(world):
+            j = (rank - s) % world
+            pos_j = global_positions(n_local, j, world, layout)
+            doc_j = None if doc is None else shard(doc, 1, j, world, layout)
+            kw = dict(causal=causal, window=window_eff)
+
+            def vis_of(qs, ks, kw=kw, pos_j=pos_j, doc_j=doc_j):
+                return visibility(pos_r[qs], pos_j[ks], **kw,
+                                  q_doc=None if doc_r is None else doc_r[:, qs],
+                                  k_doc=None if doc_j is None else doc_j[:, ks])  # fmt: skip
+
+            whole = vis_of(full, full)
+            if s == 0:
+                qs = ks = full  # the diagonal always runs on every row: it starts the accumulators
+            else:
+                qs = _bounds((whole.kv_hi > whole.kv_lo).any(0))
+                ks = _bounds((whole.q_hi > whole.q_lo).any(0))
+                if qs is None:
+                    steps.append(None)
+                    continue
+            vis = whole if (qs, ks) == (full, full) else vis_of(qs, ks)
+            diag = s == 0 and causal
+            if _dense(vis, diag):
+                steps.append(RingStep(Step(qs, ks, diag), None))
+            else:
+                steps.append(RingStep(Step(qs, ks, False), Visibility(*(t.to(device) for t in vis))))
+    return RingMask(
+        steps=tuple(steps), causal=causal, window=window, layout=layout, rank=rank, world=world, n_local=n_local,
+        batch=1 if doc is None else doc.shape[0], n_docs=n_docs, fingerprint=fp, device=device,
+    )  # fmt: skip
+
+
+def window_mask(n_local: int, window: int, rank: int, world: int, layout: str, device: torch.device) -> RingMask:
+    """The causal window-only mask of `ring_flash_attn_func(window=...)`, cached per arguments
+    (a model calls it with the same few shapes in every layer and step)."""
+    return _window_mask(n_local, window, rank, world, layout, _device(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _window_mask(n_local, window, rank, world, layout, device) -> RingMask:
+    if layout not in LAYOUTS:
+        check_layout(layout)
+    return _build(None, n_local * world, rank, world, layout, True, window, device)
