@@ -146,7 +146,7 @@ class TokenWindows:
         largest = int(tokens.max())
         if largest >= vocab_size:
             raise ConfigError(f"data.path: {what} holds token {largest} but model.vocab_size is {vocab_size}")
-        if eod is not None and not (tokens == eod).any():
+        if eod is not None and not _holds(tokens, eod):
             # Packing would silently be one endless document: almost surely the wrong eod_token.
             raise ConfigError(
                 f"data.eod_token: {what} never holds the end-of-document token {eod}, so data.pack_documents "
@@ -163,6 +163,12 @@ class TokenWindows:
         ends = inputs == self.eod  # (L,) an EOD input is the last token of its document
         doc_ids = torch.cumsum(ends, 0) - ends.long()  # documents ended strictly before each position
         return inputs, labels.masked_fill(ends, IGNORE), doc_ids
+
+
+def _holds(tokens: np.ndarray, value: int, chunk: int = 1 << 24) -> bool:
+    """Whether `value` occurs in `tokens`, read in chunks: a memory-mapped corpus of billions of
+    tokens must not become one boolean array, and a real corpus holds its first EOD early."""
+    return any((tokens[i : i + chunk] == value).any() for i in range(0, len(tokens), chunk))
 
 
 def _text_tokens(path: Path, eod: int | None = None) -> np.ndarray:
