@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from train.checkpoint import Checkpointer, complete_checkpoints
-from train.config import Config, ConfigError, to_dict
+from train.config import Config, ConfigError, resolve_eod_token, to_dict
 from train.data import IGNORE, DataLoader, PasskeyTask, build_sources
 from train.evaluate import bucket_owners, evaluate_passkey
 from train.metrics import Logger, flops_per_token, matmul_params, peak_memory_gib, peak_tflops
@@ -228,6 +228,10 @@ def _loop(cfg: Config, pc: ParallelContext, log: Logger) -> TrainResult:
         f"model {n_params / 1e6:.2f}M params | dp {pc.dims.dp} × cp {pc.dims.cp} on {dev.type} "
         f"({dist.get_backend()}) | {tokens_per_step} tokens/step, {cfg.data.seq_len // pc.dims.cp} per rank per seq"
     )
+    if cfg.data.pack_documents or cfg.model.window:
+        docs = f"packed documents ending at token {resolve_eod_token(cfg.data)}" if cfg.data.pack_documents else ""
+        window = f"sliding window of {cfg.model.window} tokens" if cfg.model.window else ""
+        log.print("attention: " + ", ".join(filter(None, (docs, window))))
     if loader.warmup_steps:
         log.print(f"sequence-length warm-up: {cfg.data.warmup_seq_len} tokens/seq for {loader.warmup_steps} steps")
     if passkey is not None:
