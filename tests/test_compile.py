@@ -73,7 +73,7 @@ def test_ring_op_opcheck_one_rank():
     run_ranks(_ring_opcheck_worker, 1, start_method=START, timeout_s=120)
 
 
-def _compiled_model_worker(rank, world, compile_backend, layout, device="cpu", cfg=TINY):
+def _compiled_model_worker(rank, world, compile_backend, layout, device="cpu", cfg=TINY, masked=False):
     from torch._dynamo.testing import CompileCounterWithBackend
 
     if device == "cuda":
@@ -85,10 +85,15 @@ def _compiled_model_worker(rank, world, compile_backend, layout, device="cpu", c
     idx = torch.randint(0, cfg.vocab_size, (2, 8 * world), device=device)
     x = ringflash.shard(idx, 1, rank, world, layout=layout)
     pos = ringflash.global_positions(x.shape[1], rank, world, layout=layout, device=device)
+    mask = None
+    if masked:  # packed documents of odd lengths across the shards, and a window
+        n = idx.shape[1]
+        doc = torch.stack([torch.arange(n) * 3 // n, (torch.arange(n) >= 1).long() + (torch.arange(n) >= 11).long()])
+        mask = ringflash.ring_mask(doc, layout=layout, window=6, device=device)
 
     def step(m):
         m.zero_grad(set_to_none=True)
-        loss = m(x, pos).float().square().mean()
+        loss = (m(x, pos) if mask is None else m(x, pos, mask=mask)).float().square().mean()
         loss.backward()
         return loss.detach(), [p.grad.clone() for p in m.parameters()]
 
@@ -111,6 +116,13 @@ def _compiled_model_worker(rank, world, compile_backend, layout, device="cpu", c
 )
 def test_compiled_transformer_matches_eager(compile_backend, layout):
     args = (compile_backend, layout)
+    assert run_ranks(_compiled_model_worker, 2, args=args, start_method=START, timeout_s=120) == [True, True]
+
+
+def test_compiled_transformer_with_ring_mask():
+    # Packed documents and a window: the mask's Visibility tensors are op inputs, its plan ints
+    # are graph constants; still one graph, no break.
+    args = ("aot_eager", "zigzag", "cpu", TINY, True)
     assert run_ranks(_compiled_model_worker, 2, args=args, start_method=START, timeout_s=120) == [True, True]
 
 

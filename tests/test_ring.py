@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch._dynamo  # the ring op imports it on its first call: once here, not in every forked rank
 import torch.distributed as dist
 from dist_utils import RankFailure, run_ranks
 from truth import TOL, attention_f64, lse_err, rel_err
