@@ -3,6 +3,7 @@
     torchrun --standalone --nproc_per_node=2 launch/bench_ring.py                  # 8k, 32k, 128k tokens/rank
     torchrun --standalone --nproc_per_node=2 launch/bench_ring.py --tokens-per-rank 32k --no-torch-cp
     torchrun --standalone --nproc_per_node=2 launch/bench_ring.py --quick          # smoke run (CPU: gloo)
+    torchrun --standalone --nproc_per_node=2 launch/bench_ring.py --masks --tokens-per-rank 128k --window 4k
 
 Per tokens-per-rank N (global sequence W·N), bf16, causal, D = 128, H = 16 (H·D = 2048), B = 1:
 - ring fwd / fwd+bwd: `ring_flash_attn_func` forward (no grad) and forward + `autograd.grad`, as
@@ -16,6 +17,12 @@ Per tokens-per-rank N (global sequence W·N), bf16, causal, D = 128, H = 16 (H·
 - torch CP: `torch.distributed.tensor.experimental.context_parallel` (head-tail load balancing,
   torch's default rotate method unless --cp-rotate) with the SDPA flash and cuDNN backends;
   'n/a' with the reason where unavailable.
+--masks: instead, at the same tokens per rank (zigzag unless --layouts), dense causal against
+packed documents (lengths log-uniform in [--doc-min, --doc-max], default 1k–64k, from a fixed
+seed; not multiples of anything) and against a causal sliding window (--window, default 4k),
+each through `ringflash.ring_mask`; with the visible fraction of dense causal's (query, key)
+pairs, rank 0's skipped ring steps, and the speed-up over dense. The K/V of skipped steps still
+travel (ringflash/masks.py's cost model), so ring − compute-only shows what the mask cannot save.
 Ring timings use a fixed iteration count on every rank (collectives must match), run back to
 back between CUDA events; the median of 5 such runs, and the slowest rank's. Single-device timings use
 `benchlib.time_ms`. Without CUDA, timings use time.perf_counter (smoke runs only).
@@ -25,6 +32,7 @@ Rank 0 prints the table and appends it to BENCHMARKS.md (not for --quick or --no
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -39,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 from benchlib import attn_flops, markdown_table, record, time_ms
 
 from kernels import attn_bwd, attn_fwd
-from ringflash import NullComm, ring_flash_attn_func
+from ringflash import NullComm, ring_flash_attn_func, ring_mask
 from ringflash.ring import pack_kv, ring_backward, ring_forward
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -102,8 +110,8 @@ def time_local(fn, iters: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-def bench_ring(args, n_local, layout, dev, dtype):
-    """(fwd ms, fwd+bwd ms, compute-only fwd+bwd ms) of this layout."""
+def bench_ring(args, n_local, layout, dev, dtype, mask=None):
+    """(fwd ms, fwd+bwd ms, compute-only fwd+bwd ms) of this layout (under `mask`, a RingMask)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     B, H, Hkv, D = args.batch, args.heads, args.kv_heads, args.head_dim
     q = torch.randn(B, n_local, H, D, device=dev, dtype=dtype, requires_grad=True)
@@ -112,14 +120,15 @@ def bench_ring(args, n_local, layout, dev, dtype):
 
     def fwd():
         with torch.no_grad():
-            ring_flash_attn_func(q, k, v, causal=True, layout=layout, check_ranks=args.check_ranks)
+            ring_flash_attn_func(q, k, v, causal=True, layout=layout, check_ranks=args.check_ranks, mask=mask)
 
     def fwd_bwd():
-        o = ring_flash_attn_func(q, k, v, causal=True, layout=layout, check_ranks=args.check_ranks)
+        o = ring_flash_attn_func(q, k, v, causal=True, layout=layout, check_ranks=args.check_ranks, mask=mask)
         torch.autograd.grad(o, (q, k, v), do)
 
     null = NullComm(rank, world)
-    opts = dict(causal=True, scale=D**-0.5, layout=layout, comm=null)
+    plan = None if mask is None else mask.schedule()
+    opts = dict(causal=True, scale=D**-0.5, layout=layout, comm=null, plan=plan)
 
     def compute_only():
         kv = pack_kv(k.detach(), v.detach())  # as the autograd function does
@@ -149,6 +158,57 @@ def _profile(fn, title: str, iters: int = 3) -> None:
     if dist.get_rank() == 0:
         print(f"== profile: {title} ({iters} calls)")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+
+
+def doc_lengths(n_global: int, lo: int, hi: int, seed: int = 0) -> list[int]:
+    """Document lengths, log-uniform in [lo, hi], filling `n_global` tokens (the last one cut)."""
+    g = torch.Generator().manual_seed(seed)
+    lens: list[int] = []
+    while sum(lens) < n_global:
+        u = torch.rand((), generator=g).item()
+        length = round(math.exp(math.log(lo) + u * (math.log(hi) - math.log(lo))))
+        lens.append(min(length, n_global - sum(lens)))
+    return lens
+
+
+def visible_fraction(n_global: int, docs: list[int] | None, window: int | None) -> float:
+    """Visible (query, key) pairs under documents or a window, over dense causal's n(n+1)/2."""
+    if docs is not None:
+        pairs = sum(n * (n + 1) // 2 for n in docs)
+    else:
+        w = min(window, n_global)
+        pairs = w * (w + 1) // 2 + (n_global - w) * w
+    return pairs / (n_global * (n_global + 1) // 2)
+
+
+def bench_masks(args, n_local, layout, dev, dtype) -> list[list]:
+    """Rows of the --masks table: dense causal, packed documents, a window, at n_local tokens/rank."""
+    world = dist.get_world_size()
+    n_global = n_local * world
+    lens = doc_lengths(n_global, args.doc_min, args.doc_max)
+    doc = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))  # global, on the host
+    variants = [
+        ("dense causal", None, 1.0),
+        (
+            f"{len(lens)} docs {args.doc_min}–{args.doc_max}",
+            ring_mask(doc, layout=layout, device=dev),
+            visible_fraction(n_global, lens, None),
+        ),
+        (
+            f"window {args.window}",
+            ring_mask(None, seqlen=n_global, layout=layout, window=args.window, device=dev),
+            visible_fraction(n_global, None, args.window),
+        ),
+    ]
+    rows, dense = [], None
+    for name, mask, frac in variants:
+        fwd, fwd_bwd, compute = bench_ring(args, n_local, layout, dev, dtype, mask=mask)
+        dense = dense or fwd_bwd
+        skipped = 0 if mask is None else len(mask.skipped)
+        rows.append([n_local, layout, name, f"{frac:.3f}", skipped, fwd, fwd_bwd, compute, dense / fwd_bwd])
+        if dist.get_rank() == 0:
+            print(f"{n_local} tokens/rank {layout} {name}: fwd+bwd {fwd_bwd:.3g} ms, {dense / fwd_bwd:.2f}x dense")
+    return rows
 
 
 def bench_single(args, n_global, dev, dtype):
@@ -229,9 +289,15 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="tiny shapes, 2 iterations, no record: a smoke run")
     p.add_argument("--no-record", action="store_true", help="print only; do not append to BENCHMARKS.md")
     p.add_argument("--profile", action="store_true", help="print a torch.profiler kernel table per ring variant")
+    p.add_argument("--masks", action="store_true", help="dense causal vs packed documents vs a window (see above)")
+    p.add_argument("--doc-min", type=parse_tokens, default=parse_tokens("1k"), help="--masks: shortest document")
+    p.add_argument("--doc-max", type=parse_tokens, default=parse_tokens("64k"), help="--masks: longest document")
+    p.add_argument("--window", type=parse_tokens, default=parse_tokens("4k"), help="--masks: window (keys seen)")
     args = p.parse_args()
+    args.doc_min, args.doc_max, args.window = args.doc_min[0], args.doc_max[0], args.window[0]
     if args.quick:
         args.tokens_per_rank, args.heads, args.head_dim, args.iters, args.warmup = [256], 2, 32, 2, 1
+        args.doc_min, args.doc_max, args.window = 5, 200, 32
     args.kv_heads = args.kv_heads or args.heads
 
     cuda = torch.cuda.is_available()
@@ -244,6 +310,9 @@ def main() -> None:
         dev = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
         dtype = DTYPES[args.dtype]
         layouts = args.layouts.split(",")
+        if args.masks:
+            _main_masks(args, dev, dtype, layouts if "--layouts" in sys.argv else ["zigzag"])
+            return
         rows = []
         for n in args.tokens_per_rank:
             n_global = n * world
@@ -295,6 +364,33 @@ def main() -> None:
                 record(title, table, notes)
     finally:
         dist.destroy_process_group()
+
+
+def _main_masks(args, dev, dtype, layouts) -> None:
+    rows = []
+    for n in args.tokens_per_rank:
+        for layout in layouts:
+            rows += bench_masks(args, n, layout, dev, dtype)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    if dist.get_rank() == 0:
+        headers = ["tokens/rank", "layout", "mask", "visible", "skipped (rank 0)", "fwd ms", "fwd+bwd ms",
+                   "compute-only ms", "vs dense"]  # fmt: skip
+        table = markdown_table(headers, rows)
+        title = (
+            f"Ring attention with document/window masks, {dist.get_world_size()} ranks ({dist.get_backend()}), "
+            f"{args.dtype}, causal, B={args.batch} H={args.heads} Hkv={args.kv_heads} D={args.head_dim}"
+        )
+        notes = (
+            "visible = the mask's (query, key) pairs over dense causal's; skipped = ring steps rank 0 launches no "
+            "kernel for (their K/V still travel); vs dense = dense causal fwd+bwd ÷ this fwd+bwd, same tokens per "
+            f"rank; documents log-uniform in [{args.doc_min}, {args.doc_max}] tokens, seed 0; cross-rank input check: "
+            f"{'on' if args.check_ranks else 'off'}."
+        )
+        if args.quick or args.no_record:
+            print(f"## {title}\n\n{table}\n\n{notes}")
+        else:
+            record(title, table, notes)
 
 
 if __name__ == "__main__":
