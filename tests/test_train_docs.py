@@ -13,79 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from dist_utils import run_ranks
 from tiny_config import tiny_config
 
 from train.data import IGNORE, DataLoader, build_source
-
-# ----------------------------------------------------------------------------- a stand-in ring
-# Used only while ringflash has no `ring_mask` (the ring side of issue #7 lands separately): the
-# same contract, done the slow obvious way (gather every rank's K/V, dense mask by global position
-# and document), so the loop's plumbing (mask built from the global batch, passed to every layer)
-# is tested either way. Installed inside the forked ranks only.
-
-
-def _standin_ring_mask(doc_ids, *, seqlen=None, group=None, layout="zigzag", causal=True, window=None, device=None):
-    assert causal
-    return {"doc_ids": doc_ids, "seqlen": seqlen, "group": group, "layout": layout, "window": window}
-
-
-class _AllGather(torch.autograd.Function):
-    """Concatenate every rank's `x (B, n, ...)` along dim 1, in rank order; gradients flow home."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group, ctx.n = group, x.shape[1]
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, 1)
-
-    @staticmethod
-    def backward(ctx, g):
-        g = g.contiguous()
-        dist.all_reduce(g, group=ctx.group)
-        r = dist.get_rank(ctx.group)
-        return g[:, r * ctx.n : (r + 1) * ctx.n], None
-
-
-class _StandinRing(torch.nn.Module):
-    def __init__(self, group=None, layout="zigzag", causal=True, check_ranks=True, **_):
-        super().__init__()
-        self.group, self.layout = group, layout
-
-    def forward(self, q, k, v, mask=None):
-        import ringflash
-
-        W, r, n = dist.get_world_size(self.group), dist.get_rank(self.group), q.shape[1]
-        k_all, v_all = _AllGather.apply(k, self.group), _AllGather.apply(v, self.group)
-        q_pos = ringflash.global_positions(n, r, W, layout=self.layout)
-        k_pos = torch.cat([ringflash.global_positions(n, j, W, layout=self.layout) for j in range(W)])
-        offset = q_pos[:, None] - k_pos[None, :]
-        allowed = offset >= 0
-        if mask is not None and mask["window"]:
-            allowed = allowed & (offset < mask["window"])
-        if mask is not None and mask["doc_ids"] is not None:
-            doc = mask["doc_ids"]
-            allowed = (allowed & (doc[:, q_pos][:, :, None] == doc[:, k_pos][:, None, :]))[:, None]
-        o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k_all.transpose(1, 2), v_all.transpose(1, 2), attn_mask=allowed, enable_gqa=True
-        )
-        return o.transpose(1, 2)
-
-
-def _ring_or_standin() -> str:
-    import ringflash
-
-    if hasattr(ringflash, "ring_mask"):
-        return "ring"
-    ringflash.ring_mask = _standin_ring_mask
-    ringflash.RingFlashAttention = _StandinRing
-    return "stand-in"
-
-
-# ----------------------------------------------------------------------------- data and configs
 
 
 def write_docs(path: Path, n_docs: int = 200, seed: int = 0) -> Path:
@@ -113,7 +45,6 @@ def _cp_vs_single(rank, world, cfg):
     from train.parallel import distributed, parallelize
     from train.trainer import forward_backward
 
-    impl = _ring_or_standin()
     built, ring_mask = [], ringflash.ring_mask
     ringflash.ring_mask = lambda *a, **kw: built.append(kw) or ring_mask(*a, **kw)
     with distributed(cfg.parallel, "cpu") as pc:
@@ -137,7 +68,7 @@ def _cp_vs_single(rank, world, cfg):
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
         for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
-        return impl, float(loss)
+        return float(loss)
 
 
 @pytest.mark.parametrize(
@@ -168,7 +99,6 @@ def _isolation(rank, world, cfg, seqs):
     from train.model import Transformer
     from train.parallel import attention_mask, distributed, parallelize, shard_batch
 
-    _ring_or_standin()
     with distributed(cfg.parallel, "cpu") as pc, torch.no_grad():
         torch.manual_seed(0)
         raw = Transformer(cfg.model)
@@ -198,7 +128,6 @@ def test_documents_do_not_see_each_other_across_ranks():
 def _train_in_ranks(rank, world, cfg):
     from train.trainer import train
 
-    _ring_or_standin()
     result = train(cfg)
     return result.losses, result.passkey
 
