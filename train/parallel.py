@@ -186,8 +186,14 @@ def parallelize(model: nn.Module, pc: ParallelContext, cfg: Config) -> nn.Module
         # check_ranks=False: every cp rank shards the same config-fixed sequence length (the
         # configs agree: check_same_config), so shapes agree by construction, and the
         # check would cost a host sync per layer on NCCL.
+        # The window lives in the core as well as in each batch's mask (which must agree with it):
+        # a call without a mask (a user's own evaluation) still attends through the window.
         block.attn.core = ringflash.RingFlashAttention(
-            group=pc.cp_group, layout=cfg.parallel.layout, causal=True, check_ranks=False
+            group=pc.cp_group,
+            layout=cfg.parallel.layout,
+            causal=True,
+            check_ranks=False,
+            window=cfg.model.window or None,
         )
         if cfg.train.compile:
             # Only the parts without communication: norms and SwiGLU are memory-bound chains of
