@@ -162,6 +162,12 @@ def ring_flash_attn_func(
         if mask is not None:
             _check_mask(mask, q, causal, window, layout, world, None if compiling else comm.rank)
         elif window is not None:
+            if compiling:  # building a mask is host work Dynamo cannot trace (ringflash/masks.py)
+                raise ValueError(
+                    "window= without mask= cannot be traced by torch.compile: build the mask outside the "
+                    "compiled region, ringflash.ring_mask(None, seqlen=N_global, window=w, group=..., "
+                    "layout=..., device=q.device), and pass mask="
+                )
             rank = 0 if world == 1 else dist.get_rank(group)
             mask = window_mask(q.shape[1], window, rank, world, layout, q.device)
         error = None

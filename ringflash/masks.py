@@ -11,11 +11,13 @@ and visiting key rows it touches, and the kernels' `Visibility` for that rectang
 is skipped because no (query, key) pair in it is visible.
 
 Which steps run, and on which rows, is computed here exactly, on the host, from the
-`Visibility` of the whole local block pair: a step's rectangle is the bounding box of the query
-rows that see some key and the key rows that some query sees (the union over the batch), so
-a step is skipped iff no pair in it is visible. Inside the rectangle the kernels skip the tiles
-no row sees, so compute falls with the document lengths and the window. Step 0 (this rank's own
-keys, the diagonal) always runs on every row: it initialises the accumulators.
+`Visibility` of the whole local block pair: a step's rectangle is the bounding box of the layout
+chunks holding a query row that sees some key and a key row that some query sees (the union
+over the batch), so a step is skipped iff no pair in it is visible. (Zigzag steps after the
+first are 1×2 or 2×1 chunk pairs under causality, so that box is exactly what remains.)
+Inside the rectangle the kernels skip the tiles no row sees, so compute falls with the
+document lengths and the window. Step 0 (this rank's own keys, the diagonal) always runs on
+every row: it initialises the accumulators.
 
 Cost model, per layer and per direction, on W ranks with N local tokens:
 - Communication does not fall with the mask: every rank still sends and receives W − 1 K/V
@@ -33,6 +35,13 @@ Cost model, per layer and per direction, on W ranks with N local tokens:
 
 Without documents and without a window (or with a window of the whole sequence) the mask is
 the plain causal schedule: no `Visibility`, the kernels' dense causal path.
+
+torch.compile: build the mask outside the compiled region and pass it in (`forward(...,
+mask=mask)`). Its Visibility tensors are graph inputs; its plan (which steps run, on which
+chunks) is a set of ints that Dynamo guards on, so a batch whose plan differs from every plan
+seen so far compiles again (bounded: each step has only a few chunk-pair variants, but raise
+`torch._dynamo.config.cache_size_limit` for many ranks). `window=` without a mask builds the
+mask inside the call: use it eagerly, or pass `mask=ring_mask(None, seqlen=..., window=...)`.
 """
 
 from __future__ import annotations
@@ -45,7 +54,16 @@ import torch
 import torch.distributed as dist
 
 from kernels import Visibility, visibility
-from ringflash.layout import LAYOUTS, Step, check_layout, check_splittable, global_positions, ring_schedule, shard
+from ringflash.layout import (
+    LAYOUTS,
+    Step,
+    check_layout,
+    check_splittable,
+    chunk_ids,
+    global_positions,
+    ring_schedule,
+    shard,
+)
 
 __all__ = ["RingMask", "RingStep", "ring_mask", "window_mask"]
 
@@ -190,10 +208,14 @@ def _fingerprint(causal, window, layout, world, n_global, doc: torch.Tensor | No
     return n_docs, int.from_bytes(h.digest(), "little", signed=True)
 
 
-def _bounds(mask: torch.Tensor) -> slice | None:
-    """The bounding slice of the True entries of a 1-D bool tensor (None if there are none)."""
-    idx = mask.nonzero()
-    return None if idx.numel() == 0 else slice(int(idx[0]), int(idx[-1]) + 1)
+def _bounds(seen: torch.Tensor, n_chunks: int) -> slice | None:
+    """The rows of the local chunks (n_chunks of them) that hold a True of `seen (n_local,)`, as
+    one slice (a shard's chunks are adjacent), or None if none does. Whole chunks, not rows, so
+    that a plan changes only when a chunk pair's visibility does, not with every document
+    boundary (under torch.compile a new plan is a recompilation)."""
+    c = seen.shape[0] // n_chunks
+    idx = seen.view(n_chunks, c).any(1).nonzero()
+    return None if idx.numel() == 0 else slice(int(idx[0]) * c, (int(idx[-1]) + 1) * c)
 
 
 def _dense(vis: Visibility, causal_diag: bool) -> bool:
@@ -287,8 +309,8 @@ def _build(doc, n_global, rank, world, layout, causal, window, device) -> RingMa
             if s == 0:
                 qs = ks = full  # the diagonal always runs on every row: it starts the accumulators
             else:
-                qs = _bounds((whole.kv_hi > whole.kv_lo).any(0))
-                ks = _bounds((whole.q_hi > whole.q_lo).any(0))
+                qs = _bounds((whole.kv_hi > whole.kv_lo).any(0), len(chunk_ids(rank, world, layout)))
+                ks = _bounds((whole.q_hi > whole.q_lo).any(0), len(chunk_ids(j, world, layout)))
                 if qs is None:
                     steps.append(None)
                     continue
