@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from benchlib import REPO, attn_flops, markdown_table, record, time_ms
+from benchlib import REPO, attn_flops, markdown_table, plot_lines, record, time_ms
 
 from kernels import varlen_visibility
 from kernels.masks import dense_visibility
@@ -121,7 +121,10 @@ def main() -> None:
          "fwd+bwd ÷ sdpa-flash"], rows)
     record(f"Kernels: bf16 attention, B·N = {args.tokens}, H·D = {args.hidden}", table,
            notes=f"Dense bf16 matmul (8192³) in the same run: {ceiling:.0f} TFLOP/s.")
-    _plot(points, Path(args.plot))
+    panels = {}
+    for name, D, causal, N, tfb in points:
+        panels.setdefault(f"D={D}, {'causal' if causal else 'full'}", []).append((name, N, tfb))
+    plot_lines(dict(sorted(panels.items())), Path(args.plot), "sequence length", "fwd+bwd TFLOP/s")
 
 
 def masks(N: int, D: int, hidden: int) -> None:
@@ -157,32 +160,6 @@ def masks(N: int, D: int, hidden: int) -> None:
     record(f"Kernels: masks on one packed sequence, bf16, N = {N}, H = {H}, D = {D}",
            markdown_table(["mask", "fwd TFLOP/s", "bwd TFLOP/s", "fwd+bwd ms", "speed-up vs dense causal"], rows),
            notes="TFLOP/s over the (query, key) pairs the mask keeps; blocks it hides are skipped.")
-
-
-def _plot(points, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
-        return
-    panels = sorted({(D, causal) for _, D, causal, _, _ in points})
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), squeeze=False)
-    for ax, (D, causal) in zip(axes[0], panels):
-        for name in dict.fromkeys(p[0] for p in points):
-            xs = [(N, t) for n, d, c, N, t in points if (n, d, c) == (name, D, causal)]
-            if xs:
-                ax.plot(*zip(*sorted(xs)), marker="o", label=name)
-        ax.set(title=f"D={D}, {'causal' if causal else 'full'}", xlabel="sequence length",
-               ylabel="fwd+bwd TFLOP/s", xscale="log")
-        ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    print(f"plot: {path}")
 
 
 if __name__ == "__main__":

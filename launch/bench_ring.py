@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
-from benchlib import attn_flops, markdown_table, record, time_ms
+from benchlib import REPO, attn_flops, markdown_table, plot_lines, record, time_ms
 
 from kernels import attn_bwd, attn_fwd
 from ringflash import NullComm, ring_flash_attn_func, ring_mask
@@ -289,6 +289,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="tiny shapes, 2 iterations, no record: a smoke run")
     p.add_argument("--no-record", action="store_true", help="print only; do not append to BENCHMARKS.md")
     p.add_argument("--profile", action="store_true", help="print a torch.profiler kernel table per ring variant")
+    p.add_argument("--plot", default=str(REPO / "docs" / "bench_ring.png"), help="TFLOP/s per GPU against tokens/rank")
     p.add_argument("--masks", action="store_true", help="dense causal vs packed documents vs a window (see above)")
     p.add_argument("--doc-min", type=parse_tokens, default=parse_tokens("1k"), help="--masks: shortest document")
     p.add_argument("--doc-max", type=parse_tokens, default=parse_tokens("64k"), help="--masks: longest document")
@@ -362,6 +363,9 @@ def main() -> None:
                 print(f"## {title}\n\n{table}\n\n{notes}")
             else:
                 record(title, table, notes)
+                series = [(f"{impl} {layout}", n, tf) for n, impl, layout, *_, tf in rows if tf != "n/a"]
+                plot_lines({f"{world} ranks, causal, D={args.head_dim}": series}, Path(args.plot), "tokens per rank",
+                           "fwd+bwd TFLOP/s per GPU")
     finally:
         dist.destroy_process_group()
 

@@ -86,3 +86,29 @@ def record(title: str, table: str, notes: str = "", path: Path = BENCHMARKS_MD) 
         path.write_text("# Benchmarks\n\nAppended by the scripts in `launch/`; newest last.\n\n")
     with path.open("a") as f:
         f.write("\n" + entry)
+
+
+def plot_lines(panels: dict[str, list[tuple[str, float, float]]], path: Path, xlabel: str, ylabel: str) -> None:
+    """One subplot per panel title, one line per series: `panels[title] = [(series, x, y), ...]`.
+    x on a log axis (sequence lengths). Skipped, with a message, where matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), squeeze=False)
+    for ax, (title, points) in zip(axes[0], panels.items()):
+        for series in dict.fromkeys(name for name, _, _ in points):
+            xy = sorted((x, y) for name, x, y in points if name == series)
+            ax.plot(*zip(*xy), marker="o", label=series)
+        ax.set(title=title, xlabel=xlabel, ylabel=ylabel, xscale="log")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
