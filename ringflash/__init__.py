@@ -9,9 +9,9 @@ once per batch (doc_ids global, unsharded), then `ring_flash_attn_func(..., mask
 
 Modules: `layout` (sharding and per-step schedule), `masks` (document/window masks per ring
 step), `merge` (float32 (o, lse) merge), `comm`
-(the ring over NCCL or gloo), `ring` (forward/backward loop and autograd Function), `ops` (the
-ring as the custom op `torch.ops.ringflash.ring_attn`, which `api` calls and torch.compile traces
-as one node), `api`.
+(the ring over NCCL or gloo), `ring` (the forward/backward loops, no autograd), `ops` (the ring
+as the custom op `torch.ops.ringflash.ring_attn` with its autograd formula, which `api` calls and
+torch.compile traces as one node), `api`.
 LSE convention everywhere: float32, natural log, shape `(B, H, N)`.
 """
 
@@ -21,14 +21,12 @@ from ringflash.comm import NullComm, RingComm
 from ringflash.layout import LAYOUTS, check_splittable, global_positions, shard, unshard
 from ringflash.masks import RingMask, ring_mask
 from ringflash.merge import merge
-from ringflash.ring import RingFlashAttnFunc
 
 __all__ = [
     "LAYOUTS",
     "NullComm",
     "RingComm",
     "RingFlashAttention",
-    "RingFlashAttnFunc",
     "RingMask",
     "check_splittable",
     "global_positions",

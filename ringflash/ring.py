@@ -29,7 +29,7 @@ import torch
 from kernels import attn_bwd, attn_fwd
 from ringflash.layout import Step, ring_schedule
 
-__all__ = ["RingFlashAttnFunc", "pack_kv", "ring_backward", "ring_forward"]
+__all__ = ["pack_kv", "ring_backward", "ring_forward"]
 
 _KV_TAG, _DKV_TAG = 0, 1  # K/V and dK/dV are in flight together in the backward
 
@@ -37,8 +37,8 @@ _KV_TAG, _DKV_TAG = 0, 1  # K/V and dK/dV are in flight together in the backward
 def pack_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """This rank's K and V as one `(2, B, N, Hkv, D)` buffer: one message per ring step.
 
-    The autograd function saves it for the backward instead of k and v (same bytes), so the
-    backward's ring starts from it without packing again.
+    The ring op (ringflash/ops.py) saves it for the backward instead of k and v (same bytes), so
+    the backward's ring starts from it without packing again.
     """
     return torch.stack((k, v))
 
@@ -176,31 +176,3 @@ def ring_backward(
     dkv_transfer.wait()
     return dq.to(q.dtype), home
 
-
-class RingFlashAttnFunc(torch.autograd.Function):
-    """Autograd wrapper of `ring_forward` / `ring_backward`; returns `(o, lse)`, lse not differentiable.
-
-    Autocast is switched off inside: the merge and the accumulators are float32 by design, and
-    the reference kernel's float32 einsums must not be recast to half precision.
-    """
-
-    @staticmethod
-    def forward(ctx, q, k, v, causal, scale, layout, comm, backend, plan=None):
-        # One rank needs no packing: k and v go to its single kernel call as they are.
-        kv = pack_kv(k, v) if comm.world > 1 else (k, v)
-        with torch.autocast(q.device.type, enabled=False):
-            o, lse = ring_forward(
-                q, kv, causal=causal, scale=scale, layout=layout, comm=comm, backend=backend, plan=plan
-            )
-        ctx.save_for_backward(q, o, lse, *(kv if comm.world == 1 else [kv]))
-        ctx.args = dict(causal=causal, scale=scale, layout=layout, comm=comm, backend=backend, plan=plan)
-        ctx.mark_non_differentiable(lse)
-        return o, lse
-
-    @staticmethod
-    def backward(ctx, do, _dlse):
-        q, o, lse, *kv = ctx.saved_tensors  # [k, v] on one rank, else [packed kv]
-        kv = kv if len(kv) == 2 else kv[0]
-        with torch.autocast(q.device.type, enabled=False):
-            dq, dkv = ring_backward(do.contiguous(), q, kv, o, lse, **ctx.args)
-        return dq, dkv[0], dkv[1], None, None, None, None, None, None
