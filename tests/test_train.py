@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dist_utils import run_ranks
-from tiny_config import tiny_config
+from tiny_config import assert_matches_reference, tiny_config
 
 from train.config import ConfigError
 from train.data import IGNORE, DataLoader, build_source
@@ -56,9 +56,7 @@ def _cp_vs_single(rank, world, cfg):
             / n_tokens
         )
         ref_loss.backward()
-        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-        for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+        assert_matches_reference(loss, ref_loss, model, reference)
         return float(loss)
 
 

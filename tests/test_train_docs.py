@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dist_utils import run_ranks
-from tiny_config import tiny_config
+from tiny_config import assert_matches_reference, tiny_config
 
 from train.data import IGNORE, DataLoader, build_source
 
@@ -65,9 +65,7 @@ def _cp_vs_single(rank, world, cfg):
             ref_sum = ref_sum + F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE, reduction="sum")
         ref_loss = ref_sum / n_tokens
         ref_loss.backward()
-        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-        for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+        assert_matches_reference(loss, ref_loss, model, reference)
         return float(loss)
 
 

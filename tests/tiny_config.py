@@ -1,8 +1,11 @@
-"""The tiny CPU configuration the training tests share: a few steps in well under a second."""
+"""The tiny CPU configuration the training tests share (a few steps in well under a second), and
+their check that a parallel run equals its single-process reference."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import torch
 
 from train.config import Config, load_config
 
@@ -25,3 +28,11 @@ def tiny_config(run_dir: Path | None, *overrides: str) -> Config:
     """TINY, logging into `run_dir` if given, then `overrides` (later ones win)."""
     base = TINY + ([f"--logging.dir={run_dir}"] if run_dir is not None else [])
     return load_config(None, base + list(overrides))
+
+
+def assert_matches_reference(loss, ref_loss, model, reference) -> None:
+    """The parallel run's loss and every parameter's gradient equal the cp = 1 reference's."""
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
