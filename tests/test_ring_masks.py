@@ -33,7 +33,9 @@ DOCS = {  # document lengths per batch row, summing to N
     "one": [[N], [N]],
     "many": [[5, 7, 1, 20, 11, 2, 17, 33], [33, 17, 2, 11, 20, 1, 7, 5]],
     "halves": [[48, 48], [48, 48]],  # boundaries on chunk edges: non-causal zigzag steps skip
+    "gpu": [[1, 517, 1203, 33, 2246], [2999, 1001]],  # N_GPU tokens, real tile sizes
 }
+N_GPU = 4000
 
 
 def doc_ids(name: str | None, B: int) -> torch.Tensor | None:
@@ -90,20 +92,24 @@ def _err(x, ref):
 
 
 def case(world, layout="zigzag", causal=True, docs="odd", window=None, B=2, H=4, Hkv=2, D=16, dtype=torch.float32,
-         backend="reference", n=N, seed=0):  # fmt: skip
+         backend="reference", n=N, seed=0, device="cpu"):  # fmt: skip
     return dict(world=world, layout=layout, causal=causal, docs=docs, window=window, B=B, H=H, Hkv=Hkv, D=D,
-                dtype=dtype, backend=backend, n=n, seed=seed)  # fmt: skip
+                dtype=dtype, backend=backend, n=n, seed=seed, device=device)  # fmt: skip
 
 
 def mask_worker(rank, world, c):
+    dev = torch.device(c["device"])
+    if dev.type == "cuda":
+        torch.cuda.set_device(0)  # every rank shares the one GPU (gloo stages through host memory)
     g = torch.Generator().manual_seed(c["seed"])
     B, n, L = c["B"], c["n"], c["layout"]
     shapes = [(B, n, c["H"], c["D"]), (B, n, c["Hkv"], c["D"]), (B, n, c["Hkv"], c["D"]), (B, n, c["H"], c["D"])]
-    q, k, v, do = (torch.randn(s, generator=g).to(c["dtype"]) for s in shapes)
+    q, k, v, do = (torch.randn(s, generator=g).to(dev, c["dtype"]) for s in shapes)
     doc = doc_ids(c["docs"], B)
     a = allowed(doc, n, c["causal"], c["window"])
-    truth = masked_attention_f64(q, k, v, do, a)
+    truth = masked_attention_f64(q, k, v, do, a.to(dev))
 
+    doc = None if doc is None else doc.to(dev)
     mask = ring_mask(doc, seqlen=n, layout=L, causal=c["causal"], window=c["window"])
     assert mask.skipped == brute_skipped(a, rank, world, L), (mask, brute_skipped(a, rank, world, L))
 
@@ -181,6 +187,20 @@ def test_ring_mask_triton_kernels_interpreted():
         pytest.skip("the interpreter runs only without CUDA")
     c = case(2, "zigzag", docs="odd", window=40, B=2, H=2, Hkv=1, D=32, dtype=torch.bfloat16, backend="triton")
     run_ranks(mask_worker, 2, (c,), timeout_s=120)
+
+
+GPU_CASES = [  # Triton on CUDA tensors, several gloo ranks sharing one GPU (as tests/test_ring.py's)
+    case(w, layout, docs="gpu", window=win, B=2, H=8, Hkv=2, D=128, dtype=torch.bfloat16, backend="triton",
+         n=N_GPU, device="cuda")
+    for w, layout, win in ((2, "zigzag", None), (2, "zigzag", 257), (4, "zigzag", 700), (2, "contiguous", 1500))
+]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", GPU_CASES, ids=_id)
+def test_ring_mask_gpu_shared_by_gloo_ranks(c):
+    # spawn, not fork: conftest has already asked CUDA whether it is available.
+    run_ranks(mask_worker, c["world"], (c,), start_method="spawn", timeout_s=120)
 
 
 def test_windows_skip_steps():
