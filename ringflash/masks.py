@@ -249,7 +249,8 @@ def ring_mask(
         causal: key position <= query position (global order).
         window: causal sliding window, w keys counting the diagonal (query i sees
             i − w < j <= i); needs causal=True.
-        device: where the `Visibility` tensors live (q's device; default CPU).
+        device: where the `Visibility` tensors live: q's device. Default: doc_ids' device (CPU
+            when doc_ids is None).
     """
     check_layout(layout)
     if not isinstance(causal, bool):
@@ -270,6 +271,8 @@ def ring_mask(
         if seqlen is not None and seqlen != n_global:
             raise ValueError(f"seqlen={seqlen} disagrees with doc_ids.shape[-1] = {n_global}")
     check_splittable(n_global, world, layout)
+    if device is None and doc_ids is not None:
+        device = doc_ids.device
     device = _device(device)
     return _build(doc, n_global, rank, world, layout, causal, window, device)
 
