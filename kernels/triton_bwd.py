@@ -213,7 +213,7 @@ def _bwd_dq(
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    start_m = tl.program_id(0) * BLOCK_M
+    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M  # heaviest (last) query blocks first
     off_bh = tl.program_id(1)
     off_b = off_bh // H
     off_h = off_bh % H
