@@ -78,7 +78,7 @@ def masked_f64(q, k, v, mask, scale=None, do=None):
 def _mask(q_pos, k_pos, causal, window=None, q_doc=None, k_doc=None):
     """The mask by definition, `(Nq, Nk)`: same document, key at or before the query, in the window."""
     qp, kp = q_pos[:, None], k_pos[None, :]
-    m = torch.ones(len(q_pos), len(k_pos), dtype=torch.bool)
+    m = torch.ones(len(q_pos), len(k_pos), dtype=torch.bool, device=q_pos.device)
     if q_doc is not None:
         m &= q_doc[:, None] == k_doc[None, :]
     if causal:
