@@ -88,9 +88,19 @@ def record(title: str, table: str, notes: str = "", path: Path = BENCHMARKS_MD) 
         f.write("\n" + entry)
 
 
+def _tokens_label(n: float) -> str:
+    """4096 -> "4k", 1048576 -> "1M", 1000 -> "1000"."""
+    n = int(n)
+    for unit, size in (("M", 2**20), ("k", 2**10)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
+
+
 def plot_lines(panels: dict[str, list[tuple[str, float, float]]], path: Path, xlabel: str, ylabel: str) -> None:
     """One subplot per panel title, one line per series: `panels[title] = [(series, x, y), ...]`.
-    x on a log axis (sequence lengths). Skipped, with a message, where matplotlib is missing."""
+    x on a base-2 log axis (sequence lengths), ticked at the measured points ("8k", "16k", ...).
+    Skipped, with a message, where matplotlib is missing."""
     try:
         import matplotlib
 
@@ -104,7 +114,11 @@ def plot_lines(panels: dict[str, list[tuple[str, float, float]]], path: Path, xl
         for series in dict.fromkeys(name for name, _, _ in points):
             xy = sorted((x, y) for name, x, y in points if name == series)
             ax.plot(*zip(*xy), marker="o", label=series)
-        ax.set(title=title, xlabel=xlabel, ylabel=ylabel, xscale="log")
+        ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+        ax.set_xscale("log", base=2)
+        xs = sorted({x for _, x, _ in points})
+        ax.set_xticks(xs, [_tokens_label(x) for x in xs])
+        ax.minorticks_off()
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
