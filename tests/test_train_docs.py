@@ -153,3 +153,39 @@ def test_no_mask_without_documents_or_window():
 
     # Plain causal training builds nothing (pc is not even looked at).
     assert attention_mask(None, 256, None, "zigzag", 0) is None
+
+
+def _pairs_brute(doc_ids: torch.Tensor, window: int) -> float:
+    """(query, key) pairs of causal attention within each document (and window), counted on the
+    dense mask, with FlashAttention's n²/2 for a document no window cuts (its diagonal counts half)."""
+    total = 0.0
+    for row in doc_ids.reshape(-1, doc_ids.shape[-1]):
+        for n in torch.unique_consecutive(row, return_counts=True)[1].tolist():
+            i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+            seen = j <= i
+            if window and window < n:
+                total += float((seen & (i - j < window)).sum())  # exact
+            else:
+                total += n * n / 2
+    return total
+
+
+@pytest.mark.parametrize("window", [0, 1, 7, 40, 1000])
+def test_model_flops_count_only_the_masked_attention(window):
+    from train.config import ModelConfig
+    from train.metrics import attended_keys, flops_per_token
+
+    L = 96
+    doc = torch.stack([torch.repeat_interleave(torch.arange(5), torch.tensor([1, 17, 40, 3, 35])),
+                       torch.repeat_interleave(torch.arange(2), torch.tensor([50, 46]))])  # fmt: skip
+    assert attended_keys(L, window, doc) == pytest.approx(_pairs_brute(doc, window) / doc.numel())
+    one_doc = torch.zeros(1, L, dtype=torch.long)
+    assert attended_keys(L, window, one_doc) == pytest.approx(attended_keys(L, window))  # None: one document
+    if not window:
+        assert attended_keys(L) == L / 2  # FlashAttention's causal convention
+    # The attention term of the model FLOPs scales with these keys; documents only ever remove work.
+    cfg = ModelConfig(dim=64, n_layers=3, n_heads=2, n_kv_heads=1, vocab_size=256, window=window)
+    attn = flops_per_token(cfg, 0, L, doc)
+    assert attn == pytest.approx(12 * 3 * 64 * attended_keys(L, window, doc))
+    assert flops_per_token(cfg, 1000, L, doc) == pytest.approx(attn + 6000)
+    assert attn < flops_per_token(cfg, 0, L)

@@ -28,16 +28,35 @@ _PEAK_TFLOPS = (
 )
 
 
-def flops_per_token(model_cfg, n_matmul_params: int, seq_len: int) -> float:
+def flops_per_token(model_cfg, n_matmul_params: int, seq_len: int, doc_ids: torch.Tensor | None = None) -> float:
     """Training FLOPs per token: 6·(matmul params) + 12·n_layers·dim·(keys a query sees on average).
 
-    Causal attention: seq_len/2 keys. A sliding window (`model_cfg.window` = w < seq_len) sees
-    w − w(w − 1)/(2·seq_len) on average, so MFU counts only the work a window needs. Packed
-    documents are counted as dense causal (their cost depends on the batch): an upper bound.
+    The keys come from `attended_keys`: causal attention, a sliding window (`model_cfg.window`),
+    and, with `doc_ids`, packed documents each attending only to itself, so MFU counts only the
+    work the masks leave.
     """
-    w = getattr(model_cfg, "window", 0)
-    keys = seq_len / 2 if not w or w >= seq_len else w - w * (w - 1) / (2 * seq_len)
+    keys = attended_keys(seq_len, getattr(model_cfg, "window", 0), doc_ids)
     return 6.0 * n_matmul_params + 12.0 * model_cfg.n_layers * keys * model_cfg.dim
+
+
+def attended_keys(seq_len: int, window: int = 0, doc_ids: torch.Tensor | None = None) -> float:
+    """Keys a query sees on average over sequences of `seq_len` tokens.
+
+    A causal document of n tokens counts n²/2 (query, key) pairs, FlashAttention's convention; with
+    a window of w < n keys, the exact n·w − w(w − 1)/2. `doc_ids (B, seq_len)`: packed documents
+    (non-decreasing ids along each row), each counted on its own; None: one document per sequence.
+    """
+    if doc_ids is None:
+        lengths = torch.tensor([float(seq_len)], dtype=torch.float64)
+        n_rows = 1
+    else:
+        rows = doc_ids.detach().cpu().reshape(-1, doc_ids.shape[-1])
+        lengths = torch.cat([torch.unique_consecutive(r, return_counts=True)[1] for r in rows]).double()
+        n_rows = rows.shape[0]
+    pairs = lengths * lengths / 2
+    if window:
+        pairs = torch.where(lengths > window, lengths * window - window * (window - 1) / 2, pairs)
+    return float(pairs.sum()) / (n_rows * seq_len)
 
 
 def matmul_params(model: nn.Module) -> int:

@@ -216,10 +216,15 @@ def _loop(cfg: Config, pc: ParallelContext, log: Logger) -> TrainResult:
     # ---- what a step costs, for throughput and MFU (at the step's sequence length)
     world, n_matmul = pc.dims.world_size, matmul_params(raw)
 
-    def step_cost(at: int) -> tuple[int, float]:
+    def step_cost(at: int, micros=None) -> tuple[int, float]:
+        """Tokens and model FLOPs of step `at`, all ranks together. With packed documents the
+        attention work depends on the batch: it is counted on this dp rank's micro-batches, times dp."""
         L = cfg.data.warmup_seq_len if at < loader.warmup_steps else cfg.data.seq_len
         tokens = pc.dims.dp * t.grad_accum * cfg.data.batch_size * L
-        return tokens, flops_per_token(cfg.model, n_matmul, L) * tokens
+        if micros is None or not cfg.data.pack_documents:
+            return tokens, flops_per_token(cfg.model, n_matmul, L) * tokens
+        local = sum(flops_per_token(cfg.model, n_matmul, L, doc_ids) * doc_ids.numel() for *_, doc_ids in micros)
+        return tokens, pc.dims.dp * local
 
     peak = peak_tflops(dev, cfg.logging.peak_tflops)
     n_params = raw.num_params()
@@ -243,13 +248,11 @@ def _loop(cfg: Config, pc: ParallelContext, log: Logger) -> TrainResult:
     stop = t.stop_at or t.steps
     log.start_progress(step, t.steps)
     t_start = time.perf_counter()
-    window_s, window_steps = 0.0, 0  # step time since the last summary line (evals excluded)
+    window_s, window_tokens, window_flops = 0.0, 0, 0.0  # since the last summary line (evals excluded)
     while step < stop:
         t0 = time.perf_counter()
-        tokens_per_step, flops_per_step = step_cost(step)
-        if step == loader.warmup_steps and window_steps:  # a new sequence length: new averages
-            window_s, window_steps = 0.0, 0
         micros = loader.next()
+        tokens_per_step, flops_per_step = step_cost(step, micros)
         loss = forward_backward(model, micros, pc, cfg.parallel.layout, autocast, cfg.model.window)
         clip = t.grad_clip if t.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(raw.parameters(), clip)
@@ -284,16 +287,18 @@ def _loop(cfg: Config, pc: ParallelContext, log: Logger) -> TrainResult:
             metrics["mfu"] = tflops / peak
         log.scalars(step, metrics)
         log.advance(loss_f)
-        window_s, window_steps = window_s + dt, window_steps + 1
+        window_s += dt
+        window_tokens += tokens_per_step
+        window_flops += flops_per_step
         if step % cfg.logging.log_every == 0 or step == stop:
-            avg_dt, window_s, window_steps = window_s / window_steps, 0.0, 0
-            avg_tflops = flops_per_step / avg_dt / world / 1e12
+            avg_tflops = window_flops / window_s / world / 1e12
             mfu = f" | MFU {100 * avg_tflops / peak:.1f}%" if peak > 0 else ""
             log.print(
                 f"step {step:6d} | loss {loss_f:.4f} | lr {lr:.2e} | grad norm {norm_f:.3f} | "
-                f"{tokens_per_step / avg_dt:,.0f} tok/s | {avg_tflops:.2f} TFLOP/s{mfu} | "
+                f"{window_tokens / window_s:,.0f} tok/s | {avg_tflops:.2f} TFLOP/s{mfu} | "
                 f"peak mem {metrics['memory/peak_gib']:.2f} GiB"
             )
+            window_s, window_tokens, window_flops = 0.0, 0, 0.0
         if t.max_minutes and step % cfg.logging.log_every == 0 and _out_of_time(t_start, t.max_minutes, dev):
             log.print(f"step {step:6d} | train.max_minutes = {t.max_minutes} reached: stopping early")
             stop = step
