@@ -123,6 +123,8 @@ def run_ranks(
                 try:
                     status, payload = conn.recv()
                 except EOFError:
+                    # The pipe closes a moment before the process can be reaped: wait for its exit code.
+                    procs[rank].join(timeout=5)
                     status, payload = "err", f"rank {rank} exited without a result (exit code {procs[rank].exitcode})"
                 (results if status == "ok" else errors)[rank] = payload
         for rank in pending:
