@@ -13,6 +13,7 @@ any strides with a contiguous last dim; lse `(B, H, Nq)` float32, natural log.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -98,6 +99,7 @@ def attn_bwd(
     accumulate_dq: bool = False,
     window: int | None = None,
     visibility: Visibility | None = None,
+    after_dkdv: Callable[[], None] | None = None,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention backward: returns `dq` like q, `dk`, `dv` like k, in `grad_dtype` (default q's).
@@ -107,6 +109,9 @@ def attn_bwd(
     tensors; with `accumulate_dq=True` dq is added to `out[0]` (in float32 on chip), which is
     how the ring sums its steps' dq without a separate pass.
     `window`, `visibility`: the forward's mask (see `attn_fwd`).
+    `after_dkdv()`: called once dk and dv are written (on CUDA: once their kernel is queued on
+    the current stream) and before dq is; the ring sends the finished dK/dV on from there, so
+    that the transfer travels while dQ is computed.
     """
     if resolve_backend(backend, q.device) == "reference":
         grads = ref_attn_bwd(
@@ -114,20 +119,24 @@ def attn_bwd(
             window=window, visibility=visibility,
         )
         if out is None and not accumulate_dq:
+            if after_dkdv is not None:
+                after_dkdv()
             return grads
         check_grad_out(out, accumulate_dq, q, k, grads[0].dtype)
+        out[1].copy_(grads[1])
+        out[2].copy_(grads[2])
+        if after_dkdv is not None:
+            after_dkdv()
         if accumulate_dq:
             out[0].add_(grads[0])
         else:
             out[0].copy_(grads[0])
-        out[1].copy_(grads[1])
-        out[2].copy_(grads[2])
         return tuple(out)
     from kernels.triton_bwd import triton_attn_bwd
 
     return triton_attn_bwd(
         do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale, grad_dtype=grad_dtype,
-        out=out, accumulate_dq=accumulate_dq, window=window, visibility=visibility,
+        out=out, accumulate_dq=accumulate_dq, window=window, visibility=visibility, after_dkdv=after_dkdv,
     )
 
 

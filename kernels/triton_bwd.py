@@ -21,6 +21,8 @@ it is treated as `+inf` here so that its P is exactly 0 instead of `exp(+inf)`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -280,6 +282,7 @@ def triton_attn_bwd(
     accumulate_dq: bool = False,
     window: int | None = None,
     visibility: Visibility | None = None,
+    after_dkdv: Callable[[], None] | None = None,
     tiles: dict[str, Tile] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of attention with the Triton kernels.
@@ -288,7 +291,8 @@ def triton_attn_bwd(
     Returns `dq (B, Nq, H, D)`, `dk, dv (B, Nk, Hkv, D)` in `grad_dtype` (default q's dtype; the
     ring asks for float32 to accumulate across steps): new tensors, or `out`'s (any strides) with
     dq added to `out[0]` instead of written when `accumulate_dq` (see `kernels.attn_bwd`).
-    `window` / `visibility`: the forward's mask (kernels/masks.py).
+    `window` / `visibility`: the forward's mask (kernels/masks.py). `after_dkdv()`: called
+    between the dK/dV launch and the dQ launch (see `kernels.attn_bwd`).
     """
     check_qkv(q, k, v, causal and visibility is None)
     vis = resolve_visibility(q, k, causal, window, visibility)
@@ -304,6 +308,8 @@ def triton_attn_bwd(
     if Nq == 0 or Nk == 0 or B * H == 0:
         dk.zero_()
         dv.zero_()
+        if after_dkdv is not None:
+            after_dkdv()
         return dq if accumulate_dq else dq.zero_(), dk, dv
     lse = lse.contiguous()
     delta = torch.empty_like(lse)
@@ -326,6 +332,8 @@ def triton_attn_bwd(
            (q, k, v, do, lse, delta, dk, dv, *strides_in, *bhnd_strides(dk), *bhnd_strides(dv),
             *kv_ranges[:2], *q_ranges[:2], kv_ranges[2], q_ranges[2],
             Hkv, Nq, Nk, scale * LOG2E, scale), common, tiles.get("dkdv"))
+    if after_dkdv is not None:
+        after_dkdv()
     launch("dq", _bwd_dq, lambda meta: (triton.cdiv(Nq, meta["BLOCK_M"]), B * H),
            (q, k, v, do, lse, delta, dq, *strides_in, *bhnd_strides(dq), *kv_ranges,
             H, Nq, Nk, scale * LOG2E, scale),

@@ -28,12 +28,14 @@ __all__ = ["NullComm", "RingComm"]
 class _Transfer:
     """An in-flight send/recv pair; `wait()` completes it (and unstages a staged receive)."""
 
-    __slots__ = ("_host_recv", "_host_send", "_recv", "_works")
+    __slots__ = ("_host_recv", "_recv", "_send", "_works")
 
-    def __init__(self, works, recv=None, host_send=None, host_recv=None):
+    def __init__(self, works, recv=None, send=None, host_recv=None):
         self._works = works
         self._recv = recv
-        self._host_send = host_send  # kept alive until gloo has sent it
+        # What is being sent stays alive until it has been sent: the caller may drop its own
+        # reference (e.g. to a temporary cast) right after posting.
+        self._send = send
         self._host_recv = host_recv
 
     def wait(self) -> None:
@@ -43,7 +45,7 @@ class _Transfer:
             # Pinned source: an async copy queued on the current stream, before the compute that
             # reads `recv`. The caching host allocator keeps the block until the copy is done.
             self._recv.copy_(self._host_recv, non_blocking=True)
-        self._works, self._host_send, self._host_recv = [], None, None
+        self._works, self._send, self._host_recv = [], None, None
 
 
 def _backend_names(group) -> set[str]:
@@ -121,7 +123,7 @@ class RingComm:
             dist.P2POp(dist.irecv, dst, self.prev_peer, self.group, tag),
         ]
         works = dist.batch_isend_irecv(ops)
-        return _Transfer(works, recv, host_send, host_recv)
+        return _Transfer(works, recv, src, host_recv)
 
     def all_gather_ints(self, values: list[int], device: torch.device | None = None) -> list[list[int]]:
         """Every rank's `values` (same length everywhere), in rank order: one small collective.

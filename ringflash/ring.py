@@ -18,11 +18,15 @@ it, each rank adding its share, and arrive back on the block's home rank after W
 last hop, already finished, in the input dtype).
 
 Communication overlaps compute: the transfer for step s+1 is posted before step s computes
-(two K/V buffers in turn), and the dK/dV of step s travel during step s+1. K and V travel packed
-in one contiguous `(2, B, N, Hkv, D)` buffer (`pack_kv`): one message per step instead of two.
+(two K/V buffers in turn). The dK/dV of step s are sent as soon as their kernel is queued, before
+step s's dQ kernel (`attn_bwd(after_dkdv=...)`): they travel during that dQ and step s+1's dK/dV,
+so even the last hop, with no step after it, overlaps compute (the last dQ). K and V travel
+packed in one contiguous `(2, B, N, Hkv, D)` buffer (`pack_kv`): one message per step, not two.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 
@@ -131,19 +135,43 @@ def ring_backward(
     # dK/dV travel in float32: rounding each hop to bf16 would lose what the sum needs.
     dkv = torch.empty((2, *kv.shape), dtype=torch.float32, device=kv.device)
     dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    dkv_transfer = None
+    sent = home = None  # the dK/dV transfer in flight; where the last hop brings ours
+
+    def pass_on(s: int, ks: slice | None = None, dk_v: torch.Tensor | None = None) -> None:
+        """Step s's dK/dV are computed: add them to their block's accumulator and send it on.
+
+        Called between the dK/dV and the dQ kernels of step s (`attn_bwd(after_dkdv=...)`), so
+        the transfer travels while dQ is computed: even the last hop, which no later step could
+        hide.
+        """
+        nonlocal sent, home
+        acc = dkv[s % 2]  # arrived from the previous rank (ours at s = 0, written in place)
+        if sent is not None:
+            sent.wait()
+        if dk_v is not None:
+            acc[:, :, ks] += dk_v
+        if s + 1 < world:
+            sent = comm.send_recv(acc, dkv[(s + 1) % 2], _DKV_TAG)
+        else:
+            # The last hop brings finished dK/dV home. Home would round them to the input dtype
+            # anyway: rounding before sending is bit-identical and halves the bytes for bf16/fp16.
+            # (Earlier hops carry partial sums: float32.) Allocated only now, not to raise the peak.
+            home = torch.empty_like(kv)
+            sent = comm.send_recv(acc.to(kv.dtype), home, _DKV_TAG)
+
     for s, entry in enumerate(plan):
-        step, vis = entry if entry is not None else (None, None)
         cur = buf(s)
         kv_transfer = comm.send_recv(cur, buf(s + 1), _KV_TAG) if s + 1 < world else None
-        # The accumulator of the block we hold arrives from the previous rank (it is ours at s=0).
-        acc = dkv[s % 2]
-        if step is not None:
+        if entry is None:
+            pass_on(s)  # nothing to add, but the accumulator still travels on
+        else:
+            step, vis = entry
             qs, ks = step.q, step.kv
             # Step 0 (the diagonal, every row) writes dq and this block's dK/dV accumulator
             # directly; later steps add dq on chip, and their dK/dV wait in scratch until the
-            # accumulator has arrived, so the transfer stays hidden behind this compute.
-            dk_v = acc[:, :, ks] if s == 0 else torch.empty_like(dkv[0][:, :, ks])
+            # accumulator has arrived, so its transfer stays hidden behind this step's dK/dV.
+            first = s == 0
+            dk_v = dkv[0][:, :, ks] if first else torch.empty_like(dkv[0][:, :, ks])
             attn_bwd(
                 do[:, qs],
                 q[:, qs],
@@ -154,25 +182,13 @@ def ring_backward(
                 softmax_scale=scale,
                 grad_dtype=torch.float32,
                 out=(dq[:, qs], dk_v[0], dk_v[1]),
-                accumulate_dq=s > 0,
+                accumulate_dq=not first,
+                after_dkdv=partial(pass_on, s) if first else partial(pass_on, s, ks, dk_v),
                 backend=backend,
                 **_mask(step, vis),
             )
-        if dkv_transfer is not None:
-            dkv_transfer.wait()
-        if s > 0 and step is not None:
-            acc[:, :, ks] += dk_v
-        if s + 1 < world:
-            dkv_transfer = comm.send_recv(acc, dkv[(s + 1) % 2], _DKV_TAG)
-        else:
-            # The last hop brings finished dK/dV home, after all compute, so nothing hides it. Home
-            # would round them to the input dtype anyway: rounding before sending is bit-identical
-            # and halves the exposed bytes for bf16/fp16. (Earlier hops carry partial sums: float32.)
-            final = acc.to(kv.dtype)
-            home = torch.empty_like(final)
-            dkv_transfer = comm.send_recv(final, home, _DKV_TAG)
         if kv_transfer is not None:
             kv_transfer.wait()
-    dkv_transfer.wait()
+    sent.wait()
     return dq.to(q.dtype), home
 

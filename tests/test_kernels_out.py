@@ -52,3 +52,26 @@ def test_bad_out_names_the_buffer(backend):
         attn_bwd(do, q, k, v, o, lse, out=(good[0], good[1][:, :5], good[2]), backend=backend)
     with pytest.raises(TypeError, match=r"out dq must have the gradient dtype torch\.float16"):
         attn_bwd(do, q, k, v, o, lse, grad_dtype=torch.float16, out=good, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("n_keys", [40, 0])
+def test_after_dkdv_runs_once_between_dkdv_and_dq(backend, n_keys):
+    # The ring sends dK/dV on from this hook while dQ is computed: they must be final by then.
+    q, k, v, do = _inputs()
+    k, v = k[:, :n_keys], v[:, :n_keys]
+    truth = attention_f64(q, k, v, causal=False, do=do) if n_keys else None
+    if n_keys:
+        o, lse = truth["o"].float(), truth["lse"].float()
+    else:  # no keys: o = 0, lse = -inf
+        o, lse = torch.zeros_like(q), torch.full((2, 4, 40), -torch.inf)
+    out = (torch.full_like(q, 7.0), torch.full_like(k, 7.0), torch.full_like(v, 7.0))
+    seen = []
+
+    def hook():
+        dkdv_ok = rel_err(out[1], truth["dk"]) < 2e-5 and rel_err(out[2], truth["dv"]) < 2e-5 if n_keys else True
+        seen.append((dkdv_ok, bool((out[0] == 7.0).all())))
+
+    attn_bwd(do, q, k, v, o, lse, grad_dtype=torch.float32, out=out, after_dkdv=hook, backend=backend)
+    assert seen == [(True, True)]  # once; dK/dV written, dQ not yet
+    assert rel_err(out[0], truth["dq"]) < 2e-5 if n_keys else (out[0] == 0).all()
