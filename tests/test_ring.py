@@ -119,6 +119,9 @@ CPU_CASES = [
     make_case(3, "zigzag", True, H=4, Hkv=1, strided=True, scale=0.3),  # MQA, views of a packed QKV
     make_case(2, "zigzag", True, dtype=torch.bfloat16, n_local=16),
     make_case(3, "contiguous", True, dtype=torch.float16, n_local=12),
+    # 8 ranks, as on an 8-GPU node: longer schedules, both receive buffers reused several times
+    make_case(8, "zigzag", True, H=4, Hkv=2),
+    make_case(8, "contiguous", True, H=4, Hkv=2),
 ]
 
 

@@ -154,6 +154,7 @@ CASES = [
         for hkv in ((2,) if w != 3 else (4, 1))
     ),
     case(4, "zigzag", docs="many"),
+    case(8, "zigzag", docs="many", window=40),  # 8 ranks, as on an 8-GPU node
     case(3, "zigzag", docs="many", B=1),
     # windows alone (1, 5, 40, >= N) and with documents
     *(case(w, layout, docs=None, window=win) for w, layout, win in WINDOWS),
