@@ -226,37 +226,36 @@ def bench_single(args, n_global, dev, dtype):
     return time_local(fwd_bwd, args.iters, args.warmup)
 
 
-def _sdpa_backend(name: str):
-    from torch.nn.attention import SDPBackend
+def _sdpa_fwd_bwd(q, k, v, do, sdpa_backend: str):
+    """Causal SDPA forward + `autograd.grad` with the `sdpa_backend` ("flash" or "cudnn") kernels;
+    q, k, v `(B, H, N, D)` requiring grad."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    return {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[name]
+    backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[sdpa_backend]
+
+    def fwd_bwd():
+        with sdpa_kernel(backend):
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        torch.autograd.grad(o, (q, k, v), do)
+
+    return fwd_bwd
 
 
 def bench_single_sdpa(args, n_global, dev, dtype, sdpa_backend: str) -> float:
     """One device's fwd+bwd ms on the whole sequence with SDPA's `sdpa_backend` kernels: torch
     CP's efficiency is relative to its own kernels, as ours is to ours."""
-    import torch.nn.functional as F
-    from torch.nn.attention import sdpa_kernel
-
     B, H, D = args.batch, args.heads, args.head_dim
     q, k, v = (torch.randn(B, H, n_global, D, device=dev, dtype=dtype, requires_grad=True) for _ in range(3))
     do = torch.randn(B, H, n_global, D, device=dev, dtype=dtype)
-
-    def fwd_bwd():
-        with sdpa_kernel(_sdpa_backend(sdpa_backend)):
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        torch.autograd.grad(o, (q, k, v), do)
-
-    return time_local(fwd_bwd, args.iters, args.warmup)
+    return time_local(_sdpa_fwd_bwd(q, k, v, do, sdpa_backend), args.iters, args.warmup)
 
 
 def bench_torch_cp(args, n_global, dev, dtype, sdpa_backend: str) -> tuple[float | None, str]:
     """torch context_parallel fwd+bwd ms on the same shapes, or (None, reason)."""
     try:
-        import torch.nn.functional as F
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.experimental import context_parallel
-        from torch.nn.attention import sdpa_kernel
 
         if args.cp_rotate:
             from torch.distributed.tensor.experimental._attention import set_rotate_method
@@ -266,7 +265,6 @@ def bench_torch_cp(args, n_global, dev, dtype, sdpa_backend: str) -> tuple[float
             return None, "needs CUDA"
         if args.kv_heads != args.heads:
             return None, "GQA not benchmarked"
-        backend = _sdpa_backend(sdpa_backend)
         global _MESH
         _MESH = _MESH or init_device_mesh("cuda", (dist.get_world_size(),))  # one mesh for every call
         mesh = _MESH
@@ -277,13 +275,7 @@ def bench_torch_cp(args, n_global, dev, dtype, sdpa_backend: str) -> tuple[float
             q, k, v, do = bufs
             for t in (q, k, v):
                 t.requires_grad_()
-
-            def fwd_bwd():
-                with sdpa_kernel(backend):
-                    o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-                torch.autograd.grad(o, (q, k, v), do)
-
-            return time_collective(fwd_bwd, args.iters, args.warmup), ""
+            return time_collective(_sdpa_fwd_bwd(q, k, v, do, sdpa_backend), args.iters, args.warmup), ""
     except Exception as e:  # an experimental API: report why, keep benchmarking
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
 

@@ -183,7 +183,7 @@ def ring_backward(
                 grad_dtype=torch.float32,
                 out=(dq[:, qs], dk_v[0], dk_v[1]),
                 accumulate_dq=not first,
-                after_dkdv=partial(pass_on, s) if first else partial(pass_on, s, ks, dk_v),
+                after_dkdv=partial(pass_on, s, ks, None if first else dk_v),  # step 0's: in place
                 backend=backend,
                 **_mask(step, vis),
             )
