@@ -96,7 +96,7 @@ def attn_bwd(
     softmax_scale: float | None = None,
     grad_dtype: torch.dtype | None = None,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    accumulate_dq: bool = False,
+    accumulate: bool = False,
     window: int | None = None,
     visibility: Visibility | None = None,
     after_dkdv: Callable[[], None] | None = None,
@@ -106,8 +106,8 @@ def attn_bwd(
 
     `o` and `lse` may be global (from a ring merge); P and delta are recomputed from them.
     `out=(dq, dk, dv)`: write into these (views of larger buffers are fine) instead of new
-    tensors; with `accumulate_dq=True` dq is added to `out[0]` (in float32 on chip), which is
-    how the ring sums its steps' dq without a separate pass.
+    tensors; with `accumulate=True` the gradients are added to what `out` holds (in float32 on
+    chip), which is how the ring sums its steps' dq and dK/dV without a separate pass.
     `window`, `visibility`: the forward's mask (see `attn_fwd`).
     `after_dkdv()`: called once dk and dv are written (on CUDA: once their kernel is queued on
     the current stream) and before dq is; the ring sends the finished dK/dV on from there, so
@@ -118,25 +118,23 @@ def attn_bwd(
             do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale, grad_dtype=grad_dtype,
             window=window, visibility=visibility,
         )
-        if out is None and not accumulate_dq:
+        if out is None and not accumulate:
             if after_dkdv is not None:
                 after_dkdv()
             return grads
-        check_grad_out(out, accumulate_dq, q, k, grads[0].dtype)
-        out[1].copy_(grads[1])
-        out[2].copy_(grads[2])
+        check_grad_out(out, accumulate, q, k, grads[0].dtype)
+        write = torch.Tensor.add_ if accumulate else torch.Tensor.copy_
+        write(out[1], grads[1])
+        write(out[2], grads[2])
         if after_dkdv is not None:
             after_dkdv()
-        if accumulate_dq:
-            out[0].add_(grads[0])
-        else:
-            out[0].copy_(grads[0])
+        write(out[0], grads[0])
         return tuple(out)
     from kernels.triton_bwd import triton_attn_bwd
 
     return triton_attn_bwd(
         do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale, grad_dtype=grad_dtype,
-        out=out, accumulate_dq=accumulate_dq, window=window, visibility=visibility, after_dkdv=after_dkdv,
+        out=out, accumulate=accumulate, window=window, visibility=visibility, after_dkdv=after_dkdv,
     )
 
 

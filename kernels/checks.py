@@ -80,7 +80,7 @@ def check_bwd(
 
 def check_grad_out(
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-    accumulate_dq: bool,
+    accumulate: bool,
     q: torch.Tensor,
     k: torch.Tensor,
     grad_dtype: torch.dtype,
@@ -88,8 +88,8 @@ def check_grad_out(
     """Check the backward's optional output buffers `out = (dq, dk, dv)`: q's and k's shapes,
     `grad_dtype`, q's device, contiguous last dim (views of larger tensors are fine)."""
     if out is None:
-        if accumulate_dq:
-            raise ValueError("accumulate_dq=True needs out=(dq, dk, dv): the dq buffer to add into")
+        if accumulate:
+            raise ValueError("accumulate=True needs out=(dq, dk, dv): the buffers to add into")
         return
     if not isinstance(out, (tuple, list)) or len(out) != 3:
         raise TypeError(f"out must be a tuple (dq, dk, dv) of tensors, got {type(out).__name__}")

@@ -117,7 +117,7 @@ def _bwd_dkdv(
     KV_LO, KV_HI, Q_LO, Q_HI, stride_rqb, stride_rkb,
     Hkv, Nq, Nk, qk_scale, softmax_scale,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, RANGES: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     start_n = tl.program_id(0) * BLOCK_N
@@ -172,7 +172,11 @@ def _bwd_dkdv(
 
     dk_ptrs = DK + off_b * stride_dkb + off_hkv * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :]
     dv_ptrs = DV + off_b * stride_dvb + off_hkv * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :]
-    store_tile(dk_ptrs, (dk * softmax_scale).to(DK.dtype.element_ty), offs_n, offs_d, Nk, HEAD_DIM, BLOCK_D)
+    dk = dk * softmax_scale
+    if ACCUMULATE:  # add to what DK and DV hold (the ring's float32 sums over its steps)
+        dk += load_tile(dk_ptrs, offs_n, offs_d, Nk, True, HEAD_DIM, BLOCK_D).to(tl.float32)
+        dv += load_tile(dv_ptrs, offs_n, offs_d, Nk, True, HEAD_DIM, BLOCK_D).to(tl.float32)
+    store_tile(dk_ptrs, dk.to(DK.dtype.element_ty), offs_n, offs_d, Nk, HEAD_DIM, BLOCK_D)
     store_tile(dv_ptrs, dv.to(DV.dtype.element_ty), offs_n, offs_d, Nk, HEAD_DIM, BLOCK_D)
 
 
@@ -279,7 +283,7 @@ def triton_attn_bwd(
     softmax_scale: float | None = None,
     grad_dtype: torch.dtype | None = None,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    accumulate_dq: bool = False,
+    accumulate: bool = False,
     window: int | None = None,
     visibility: Visibility | None = None,
     after_dkdv: Callable[[], None] | None = None,
@@ -289,8 +293,8 @@ def triton_attn_bwd(
 
     `do, o` like `q (B, Nq, H, D)`; `k, v (B, Nk, Hkv, D)`; `lse (B, H, Nq)` float32 natural log.
     Returns `dq (B, Nq, H, D)`, `dk, dv (B, Nk, Hkv, D)` in `grad_dtype` (default q's dtype; the
-    ring asks for float32 to accumulate across steps): new tensors, or `out`'s (any strides) with
-    dq added to `out[0]` instead of written when `accumulate_dq` (see `kernels.attn_bwd`).
+    ring asks for float32 to accumulate across steps): new tensors, or `out`'s (any strides), added
+    to what they hold instead of written when `accumulate` (see `kernels.attn_bwd`).
     `window` / `visibility`: the forward's mask (kernels/masks.py). `after_dkdv()`: called
     between the dK/dV launch and the dQ launch (see `kernels.attn_bwd`).
     """
@@ -299,18 +303,19 @@ def triton_attn_bwd(
     check_bwd(do, q, o, lse)
     scale = resolve_scale(softmax_scale, q.shape[-1])
     out_dtype = grad_dtype or q.dtype
-    check_grad_out(out, accumulate_dq, q, k, out_dtype)
+    check_grad_out(out, accumulate, q, k, out_dtype)
     B, Nq, H, D = q.shape
     Nk, Hkv = k.shape[1], k.shape[2]
     if out is None:
         out = tuple(torch.empty(t.shape, dtype=out_dtype, device=q.device) for t in (q, k, v))
     dq, dk, dv = out
-    if Nq == 0 or Nk == 0 or B * H == 0:
-        dk.zero_()
-        dv.zero_()
+    if Nq == 0 or Nk == 0 or B * H == 0:  # no (query, key) pair: zero gradients, nothing to add
+        if not accumulate:
+            dk.zero_()
+            dv.zero_()
         if after_dkdv is not None:
             after_dkdv()
-        return dq if accumulate_dq else dq.zero_(), dk, dv
+        return dq if accumulate else dq.zero_(), dk, dv
     lse = lse.contiguous()
     delta = torch.empty_like(lse)
     BD = block_d(D)
@@ -331,11 +336,11 @@ def triton_attn_bwd(
     launch("dkdv", _bwd_dkdv, lambda meta: (triton.cdiv(Nk, meta["BLOCK_N"]), B * Hkv),
            (q, k, v, do, lse, delta, dk, dv, *strides_in, *bhnd_strides(dk), *bhnd_strides(dv),
             *kv_ranges[:2], *q_ranges[:2], kv_ranges[2], q_ranges[2],
-            Hkv, Nq, Nk, scale * LOG2E, scale), common, tiles.get("dkdv"))
+            Hkv, Nq, Nk, scale * LOG2E, scale), dict(common, ACCUMULATE=accumulate), tiles.get("dkdv"))
     if after_dkdv is not None:
         after_dkdv()
     launch("dq", _bwd_dq, lambda meta: (triton.cdiv(Nq, meta["BLOCK_M"]), B * H),
            (q, k, v, do, lse, delta, dq, *strides_in, *bhnd_strides(dq), *kv_ranges,
             H, Nq, Nk, scale * LOG2E, scale),
-           dict(common, ACCUMULATE=accumulate_dq), tiles.get("dq"))
+           dict(common, ACCUMULATE=accumulate), tiles.get("dq"))
     return dq, dk, dv

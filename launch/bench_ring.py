@@ -307,7 +307,7 @@ def main() -> None:
     p.add_argument("--cp-rotate", choices=["allgather", "alltoall"], default=None)
     p.add_argument("--quick", action="store_true", help="tiny shapes, 2 iterations, no record: a smoke run")
     p.add_argument("--no-record", action="store_true", help="print only; do not append to BENCHMARKS.md")
-    p.add_argument("--profile", action="store_true", help="print a torch.profiler kernel table per ring variant and for single")
+    p.add_argument("--profile", action="store_true", help="torch.profiler kernel tables: ring, compute only, single")
     p.add_argument("--plot", default=str(REPO / "docs" / "bench_ring.png"), help="TFLOP/s per GPU against tokens/rank")
     p.add_argument("--masks", action="store_true", help="dense causal vs packed documents vs a window (see above)")
     p.add_argument("--doc-min", type=parse_tokens, default=parse_tokens("1k"), help="--masks: shortest document")

@@ -18,9 +18,10 @@ it, each rank adding its share, and arrive back on the block's home rank after W
 last hop, already finished, in the input dtype).
 
 Communication overlaps compute: the transfer for step s+1 is posted before step s computes
-(two K/V buffers in turn). The dK/dV of step s are sent as soon as their kernel is queued, before
-step s's dQ kernel (`attn_bwd(after_dkdv=...)`): they travel during that dQ and step s+1's dK/dV,
-so even the last hop, with no step after it, overlaps compute (the last dQ). K and V travel
+(two K/V buffers in turn). The dK/dV kernel of step s ≥ 1 adds into the accumulator that arrived
+from the previous rank (no scratch, no separate `+=`), which is sent on as soon as that kernel is
+queued, before step s's dQ kernel (`attn_bwd(after_dkdv=...)`): each hop travels during a dQ
+kernel, even the last one, with no step after it. K and V travel
 packed in one contiguous `(2, B, N, Hkv, D)` buffer (`pack_kv`): one message per step, not two.
 """
 
@@ -137,19 +138,15 @@ def ring_backward(
     dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     sent = home = None  # the dK/dV transfer in flight; where the last hop brings ours
 
-    def pass_on(s: int, ks: slice | None = None, dk_v: torch.Tensor | None = None) -> None:
-        """Step s's dK/dV are computed: add them to their block's accumulator and send it on.
+    def pass_on(s: int) -> None:
+        """Step s's dK/dV are in their block's accumulator (the kernel added them): send it on.
 
         Called between the dK/dV and the dQ kernels of step s (`attn_bwd(after_dkdv=...)`), so
         the transfer travels while dQ is computed: even the last hop, which no later step could
-        hide.
+        hide, and the one step s+1's dK/dV kernel waits for.
         """
         nonlocal sent, home
-        acc = dkv[s % 2]  # arrived from the previous rank (ours at s = 0, written in place)
-        if sent is not None:
-            sent.wait()
-        if dk_v is not None:
-            acc[:, :, ks] += dk_v
+        acc = dkv[s % 2]
         if s + 1 < world:
             sent = comm.send_recv(acc, dkv[(s + 1) % 2], _DKV_TAG)
         else:
@@ -162,16 +159,17 @@ def ring_backward(
     for s, entry in enumerate(plan):
         cur = buf(s)
         kv_transfer = comm.send_recv(cur, buf(s + 1), _KV_TAG) if s + 1 < world else None
+        if sent is not None:
+            # This block's accumulator has arrived (and the other buffer has left, so it may
+            # receive again). It travelled during the previous step's dQ.
+            sent.wait()
         if entry is None:
             pass_on(s)  # nothing to add, but the accumulator still travels on
         else:
             step, vis = entry
             qs, ks = step.q, step.kv
-            # Step 0 (the diagonal, every row) writes dq and this block's dK/dV accumulator
-            # directly; later steps add dq on chip, and their dK/dV wait in scratch until the
-            # accumulator has arrived, so its transfer stays hidden behind this step's dK/dV.
-            first = s == 0
-            dk_v = dkv[0][:, :, ks] if first else torch.empty_like(dkv[0][:, :, ks])
+            acc = dkv[s % 2]  # ours at s = 0, where step 0 (the diagonal, every row) starts it
+            # Step 0 writes dq and this block's dK/dV; later steps add theirs inside the kernels.
             attn_bwd(
                 do[:, qs],
                 q[:, qs],
@@ -181,9 +179,9 @@ def ring_backward(
                 lse[:, :, qs],
                 softmax_scale=scale,
                 grad_dtype=torch.float32,
-                out=(dq[:, qs], dk_v[0], dk_v[1]),
-                accumulate_dq=not first,
-                after_dkdv=partial(pass_on, s, ks, None if first else dk_v),  # step 0's: in place
+                out=(dq[:, qs], acc[0][:, ks], acc[1][:, ks]),
+                accumulate=s > 0,
+                after_dkdv=partial(pass_on, s),
                 backend=backend,
                 **_mask(step, vis),
             )

@@ -1,7 +1,8 @@
-"""`attn_bwd(out=..., accumulate_dq=...)`: gradients written into given buffers (the ring's path).
+"""`attn_bwd(out=..., accumulate=...)`: gradients written into, or added to, given buffers (the
+ring's path).
 
-The ring hands the backward strided views of its float32 accumulators and sums dq over its steps
-on chip; these tests check both against the float64 ground truth, on both backends.
+The ring hands the backward strided views of its float32 accumulators and sums dq and dK/dV over
+its steps on chip; these tests check both against the float64 ground truth, on both backends.
 """
 
 from __future__ import annotations
@@ -23,22 +24,39 @@ def _inputs(B=2, N=40, H=4, Hkv=2, D=32, seed=0):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_out_views_and_accumulated_dq(backend):
+def test_out_views_and_accumulated_gradients(backend):
     # Two key halves: their gradients sum to the full one when each uses the global o and lse.
+    # The first half writes (over 7s); the second adds: dq to the first half's, dK/dV of its keys
+    # to what their buffers already hold (random, as a ring rank's partial sums would be).
     q, k, v, do = _inputs()
     truth = attention_f64(q, k, v, causal=False, do=do)
     o, lse = truth["o"].float(), truth["lse"].float()
-    dq = torch.full((2, 60, 4, 32), 7.0)[:, 10:50]  # a strided view; its contents get overwritten
-    dkv = torch.zeros(2, 2, 40, 2, 32)
+    dq = torch.full((2, 60, 4, 32), 7.0)[:, 10:50]  # a strided view
     n = 24
+    held = torch.randn(2, 2, 40 - n, 2, 32, generator=torch.Generator().manual_seed(1))
+    dkv = torch.cat((torch.full((2, 2, n, 2, 32), 7.0), held), dim=2)
     for i, keys in enumerate((slice(0, n), slice(n, 40))):
         ret = attn_bwd(
             do, q, k[:, keys], v[:, keys], o, lse, grad_dtype=torch.float32,
-            out=(dq, dkv[0][:, keys], dkv[1][:, keys]), accumulate_dq=i > 0, backend=backend,
+            out=(dq, dkv[0][:, keys], dkv[1][:, keys]), accumulate=i > 0, backend=backend,
         )
         assert ret[0].data_ptr() == dq.data_ptr() and ret[1].data_ptr() == dkv[0][:, keys].data_ptr()
+    dkv[:, :, n:] -= held
     assert rel_err(dq, truth["dq"]) < 2e-5
     assert rel_err(dkv[0], truth["dk"]) < 2e-5 and rel_err(dkv[1], truth["dv"]) < 2e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_no_keys_writes_zeros_or_adds_nothing(backend, accumulate):
+    q, k, v, do = _inputs()
+    k, v = k[:, :0], v[:, :0]
+    o, lse = torch.zeros_like(q), torch.full((2, 4, 40), -torch.inf)
+    held = (torch.randn(q.shape), torch.randn(k.shape), torch.randn(v.shape))
+    out = tuple(t.clone() for t in held)
+    attn_bwd(do, q, k, v, o, lse, grad_dtype=torch.float32, out=out, accumulate=accumulate, backend=backend)
+    for got, before in zip(out, held):
+        assert torch.equal(got, before if accumulate else torch.zeros_like(before))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -46,8 +64,8 @@ def test_bad_out_names_the_buffer(backend):
     q, k, v, do = _inputs()
     o, lse = torch.randn_like(q), torch.randn(2, 4, 40)
     good = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
-    with pytest.raises(ValueError, match="accumulate_dq=True needs out"):
-        attn_bwd(do, q, k, v, o, lse, accumulate_dq=True, backend=backend)
+    with pytest.raises(ValueError, match="accumulate=True needs out"):
+        attn_bwd(do, q, k, v, o, lse, accumulate=True, backend=backend)
     with pytest.raises(ValueError, match="out dk must have shape"):
         attn_bwd(do, q, k, v, o, lse, out=(good[0], good[1][:, :5], good[2]), backend=backend)
     with pytest.raises(TypeError, match=r"out dq must have the gradient dtype torch\.float16"):
