@@ -1,0 +1,140 @@
+"""Where the ring's compute goes, kernel by kernel: its per-step calls against one GPU's whole problem.
+
+    python launch/bench_steps.py --tokens-per-rank 8k,32k          # one GPU; appends to BENCHMARKS.md
+    python launch/bench_steps.py --tokens-per-rank 32k --world 4 --no-record
+
+For N tokens per rank on W ranks (zigzag, causal, bf16, B = 1, H = 16, D = 128) this times, with
+torch.profiler, each Triton kernel (forward, dK/dV, dQ) of
+- single: one GPU's causal forward and backward on the whole W·N sequence, divided by W (the
+  denominator of the ring's efficiency), and
+- every rank's ring steps, called as `ringflash/ring.py` calls them (shapes from `ring_schedule`):
+  float32 outputs, step s ≥ 1 merging its forward into the accumulator and adding its dq and
+  dK/dV into float32 accumulators.
+No communication: what `bench_ring.py` calls compute-only, per rank and per kernel, without the
+copies around the kernels. Cases run in rounds that interleave them, because the GPU's clock drops
+under sustained load; the table gives each kernel's median over the rounds. CUDA only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+
+from benchlib import markdown_table, record
+
+from kernels import attn_bwd, attn_fwd
+from ringflash.layout import ring_schedule
+
+KERNELS = {"_attn_fwd_kernel": "fwd", "_bwd_dkdv": "dK/dV", "_bwd_dq": "dQ"}
+DEVICE = "cuda"
+
+
+def _tokens(s: str) -> list[int]:
+    return [int(x[:-1]) * 1024 if x.lower().endswith("k") else int(x) for x in s.split(",")]
+
+
+def _single(n_global: int, heads: int, head_dim: int):
+    dev, dt = DEVICE, torch.bfloat16
+    q, k, v, do = (torch.randn(1, n_global, heads, head_dim, device=dev, dtype=dt) for _ in range(4))
+
+    def run():
+        o, lse = attn_fwd(q, k, v, causal=True)
+        attn_bwd(do, q, k, v, o, lse, causal=True)
+
+    return run
+
+
+def _rank_steps(rank: int, world: int, n: int, heads: int, head_dim: int):
+    """Rank `rank`'s ring steps: the forward and backward kernel calls of ringflash/ring.py."""
+    dev, dt, f32 = DEVICE, torch.bfloat16, torch.float32
+    q, k, v, do = (torch.randn(1, n, heads, head_dim, device=dev, dtype=dt) for _ in range(4))
+    o = torch.zeros(1, n, heads, head_dim, device=dev, dtype=f32)
+    lse = torch.zeros(1, heads, n, device=dev, dtype=f32)
+    dq = torch.zeros_like(o)
+    dkv = torch.zeros(2, 1, n, heads, head_dim, device=dev, dtype=f32)
+    steps = [st for st in ring_schedule(rank, world, n, True, "zigzag") if st is not None]
+    o_bf16 = torch.randn_like(q)  # the backward reads a merged o; any finite values time the same
+
+    def run():
+        for s, st in enumerate(steps):
+            acc = None if s == 0 else (o[:, st.q], lse[:, :, st.q])
+            attn_fwd(q[:, st.q], k[:, st.kv], v[:, st.kv], causal=st.causal, out_dtype=f32, acc=acc)
+        for s, st in enumerate(steps):
+            attn_bwd(do[:, st.q], q[:, st.q], k[:, st.kv], v[:, st.kv], o_bf16[:, st.q], lse[:, :, st.q],
+                     causal=st.causal, grad_dtype=f32, out=(dq[:, st.q], dkv[0][:, st.kv], dkv[1][:, st.kv]),
+                     accumulate=s > 0)
+
+    run()  # sets lse to the real merged values, so the backward's exponentials are realistic
+    return run
+
+
+def _kernel_ms(run, calls: int) -> dict[str, float]:
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            run()
+        torch.cuda.synchronize()
+    ms = {name: 0.0 for name in KERNELS.values()}
+    for e in prof.key_averages():
+        if e.key in KERNELS:
+            ms[KERNELS[e.key]] += e.device_time_total / 1e3 / calls
+    return ms
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens-per-rank", type=_tokens, default=_tokens("8k,32k"))
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--no-record", action="store_true", help="print only; do not append to BENCHMARKS.md")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_steps.py times CUDA kernels with torch.profiler: it needs a CUDA GPU")
+    if args.world < 2:
+        sys.exit(f"--world must be at least 2, got {args.world}")
+
+    rows = []
+    for n in args.tokens_per_rank:
+        cases = {"single ÷ W": _single(n * args.world, args.heads, args.head_dim)}
+        for r in range(args.world):
+            cases[f"rank {r} steps"] = _rank_steps(r, args.world, n, args.heads, args.head_dim)
+        calls = max(3, 2**32 // n**2)  # about the same kernel time per case and round at any N
+        rounds = {name: [] for name in cases}
+        for _ in range(args.rounds):
+            for name, run in cases.items():
+                rounds[name].append(_kernel_ms(run, calls))
+        single = None
+        for name, results in rounds.items():
+            ms = {k: statistics.median(r[k] for r in results) for k in KERNELS.values()}
+            if single is None:
+                single = ms = {k: t / args.world for k, t in ms.items()}
+            total, base = sum(ms.values()), sum(single.values())
+            rows.append([n, name, *(f"{ms[k]:.3f}" for k in KERNELS.values()), f"{total:.3f}", f"{total / base:.3f}"])
+            torch.cuda.empty_cache()
+    headers = ["tokens/rank", "what", *(f"{k} ms" for k in KERNELS.values()), "total ms", "÷ single/W"]
+    table = markdown_table(headers, rows)
+    title = f"Ring step kernels vs one GPU, W={args.world} zigzag causal, bf16, H={args.heads}, D={args.head_dim}"
+    notes = (
+        "Kernel time only (torch.profiler), median of rounds that interleave the cases; rank r's steps as "
+        "ringflash/ring.py calls them (float32 outputs, step s >= 1 merging and accumulating in the kernels), "
+        "without transfers and without the copies and casts around the kernels."
+    )
+    if args.no_record:
+        print(table)
+    else:
+        record(title, table, notes)
+
+
+if __name__ == "__main__":
+    main()
