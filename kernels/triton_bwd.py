@@ -172,6 +172,9 @@ def _bwd_dkdv(
 
     dk_ptrs = DK + off_b * stride_dkb + off_hkv * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :]
     dv_ptrs = DV + off_b * stride_dvb + off_hkv * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :]
+    # ptxas's register allocation for this kernel swings its speed by 10%+ with small changes
+    # (float32 stores without the causal mask compile to a slow loop; adding into DK/DV does not):
+    # time any change on the ring's variants too (docs/PERF_NOTES.md, "Ring step kernels").
     dk = dk * softmax_scale
     if ACCUMULATE:  # add to what DK and DV hold (the ring's float32 sums over its steps)
         dk += load_tile(dk_ptrs, offs_n, offs_d, Nk, True, HEAD_DIM, BLOCK_D).to(tl.float32)

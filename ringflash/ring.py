@@ -21,8 +21,8 @@ Communication overlaps compute: the transfer for step s+1 is posted before step 
 (two K/V buffers in turn). The dK/dV kernel of step s ≥ 1 adds into the accumulator that arrived
 from the previous rank (no scratch, no separate `+=`), which is sent on as soon as that kernel is
 queued, before step s's dQ kernel (`attn_bwd(after_dkdv=...)`): each hop travels during a dQ
-kernel, even the last one, with no step after it. K and V travel
-packed in one contiguous `(2, B, N, Hkv, D)` buffer (`pack_kv`): one message per step, not two.
+kernel, even the last one, with no step after it. K and V travel packed in one contiguous
+`(2, B, N, Hkv, D)` buffer (`pack_kv`): one message per step, not two.
 """
 
 from __future__ import annotations
@@ -161,7 +161,9 @@ def ring_backward(
         kv_transfer = comm.send_recv(cur, buf(s + 1), _KV_TAG) if s + 1 < world else None
         if sent is not None:
             # This block's accumulator has arrived (and the other buffer has left, so it may
-            # receive again). It travelled during the previous step's dQ.
+            # receive again). It travelled during the previous step's dQ. (Adding in the kernel
+            # needs it before this step's dK/dV, not after; that variant also runs 12% faster
+            # than one writing float32 scratch: docs/PERF_NOTES.md, "Ring step kernels".)
             sent.wait()
         if entry is None:
             pass_on(s)  # nothing to add, but the accumulator still travels on
