@@ -109,9 +109,9 @@ def attn_bwd(
     tensors; with `accumulate=True` the gradients are added to what `out` holds (in float32 on
     chip), which is how the ring sums its steps' dq and dK/dV without a separate pass.
     `window`, `visibility`: the forward's mask (see `attn_fwd`).
-    `after_dkdv()`: called once dk and dv are written (on CUDA: once their kernel is queued on
-    the current stream) and before dq is; the ring sends the finished dK/dV on from there, so
-    that the transfer travels while dQ is computed.
+    `after_dkdv()`: called once dk and dv are final, written or added (on CUDA: once their
+    kernel is queued on the current stream), and before dq is; the ring sends the finished dK/dV
+    on from there, so that the transfer travels while dQ is computed.
     """
     if resolve_backend(backend, q.device) == "reference":
         grads = ref_attn_bwd(
