@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
-from benchlib import REPO, attn_flops, markdown_table, plot_lines, record, time_ms
+from benchlib import REPO, attn_flops, markdown_table, parse_tokens, plot_lines, record, time_ms
 
 from kernels import attn_bwd, attn_fwd
 from ringflash import NullComm, ring_flash_attn_func, ring_mask
@@ -284,10 +284,6 @@ def bench_torch_cp(args, n_global, dev, dtype, sdpa_backend: str) -> tuple[float
             return time_collective(_sdpa_fwd_bwd(q, k, v, do, sdpa_backend), args.iters, args.warmup), ""
     except Exception as e:  # an experimental API: report why, keep benchmarking
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
-
-
-def parse_tokens(s: str) -> list[int]:
-    return [int(x[:-1]) * 1024 if x.lower().endswith("k") else int(x) for x in s.split(",")]
 
 
 def main() -> None:

@@ -26,17 +26,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
-from benchlib import markdown_table, record
+from benchlib import markdown_table, parse_tokens, record
 
 from kernels import attn_bwd, attn_fwd
 from ringflash.layout import ring_schedule
 
 KERNELS = {"_attn_fwd_kernel": "fwd", "_bwd_dkdv": "dK/dV", "_bwd_dq": "dQ"}
 DEVICE = "cuda"
-
-
-def _tokens(s: str) -> list[int]:
-    return [int(x[:-1]) * 1024 if x.lower().endswith("k") else int(x) for x in s.split(",")]
 
 
 def _single(n_global: int, heads: int, head_dim: int):
@@ -92,7 +88,7 @@ def _kernel_ms(run, calls: int) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens-per-rank", type=_tokens, default=_tokens("8k,32k"))
+    ap.add_argument("--tokens-per-rank", type=parse_tokens, default=parse_tokens("8k,32k"))
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--head-dim", type=int, default=128)
@@ -114,14 +110,15 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, run in cases.items():
                 rounds[name].append(_kernel_ms(run, calls))
-        single = None
-        for name, results in rounds.items():
-            ms = {k: statistics.median(r[k] for r in results) for k in KERNELS.values()}
-            if single is None:
-                single = ms = {k: t / args.world for k, t in ms.items()}
-            total, base = sum(ms.values()), sum(single.values())
+        median = {name: {k: statistics.median(r[k] for r in results) for k in KERNELS.values()}
+                  for name, results in rounds.items()}
+        median["single ÷ W"] = {k: t / args.world for k, t in median["single ÷ W"].items()}
+        base = sum(median["single ÷ W"].values())
+        for name, ms in median.items():
+            total = sum(ms.values())
             rows.append([n, name, *(f"{ms[k]:.3f}" for k in KERNELS.values()), f"{total:.3f}", f"{total / base:.3f}"])
-            torch.cuda.empty_cache()
+        del cases
+        torch.cuda.empty_cache()
     headers = ["tokens/rank", "what", *(f"{k} ms" for k in KERNELS.values()), "total ms", "÷ single/W"]
     table = markdown_table(headers, rows)
     title = f"Ring step kernels vs one GPU, W={args.world} zigzag causal, bf16, H={args.heads}, D={args.head_dim}"

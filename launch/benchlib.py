@@ -88,6 +88,11 @@ def record(title: str, table: str, notes: str = "", path: Path = BENCHMARKS_MD) 
         f.write("\n" + entry)
 
 
+def parse_tokens(s: str) -> list[int]:
+    """A command-line list of token counts: "8k,32k" -> [8192, 32768] (the inverse of the labels below)."""
+    return [int(x[:-1]) * 1024 if x.lower().endswith("k") else int(x) for x in s.split(",")]
+
+
 def _tokens_label(n: float) -> str:
     """4096 -> "4k", 1048576 -> "1M", 1000 -> "1000"."""
     n = int(n)
