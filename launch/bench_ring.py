@@ -34,6 +34,7 @@ Rank 0 prints the table and appends it to BENCHMARKS.md (not for --quick or --no
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import statistics
@@ -151,7 +152,11 @@ def bench_ring(args, n_local, layout, dev, dtype, mask=None):
 
 
 def _profile(fn, title: str, iters: int = 3) -> None:
-    """Print rank 0's GPU time per kernel (torch.profiler) over `iters` calls of `fn`."""
+    """Print rank 0's GPU time per kernel (torch.profiler) over `iters` calls of `fn`, and every
+    rank's timeline: how busy its compute stream is and where it waits (`_idle_gaps`)."""
+    import json
+    import tempfile
+
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -160,9 +165,49 @@ def _profile(fn, title: str, iters: int = 3) -> None:
         for _ in range(iters):
             fn()
         _sync()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.loads(Path(f.name).read_text())["traceEvents"]
+    timelines = [None] * dist.get_world_size()
+    dist.all_gather_object(timelines, _idle_gaps(events, iters))
     if dist.get_rank() == 0:
         print(f"== profile: {title} ({iters} calls)")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+        for r, lines in enumerate(timelines):
+            print(f"-- rank {r}: " + "\n   ".join(lines))
+
+
+def _idle_gaps(events: list[dict], calls: int, top: int = 8) -> list[str]:
+    """Where the compute stream waits, from a chrome trace: busy/span per call, NCCL kernels' time
+    per call, and the idle gaps (> 5 µs) summed by the kernels on either side, largest first."""
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    streams: dict[int, list[dict]] = {}
+    for e in gpu:
+        streams.setdefault(e["args"].get("stream", -1), []).append(e)
+    nccl = [e for e in gpu if e["name"].startswith("nccl")]
+    compute_streams = [s for s in streams.values() if not any(e in nccl for e in s)]
+    if not compute_streams:
+        return ["no compute kernels in the trace (CPU run?)"]
+    compute = max(compute_streams, key=lambda s: sum(e["dur"] for e in s))
+    compute.sort(key=lambda e: e["ts"])
+    span = compute[-1]["ts"] + compute[-1]["dur"] - compute[0]["ts"]
+    busy = sum(e["dur"] for e in compute)
+    gaps: dict[tuple[str, str], list[float]] = {}
+    for a, b in itertools.pairwise(compute):
+        idle = b["ts"] - (a["ts"] + a["dur"])
+        if idle > 5:
+            gaps.setdefault((_short(a["name"]), _short(b["name"])), []).append(idle)
+    lines = [
+        f"compute stream busy {busy / calls / 1e3:.3f} of {span / calls / 1e3:.3f} ms per call; "
+        f"NCCL kernels {sum(e['dur'] for e in nccl) / calls / 1e3:.3f} ms per call ({len(nccl) // calls} per call)"
+    ]
+    for (a, b), g in sorted(gaps.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        lines.append(f"idle {sum(g) / calls / 1e3:.3f} ms/call ({len(g) / calls:.3g}×) between {a} → {b}")
+    return lines
+
+
+def _short(kernel: str) -> str:
+    return kernel.split("(")[0].split("<")[0][:28]
 
 
 def doc_lengths(n_global: int, lo: int, hi: int, seed: int = 0) -> list[int]:
