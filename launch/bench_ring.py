@@ -199,7 +199,8 @@ def _idle_gaps(events: list[dict], calls: int, top: int = 8) -> list[str]:
             gaps.setdefault((_short(a["name"]), _short(b["name"])), []).append(idle)
     lines = [
         f"compute stream busy {busy / calls / 1e3:.3f} of {span / calls / 1e3:.3f} ms per call; "
-        f"NCCL kernels {sum(e['dur'] for e in nccl) / calls / 1e3:.3f} ms per call ({len(nccl) // calls} per call)"
+        f"NCCL kernels {sum(e['dur'] for e in nccl) / calls / 1e3:.3f} ms per call ({len(nccl) // calls} per call, "
+        f"up to {max((math.prod(e['args'].get('grid', [0])) for e in nccl), default=0)} blocks)"
     ]
     for (a, b), g in sorted(gaps.items(), key=lambda kv: -sum(kv[1]))[:top]:
         lines.append(f"idle {sum(g) / calls / 1e3:.3f} ms/call ({len(g) / calls:.3g}×) between {a} → {b}")
