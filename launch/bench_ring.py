@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 from benchlib import REPO, attn_flops, markdown_table, parse_tokens, plot_lines, record, time_ms
 
 from kernels import attn_bwd, attn_fwd
-from ringflash import NullComm, ring_flash_attn_func, ring_mask
+from ringflash import NullComm, nccl_options, ring_flash_attn_func, ring_mask
 from ringflash.ring import pack_kv, ring_backward, ring_forward
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -202,6 +202,11 @@ def _idle_gaps(events: list[dict], calls: int, top: int = 8) -> list[str]:
         f"NCCL kernels {sum(e['dur'] for e in nccl) / calls / 1e3:.3f} ms per call ({len(nccl) // calls} per call, "
         f"up to {max((math.prod(e['args'].get('grid', [0])) for e in nccl), default=0)} blocks)"
     ]
+    if nccl and len(nccl) % calls == 0:  # each transfer's kernel, in call order (waiting for the peer included)
+        per_call = len(nccl) // calls
+        nccl.sort(key=lambda e: e["ts"])
+        ms = [statistics.median(e["dur"] for e in nccl[i::per_call]) / 1e3 for i in range(per_call)]
+        lines.append("NCCL kernels in order, median ms: " + ", ".join(f"{t:.3f}" for t in ms))
     for (a, b), g in sorted(gaps.items(), key=lambda kv: -sum(kv[1]))[:top]:
         lines.append(f"idle {sum(g) / calls / 1e3:.3f} ms/call ({len(g) / calls:.3g}×) between {a} → {b}")
     return lines
@@ -351,6 +356,12 @@ def main() -> None:
     )
     p.add_argument("--no-torch-cp", action="store_true", help="skip torch's context_parallel")
     p.add_argument("--cp-rotate", choices=["allgather", "alltoall"], default=None)
+    p.add_argument(
+        "--nccl-priority",
+        choices=["high", "default"],
+        default="high",
+        help="the NCCL group's stream priority: high (ringflash.nccl_options(), as train/ uses) or default",
+    )
     p.add_argument("--quick", action="store_true", help="tiny shapes, 2 iterations, no record: a smoke run")
     p.add_argument("--no-record", action="store_true", help="print only; do not append to BENCHMARKS.md")
     p.add_argument("--profile", action="store_true", help="torch.profiler kernel tables: ring, compute only, single")
@@ -370,7 +381,10 @@ def main() -> None:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if cuda:
         torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl" if cuda else "gloo")
+    if cuda:  # high-priority streams (ringflash.nccl_options) unless --nccl-priority default
+        dist.init_process_group("nccl", pg_options=nccl_options() if args.nccl_priority == "high" else None)
+    else:
+        dist.init_process_group("gloo")
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         dev = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
@@ -422,7 +436,8 @@ def main() -> None:
                 "efficiency = (single-GPU fwd+bwd of the whole sequence ÷ W, with the same implementation's "
                 "kernels: ours for ringflash, SDPA's flash/cuDNN for torch CP) ÷ ring fwd+bwd; compute-only = "
                 "the slowest rank's per-step kernels without communication; cross-rank input check: "
-                f"{'on' if args.check_ranks else 'off'}; torch CP rotate method: {args.cp_rotate or 'torch default'}."
+                f"{'on' if args.check_ranks else 'off'}; torch CP rotate method: {args.cp_rotate or 'torch default'}; "
+                f"NCCL stream priority: {args.nccl_priority if cuda else 'n/a (gloo)'}."
             )
             if args.quick or args.no_record:
                 print(f"## {title}\n\n{table}\n\n{notes}")

@@ -34,7 +34,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
 from kernels import attn_bwd, attn_fwd
-from ringflash import ring_flash_attn_func, shard
+from ringflash import nccl_options, ring_flash_attn_func, shard
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 CASES = (("zigzag", True), ("contiguous", True), ("zigzag", False))
@@ -74,7 +74,7 @@ def main() -> int:
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl" if cuda else "gloo")
+    dist.init_process_group("nccl" if cuda else "gloo", pg_options=nccl_options() if cuda else None)
     rank, world = dist.get_rank(), dist.get_world_size()
     failures = 0
     try:

@@ -17,7 +17,7 @@ LSE convention everywhere: float32, natural log, shape `(B, H, N)`.
 
 from ringflash import layout, ops
 from ringflash.api import RingFlashAttention, ring_flash_attn_func
-from ringflash.comm import NullComm, RingComm
+from ringflash.comm import NullComm, RingComm, nccl_options
 from ringflash.layout import LAYOUTS, check_splittable, global_positions, shard, unshard
 from ringflash.masks import RingMask, ring_mask
 from ringflash.merge import merge
@@ -32,6 +32,7 @@ __all__ = [
     "global_positions",
     "layout",
     "merge",
+    "nccl_options",
     "ops",
     "ring_flash_attn_func",
     "ring_mask",

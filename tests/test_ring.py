@@ -268,6 +268,14 @@ def test_null_comm_runs_the_same_schedule():
     assert o.shape == q.shape and lse.shape == (2, 4, 16) and torch.isfinite(o).all()
 
 
+def test_nccl_options_ask_for_high_priority_streams():
+    if not dist.is_nccl_available():
+        with pytest.raises(RuntimeError, match="nccl_options: this build of torch has no NCCL"):
+            ringflash.nccl_options()
+    else:
+        assert ringflash.nccl_options().is_high_priority_stream
+
+
 # ---- GPU: several gloo ranks sharing one GPU, CUDA tensors, Triton kernels ---------------------------
 
 GPU_CASES = [

@@ -13,7 +13,9 @@ NVLink) and data parallelism spans the outer dimension.
 from __future__ import annotations
 
 import datetime
+import inspect
 import os
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -44,8 +46,23 @@ class ParallelDims:
             )
         return cls(dp=world_size // cfg.cp, cp=cfg.cp, world_size=world_size)
 
-    def build_mesh(self, device_type: str) -> DeviceMesh:
-        return init_device_mesh(device_type, (self.dp, self.cp), mesh_dim_names=("dp", "cp"))
+    def build_mesh(self, device_type: str, ring_options: dist.ProcessGroupNCCL.Options | None = None) -> DeviceMesh:
+        """The ("dp", "cp") mesh; `ring_options` (NCCL) for the cp groups when they are not the whole world.
+
+        (When cp is the whole world the mesh reuses the default group, which has them already.)
+        """
+        if ring_options is None or not 1 < self.cp < self.world_size:
+            return init_device_mesh(device_type, (self.dp, self.cp), mesh_dim_names=("dp", "cp"))
+        if "backend_override" not in inspect.signature(init_device_mesh).parameters:  # torch < 2.8
+            warnings.warn(
+                "this torch cannot give the ring's cp groups their own NCCL options: they get default-priority "
+                "streams and transfers overlap compute less (set TORCH_NCCL_HIGH_PRIORITY=1)",
+                stacklevel=2,
+            )
+            return init_device_mesh(device_type, (self.dp, self.cp), mesh_dim_names=("dp", "cp"))
+        return init_device_mesh(
+            device_type, (self.dp, self.cp), mesh_dim_names=("dp", "cp"), backend_override={"cp": ring_options}
+        )
 
 
 @dataclass
@@ -126,19 +143,22 @@ def distributed(cfg: ParallelConfig, device: str = "auto", timeout_s: float | No
     if backend == "nccl" and dev.type != "cuda":
         raise ConfigError("parallel.backend: nccl needs train.device = cuda")
     started = not dist.is_initialized()
+    # High-priority NCCL streams, so that ring transfers overlap the attention kernels.
+    ring_options = ringflash.nccl_options() if backend == "nccl" else None
     try:
         if started:
             timeout = datetime.timedelta(seconds=cfg.timeout_s if timeout_s is None else timeout_s)
+            opts = dict(backend=backend, timeout=timeout, pg_options=ring_options)
             store = _attempt_store(timeout)
             if store is not None:
                 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-                dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+                dist.init_process_group(store=store, rank=rank, world_size=world, **opts)
             elif "RANK" in os.environ:
-                dist.init_process_group(backend, timeout=timeout)
+                dist.init_process_group(**opts)
             else:
-                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+                dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **opts)
         dims = ParallelDims.from_config(cfg, dist.get_world_size())
-        mesh = dims.build_mesh(dev.type)
+        mesh = dims.build_mesh(dev.type, ring_options)
         yield ParallelContext(
             dims, mesh, dev, dist.get_rank(), mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank()
         )
