@@ -22,7 +22,9 @@ Why it is built this way (each point cost someone a slow or hung CI run):
   reports which ranks never answered. Nothing outlives the call.
 - GPU tests pass `GPU_TIMEOUT_S` (600 s): on a machine with an empty Triton cache up to four
   ranks sharing one GPU each compile every kernel variant they meet, and a rank blocked in a
-  transfer waits meanwhile; 120 s was once not enough for the 4-rank window case (a cold H100).
+  transfer waits meanwhile. Before spawning, the parent empties its CUDA allocator cache: the
+  ranks' float64 references need the GPU's memory (four ranks ran out on an H100 while the
+  pytest process still cached 30 GiB from earlier tests).
 - Autograd imports `torch.fx.experimental.symbolic_shapes` (and sympy) lazily, on the first
   backward of some ops: ~0.4 s in *every* child. Importing it here, once, in the parent lets
   every fork inherit it.
@@ -101,6 +103,10 @@ def run_ranks(
     """
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
+    if torch.cuda.is_initialized():
+        # Ranks that share this process's GPU need its memory: give back what earlier tests left
+        # in this process's allocator cache (30 GiB of an H100 once, and four ranks ran out).
+        torch.cuda.empty_cache()
     ctx = mp.get_context(start_method)
     tmpdir = tempfile.mkdtemp(prefix="ringflash_dist_")
     store_path = os.path.join(tmpdir, "store")
