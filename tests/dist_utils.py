@@ -20,11 +20,9 @@ Why it is built this way (each point cost someone a slow or hung CI run):
 - A short group timeout (`timeout_s`, default 30 s) makes a mismatched collective fail in
   seconds; the parent also gives up `timeout_s + 15` s after the start, kills what is left and
   reports which ranks never answered. Nothing outlives the call.
-- GPU tests pass `GPU_TIMEOUT_S` (600 s): on a machine with an empty Triton cache up to four
-  ranks sharing one GPU each compile every kernel variant they meet, and a rank blocked in a
-  transfer waits meanwhile. Before spawning, the parent empties its CUDA allocator cache: the
-  ranks' float64 references need the GPU's memory (four ranks ran out on an H100 while the
-  pytest process still cached 30 GiB from earlier tests).
+- Before spawning, the parent empties its CUDA allocator cache: ranks sharing its GPU need the
+  memory for their float64 references (four ranks ran out on an H100 while the pytest process
+  still cached 30 GiB from earlier tests).
 - Autograd imports `torch.fx.experimental.symbolic_shapes` (and sympy) lazily, on the first
   backward of some ops: ~0.4 s in *every* child. Importing it here, once, in the parent lets
   every fork inherit it.
@@ -49,10 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.fx.experimental.symbolic_shapes  # (see above: inherited by forked ranks)
 
-__all__ = ["GPU_TIMEOUT_S", "RankFailure", "run_ranks"]
-
-
-GPU_TIMEOUT_S = 600.0  # for ranks that share a GPU and may compile Triton kernels first (see above)
+__all__ = ["RankFailure", "run_ranks"]
 
 
 class RankFailure(AssertionError):

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch._dynamo  # the ring op imports it on its first call: once here, not in every forked rank
 import torch.distributed as dist
-from dist_utils import GPU_TIMEOUT_S, RankFailure, run_ranks
+from dist_utils import RankFailure, run_ranks
 from truth import TOL, attention_f64, lse_err, rel_err
 
 import ringflash
@@ -293,7 +293,7 @@ GPU_CASES = [
 @pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
 def test_ring_gpu_shared_by_gloo_ranks(case):
     # spawn, not fork: conftest has already asked CUDA whether it is available.
-    run_ranks(ring_exactness_worker, case["world"], (case,), start_method="spawn", timeout_s=GPU_TIMEOUT_S)
+    run_ranks(ring_exactness_worker, case["world"], (case,), start_method="spawn", timeout_s=120)
 
 
 @pytest.mark.multigpu
