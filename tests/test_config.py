@@ -129,6 +129,33 @@ def test_cp_must_divide_world_size():
         ParallelDims.from_config(ParallelConfig(cp=3), 2)
 
 
+@pytest.mark.parametrize(("dp", "cp", "override"), [(2, 2, True), (1, 4, False), (4, 1, False)])
+def test_ring_groups_get_the_ring_options(monkeypatch, dp, cp, override):
+    # NCCL options (high-priority streams) reach the cp groups when they are sub-groups; when cp
+    # is the whole world the mesh reuses the default group, created with them already.
+    import train.parallel as parallel
+
+    seen = {}
+
+    def init_device_mesh(device_type, mesh_shape, *, mesh_dim_names=None, backend_override=None):
+        seen.update(shape=mesh_shape, names=mesh_dim_names, override=backend_override)
+
+    monkeypatch.setattr(parallel, "init_device_mesh", init_device_mesh)
+    options = object()
+    parallel.ParallelDims(dp=dp, cp=cp, world_size=dp * cp).build_mesh("cuda", ring_options=options)
+    assert seen == dict(shape=(dp, cp), names=("dp", "cp"), override={"cp": options} if override else None)
+
+
+def test_ring_groups_without_backend_override_warn(monkeypatch):
+    # torch < 2.8 cannot pass options to a mesh's groups: the mesh is built anyway, with a warning.
+    import train.parallel as parallel
+
+    monkeypatch.setattr(parallel, "init_device_mesh", lambda device_type, mesh_shape, *, mesh_dim_names=None: "mesh")
+    with pytest.warns(UserWarning, match="TORCH_NCCL_HIGH_PRIORITY=1"):
+        mesh = parallel.ParallelDims(dp=2, cp=2, world_size=4).build_mesh("cuda", ring_options=object())
+    assert mesh == "mesh"
+
+
 def test_every_field_is_documented():
     text = describe()
     for section in dataclasses.fields(Config):
