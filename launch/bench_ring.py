@@ -185,7 +185,8 @@ def _idle_gaps(events: list[dict], calls: int, top: int = 8) -> list[str]:
     for e in gpu:
         streams.setdefault(e["args"].get("stream", -1), []).append(e)
     nccl = [e for e in gpu if e["name"].startswith("nccl")]
-    compute_streams = [s for s in streams.values() if not any(e in nccl for e in s)]
+    nccl_streams = {e["args"].get("stream", -1) for e in nccl}
+    compute_streams = [s for sid, s in streams.items() if sid not in nccl_streams]
     if not compute_streams:
         return ["no compute kernels in the trace (CPU run?)"]
     compute = max(compute_streams, key=lambda s: sum(e["dur"] for e in s))

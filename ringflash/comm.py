@@ -39,7 +39,7 @@ def nccl_options() -> dist.ProcessGroupNCCL.Options:
         init_device_mesh("cuda", (dp, cp), mesh_dim_names=("dp", "cp"), backend_override={"cp": nccl_options()})
 
     (`TORCH_NCCL_HIGH_PRIORITY=1` does the same for every group.) On 2×H200 at 32k tokens per rank
-    this takes the ring's forward+backward from 81.7 to 79.5 ms, at 8k from 6.3 to 5.8 ms: the
+    this takes the ring's forward+backward from 81.7 to 79.9 ms, at 8k from 6.3 to 5.8 ms: the
     hops it posts early then travel during the compute instead of after it (docs/PERF_NOTES.md).
     """
     if not dist.is_nccl_available():

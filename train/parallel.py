@@ -51,18 +51,17 @@ class ParallelDims:
 
         (When cp is the whole world the mesh reuses the default group, which has them already.)
         """
-        if ring_options is None or not 1 < self.cp < self.world_size:
-            return init_device_mesh(device_type, (self.dp, self.cp), mesh_dim_names=("dp", "cp"))
-        if "backend_override" not in inspect.signature(init_device_mesh).parameters:  # torch < 2.8
-            warnings.warn(
-                "this torch cannot give the ring's cp groups their own NCCL options: they get default-priority "
-                "streams and transfers overlap compute less (set TORCH_NCCL_HIGH_PRIORITY=1)",
-                stacklevel=2,
-            )
-            return init_device_mesh(device_type, (self.dp, self.cp), mesh_dim_names=("dp", "cp"))
-        return init_device_mesh(
-            device_type, (self.dp, self.cp), mesh_dim_names=("dp", "cp"), backend_override={"cp": ring_options}
-        )
+        override = {}
+        if ring_options is not None and 1 < self.cp < self.world_size:
+            if "backend_override" in inspect.signature(init_device_mesh).parameters:
+                override = dict(backend_override={"cp": ring_options})
+            else:  # torch < 2.8
+                warnings.warn(
+                    "this torch cannot give the ring's cp groups their own NCCL options: they get default-priority "
+                    "streams and transfers overlap compute less (set TORCH_NCCL_HIGH_PRIORITY=1)",
+                    stacklevel=2,
+                )
+        return init_device_mesh(device_type, (self.dp, self.cp), mesh_dim_names=("dp", "cp"), **override)
 
 
 @dataclass
