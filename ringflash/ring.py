@@ -19,10 +19,11 @@ last hop, already finished, in the input dtype).
 
 Communication overlaps compute: the transfer for step s+1 is posted before step s computes
 (two K/V buffers in turn); on NCCL only if its streams have high priority (comm.py's
-`nccl_options`), or the transfers wait for the attention kernels' SMs. The dK/dV kernel of step s ≥ 1 adds into the accumulator that arrived
-from the previous rank (no scratch, no separate `+=`), which is sent on as soon as that kernel is
-queued, before step s's dQ kernel (`attn_bwd(after_dkdv=...)`): each hop travels during a dQ
-kernel, even the last one, with no step after it. K and V travel packed in one contiguous
+`nccl_options`), or the transfers wait for the attention kernels' SMs. The dK/dV kernel of step
+s ≥ 1 adds into the accumulator that arrived from the previous rank (no scratch, no separate
+`+=`), which is sent on as soon as that kernel is queued, before step s's dQ kernel
+(`attn_bwd(after_dkdv=...)`): each hop travels during a dQ kernel, even the last one, with no
+step after it. K and V travel packed in one contiguous
 `(2, B, N, Hkv, D)` buffer (`pack_kv`): one message per step, not two.
 """
 
