@@ -23,8 +23,8 @@ Communication overlaps compute: the transfer for step s+1 is posted before step 
 s ≥ 1 adds into the accumulator that arrived from the previous rank (no scratch, no separate
 `+=`), which is sent on as soon as that kernel is queued, before step s's dQ kernel
 (`attn_bwd(after_dkdv=...)`): each hop travels during a dQ kernel, even the last one, with no
-step after it. K and V travel packed in one contiguous
-`(2, B, N, Hkv, D)` buffer (`pack_kv`): one message per step, not two.
+step after it. K and V travel packed in one contiguous `(2, B, N, Hkv, D)` buffer (`pack_kv`):
+one message per step, not two.
 """
 
 from __future__ import annotations

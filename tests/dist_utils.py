@@ -99,9 +99,7 @@ def run_ranks(
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
     if torch.cuda.is_initialized():
-        # Ranks that share this process's GPU need its memory: give back what earlier tests left
-        # in this process's allocator cache (30 GiB of an H100 once, and four ranks ran out).
-        torch.cuda.empty_cache()
+        torch.cuda.empty_cache()  # ranks sharing this GPU need the memory (see above)
     ctx = mp.get_context(start_method)
     tmpdir = tempfile.mkdtemp(prefix="ringflash_dist_")
     store_path = os.path.join(tmpdir, "store")
