@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 
 from kernels import interpreting
+
+try:  # Triton >= 3.3; without it the kernels load every tile through pointers
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover
+    TensorDescriptor = None
 
 LOG2E = 1.4426950408889634  # 1/ln 2: scores are scaled by softmax_scale·log2(e) so the kernels use exp2
 
@@ -28,3 +35,37 @@ def block_d(head_dim: int) -> int:
 def bhnd_strides(t: torch.Tensor) -> tuple[int, int, int]:
     """(batch, seq, head) strides of a `(B, N, H, D)` tensor whose last dim is contiguous."""
     return t.stride(0), t.stride(1), t.stride(2)
+
+
+def tma_ok(*ts: torch.Tensor, block_d: int) -> bool:
+    """Whether the kernels may load these `(B, N, H, D)` tensors through tensor descriptors.
+
+    A descriptor (TMA on Hopper) sees the tensor as `(B, N, H·D)` and loads a tile of one head's
+    rows with one instruction instead of per-thread address arithmetic. It needs: Hopper or newer
+    (or the interpreter, so the CPU tests run this path), heads packed along the last two dims,
+    a head dim that is its own block (no masked columns), 16-byte aligned rows and base, and
+    rows to load. `RINGFLASH_TMA=0` turns it off.
+    """
+    if TensorDescriptor is None or os.environ.get("RINGFLASH_TMA", "1") == "0":
+        return False
+    if not interpreting() and not (ts[0].is_cuda and torch.cuda.get_device_capability(ts[0].device)[0] >= 9):
+        return False
+    return all(
+        t.shape[-1] == block_d and t.stride(3) == 1 and t.stride(2) == block_d and t.shape[1] > 0
+        and t.data_ptr() % 16 == 0 and all(s > 0 and s * t.element_size() % 16 == 0 for s in _row_strides(t))
+        for t in ts
+    )
+
+
+def _row_strides(t: torch.Tensor) -> tuple[int, int]:
+    """(batch, position) strides for a descriptor; a lone batch's stride is never used, so any valid one."""
+    return t.stride(0) if t.shape[0] > 1 else t.shape[1] * t.stride(1), t.stride(1)
+
+
+def row_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """`t (B, N, H, D)` as a `(B, N, H·D)` descriptor whose tile is `rows` positions of one head.
+
+    Load it at `[b, first_row, head·D]`; rows past N read as zeros, like a row-masked load.
+    """
+    B, N, H, D = t.shape
+    return TensorDescriptor(t, [B, N, H * D], [*_row_strides(t), 1], [1, rows, D])

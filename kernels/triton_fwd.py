@@ -34,29 +34,36 @@ from kernels.launch_utils import (
     bhnd_strides,
     block_d,
     dot_precision,
+    row_descriptor,
+    tma_ok,
     upcast_dots,
 )
 from kernels.masks import Visibility, batch_stride, resolve_visibility
 from kernels.tiles import block_bounds, load_tile, store_tile, visible_keys
-from kernels.tuning import Tile, launch
+from kernels.tuning import Tile, autotuning, launch, tile_for
 
 
 @triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q,
-    k_ptrs, v_ptrs, stride_kn, stride_vn,
+    k_src, v_src, stride_kn, stride_vn, off_b, kv_col,
     offs_m, offs_n, offs_d, kv_lo, kv_hi, lo, hi, Nk, qk_scale,
-    CAUSAL: tl.constexpr, RANGES: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr,
+    CAUSAL: tl.constexpr, RANGES: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Fold key/value blocks [lo, hi) into the online-softmax state (acc, l_i, m_i).
 
     MASKED blocks hide keys past Nk and, by the causal diagonal or the rows' intervals
-    [kv_lo, kv_hi) (RANGES; they lie within [0, Nk)), the keys a row does not see."""
+    [kv_lo, kv_hi) (RANGES; they lie within [0, Nk)), the keys a row does not see.
+    `k_src, v_src`: descriptors loaded at `[off_b, row, kv_col]` (TMA), else tile pointers."""
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        k = load_tile(k_ptrs + start_n * stride_kn, cols, offs_d, Nk, MASKED, HEAD_DIM, BLOCK_D)
-        v = load_tile(v_ptrs + start_n * stride_vn, cols, offs_d, Nk, MASKED, HEAD_DIM, BLOCK_D)
+        if TMA:  # rows past Nk load as zeros; the mask below hides them as it does for pointers
+            k = k_src.load([off_b, start_n, kv_col]).reshape(BLOCK_N, BLOCK_D)
+            v = v_src.load([off_b, start_n, kv_col]).reshape(BLOCK_N, BLOCK_D)
+        else:
+            k = load_tile(k_src + start_n * stride_kn, cols, offs_d, Nk, MASKED, HEAD_DIM, BLOCK_D)
+            v = load_tile(v_src + start_n * stride_vn, cols, offs_d, Nk, MASKED, HEAD_DIM, BLOCK_D)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -112,8 +119,7 @@ def _attn_fwd_kernel(
     KV_LO, KV_HI, stride_rb,
     H, Nq, Nk, qk_scale,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, RANGES: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, MERGE: tl.constexpr,
-
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, MERGE: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # Last query blocks first: under a causal mask they see the most keys, so the heaviest
@@ -128,12 +134,18 @@ def _attn_fwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
 
-    q_ptrs = Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :]
-    q = load_tile(q_ptrs, offs_m, offs_d, Nq, True, HEAD_DIM, BLOCK_D)
+    kv_col = off_hkv * HEAD_DIM
+    if TMA:  # Q, K, V are (B, N, H·D) descriptors (kernels/launch_utils.py, row_descriptor)
+        q = Q.load([off_b, start_m * BLOCK_M, off_h * HEAD_DIM]).reshape(BLOCK_M, BLOCK_D)
+        k_src = K
+        v_src = V
+    else:
+        q_ptrs = Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :]
+        q = load_tile(q_ptrs, offs_m, offs_d, Nq, True, HEAD_DIM, BLOCK_D)
+        k_src = K + off_b * stride_kb + off_hkv * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
+        v_src = V + off_b * stride_vb + off_hkv * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :]
     if UPCAST:
         q = q.to(tl.float32)
-    k_ptrs = K + off_b * stride_kb + off_hkv * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
-    v_ptrs = V + off_b * stride_vb + off_hkv * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :]
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -148,15 +160,15 @@ def _attn_fwd_kernel(
         kv_lo = tl.maximum(kv_lo, 0)
         kv_hi = tl.minimum(kv_hi, Nk)
         lo, split, split2, hi = block_bounds(kv_lo, kv_hi, row_ok, Nk, BLOCK_N)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, off_b, kv_col,
                                    offs_m, offs_n, offs_d, kv_lo, kv_hi, split, split2, Nk, qk_scale,
-                                   False, True, False, UPCAST, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
+                                   False, True, False, UPCAST, TMA, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, off_b, kv_col,
                                    offs_m, offs_n, offs_d, kv_lo, kv_hi, lo, split, Nk, qk_scale,
-                                   False, True, True, UPCAST, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
+                                   False, True, True, UPCAST, TMA, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, off_b, kv_col,
                                    offs_m, offs_n, offs_d, kv_lo, kv_hi, split2, hi, Nk, qk_scale,
-                                   False, True, True, UPCAST, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION)
+                                   False, True, True, UPCAST, TMA, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION)
     else:
         if CAUSAL:
             # Keys before this query block are visible to all of it; the block on the diagonal is
@@ -166,12 +178,12 @@ def _attn_fwd_kernel(
         else:
             split = (Nk // BLOCK_N) * BLOCK_N  # full key blocks, then a ragged tail
             hi = Nk
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, off_b, kv_col,
                                    offs_m, offs_n, offs_d, offs_m, offs_m, 0, split, Nk, qk_scale,
-                                   CAUSAL, False, False, UPCAST, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
+                                   CAUSAL, False, False, UPCAST, TMA, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, off_b, kv_col,
                                    offs_m, offs_n, offs_d, offs_m, offs_m, split, hi, Nk, qk_scale,
-                                   CAUSAL, False, True, UPCAST, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION)
+                                   CAUSAL, False, True, UPCAST, TMA, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION)
 
     # Rows that saw no key (l_i == 0) get o = 0 and lse = -inf rather than 0/0.
     empty = l_i == 0.0
@@ -220,14 +232,21 @@ def triton_attn_fwd(
         lse = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
     if Nq == 0 or B * H == 0:
         return o, lse
-    args = (q, k, v, o, lse, *bhnd_strides(q), *bhnd_strides(k), *bhnd_strides(v), *bhnd_strides(o),
+    BD = block_d(D)
+    # Descriptors are built for one tile shape, so not while autotuning picks among several.
+    tma = not (tile is None and autotuning()) and tma_ok(q, k, v, block_d=BD)
+    if tma:
+        tile = tile or tile_for("fwd", BD)
+        srcs = (row_descriptor(q, tile[0]), row_descriptor(k, tile[1]), row_descriptor(v, tile[1]))
+    else:
+        srcs = (q, k, v)
+    args = (*srcs, o, lse, *bhnd_strides(q), *bhnd_strides(k), *bhnd_strides(v), *bhnd_strides(o),
             *lse.stride(), *_ranges_args(vis, q), H, Nq, Nk, scale * LOG2E)
     consts = dict(HEAD_DIM=D, GROUP=H // Hkv, CAUSAL=causal and vis is None, RANGES=vis is not None,
-                  UPCAST=upcast_dots(q.dtype),
-                  PRECISION=dot_precision(q.dtype), MERGE=acc is not None, BLOCK_D=block_d(D))
+                  UPCAST=upcast_dots(q.dtype), PRECISION=dot_precision(q.dtype), MERGE=acc is not None,
+                  TMA=tma, BLOCK_D=BD)
     launch("fwd", _attn_fwd_kernel, lambda meta: (triton.cdiv(Nq, meta["BLOCK_M"]), B * H), args, consts, tile)
     return o, lse
-
 
 
 def _ranges_args(vis: Visibility | None, q: torch.Tensor) -> tuple:

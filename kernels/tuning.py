@@ -52,6 +52,11 @@ def candidates(kernel: str, block_d: int) -> list[Tile]:
     return [t for t in CANDIDATES[kernel] if block_d < 256 or t[0] * t[1] <= 64 * 64]
 
 
+def autotuning() -> bool:
+    """Whether `RINGFLASH_AUTOTUNE=1` asks for tiles by timing (never under the interpreter)."""
+    return os.environ.get("RINGFLASH_AUTOTUNE", "0") == "1" and not interpreting()
+
+
 def tile_for(kernel: str, block_d: int) -> Tile:
     if interpreting():
         return INTERPRETER_TILE
@@ -71,7 +76,7 @@ def launch(kernel: str, jit_fn, grid: Callable[[dict], tuple], args: tuple, cons
            tile: Tile | None = None) -> None:
     """Launch `jit_fn` with the tile for `kernel` (or `tile`, as the tuning script does)."""
     block_d = consts["BLOCK_D"]
-    if tile is None and os.environ.get("RINGFLASH_AUTOTUNE", "0") == "1" and not interpreting():
+    if tile is None and autotuning():
         key = (kernel, block_d)
         if key not in _autotuned:
             configs = [_as_config(kernel, t) for t in candidates(kernel, block_d)]

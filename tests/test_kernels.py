@@ -13,6 +13,7 @@ import torch
 from truth import TOL, attention_f64, lse_err, rel_err
 
 from kernels import attn_bwd, attn_fwd, resolve_backend
+from kernels.launch_utils import tma_ok
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (B, Nq, Nk, H, Hkv, D): odd lengths, GQA/MQA, every head dim at least once.
@@ -72,6 +73,34 @@ def test_any_strides(backend):
     assert not q.is_contiguous()
     do = torch.randn(B, N, H, D).transpose(0, 1).contiguous().transpose(0, 1)  # batch-minor strides
     _check_all(q, k, v, do, True, backend)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_forward_through_pointers(shape, causal, monkeypatch):
+    """`RINGFLASH_TMA=0` (as on pre-Hopper GPUs, odd head dims, unaligned views): the forward
+    loads its tiles through pointers instead of tensor descriptors, with the same result."""
+    monkeypatch.setenv("RINGFLASH_TMA", "0")
+    q, k, v, _ = _inputs(shape, torch.bfloat16, seed=6)
+    truth = attention_f64(q, k, v, causal)
+    o, lse = attn_fwd(q, k, v, causal=causal, backend="triton")
+    assert rel_err(o, truth["o"]) < TOL[torch.bfloat16]
+    assert lse_err(lse, truth["lse"]) < 10 * TOL[torch.bfloat16]
+
+
+def test_descriptor_eligibility(monkeypatch):
+    """Which `(B, N, H, D)` tensors the forward loads through tensor descriptors (kernels/launch_utils.py)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # stands in for a Hopper GPU
+    q = torch.randn(2, 64, 4, 64)
+    assert tma_ok(q, block_d=64)
+    assert tma_ok(*torch.randn(2, 64, 3, 4, 64).unbind(2), block_d=64)  # views of a packed QKV
+    assert tma_ok(q[:, 10:], block_d=64)  # a ring step's slice of the sequence
+    assert not tma_ok(torch.randn(1, 64, 2, 96), block_d=128)  # the head dim runs masked in its block
+    assert not tma_ok(q.transpose(1, 2), block_d=64)  # heads not packed in the last two dims
+    assert not tma_ok(torch.randn(1 + q.numel())[1:].view(q.shape), block_d=64)  # 4-byte aligned only
+    assert not tma_ok(q[:, :0], block_d=64)  # no rows
+    monkeypatch.setenv("RINGFLASH_TMA", "0")
+    assert not tma_ok(q, block_d=64)
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])
@@ -223,6 +252,15 @@ def test_gpu_matches_float64(shape, causal, dtype, poisoned_outputs):
         pytest.skip("causal needs Nq == Nk")
     q, k, v, do = _inputs(shape, dtype, device="cuda", seed=7)
     _check_all(q, k, v, do, causal, "triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES[:2], ids=lambda s: "x".join(map(str, s)))
+def test_gpu_forward_through_pointers(shape, monkeypatch, poisoned_outputs):
+    """The pointer-load forward (pre-Hopper GPUs, `RINGFLASH_TMA=0`) on CUDA as well."""
+    monkeypatch.setenv("RINGFLASH_TMA", "0")
+    q, k, v, do = _inputs(shape, torch.bfloat16, device="cuda", seed=9)
+    _check_all(q, k, v, do, True, "triton")
 
 
 @pytest.mark.gpu
