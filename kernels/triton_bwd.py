@@ -8,6 +8,9 @@ Three launches, none with atomics, so gradients are deterministic:
 3. `_bwd_dq`: one program per (query block, batch·head) streams key blocks and accumulates dQ.
    Recomputing S and dP once more costs 2 of 7 matmuls; it buys dQ without a race or atomics.
 
+On Hopper both kernels load Q, K, V and dO through tensor descriptors (TMA; see
+`kernels.launch_utils.tma_ok` for when), else through pointers; the results are the same.
+
 Masks beyond causal (`visibility=`, kernels/masks.py): both loops visit only the blocks some row
 sees, in three stages (masked, unmasked, masked) from the rows' intervals: `_bwd_dq` from the
 query rows' key intervals [kv_lo, kv_hi) as the forward does, `_bwd_dkdv` from the key rows'
@@ -33,11 +36,13 @@ from kernels.launch_utils import (
     bhnd_strides,
     block_d,
     dot_precision,
+    row_descriptor,
+    tma_ok,
     upcast_dots,
 )
 from kernels.masks import Visibility, batch_stride, resolve_visibility
 from kernels.tiles import block_bounds, load_tile, store_tile, visible_keys
-from kernels.tuning import Tile, launch
+from kernels.tuning import Tile, autotuning, launch, tile_for
 
 
 @triton.jit
@@ -71,23 +76,28 @@ def _load_lse2(LSE, rows, Nq):
 @triton.jit
 def _dkdv_inner(
     dk, dv, k, v, Q, DO, LSE, Delta,
-    KV_LO, KV_HI, stride_qn, stride_don, offs_n, offs_d, lo, hi, Nq, qk_scale,
-    CAUSAL: tl.constexpr, RANGES: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr,
+    KV_LO, KV_HI, stride_qn, stride_don, off_b, q_col, offs_n, offs_d, lo, hi, Nq, qk_scale,
+    CAUSAL: tl.constexpr, RANGES: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Accumulate dK, dV of one key block over query blocks [lo, hi) of one query head.
 
     Works on transposed scores `S^T (BLOCK_N, BLOCK_M)` so that dV = P^T·dO and dK = dS^T·Q are
-    plain products with the key block as rows.
+    plain products with the key block as rows. `Q, DO`: descriptors loaded at `[off_b, row, q_col]`
+    (TMA), else this head's base pointers.
     """
     offs_m0 = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m0
         # Query rows past Nq load as zeros with lse = +inf, so they contribute exactly nothing.
-        q = load_tile(Q + rows[:, None] * stride_qn + offs_d[None, :], rows, offs_d, Nq, True,
-                      HEAD_DIM, BLOCK_D)
-        do = load_tile(DO + rows[:, None] * stride_don + offs_d[None, :], rows, offs_d, Nq, True,
-                       HEAD_DIM, BLOCK_D)
+        if TMA:
+            q = Q.load([off_b, start_m, q_col]).reshape(BLOCK_M, BLOCK_D)
+            do = DO.load([off_b, start_m, q_col]).reshape(BLOCK_M, BLOCK_D)
+        else:
+            q = load_tile(Q + rows[:, None] * stride_qn + offs_d[None, :], rows, offs_d, Nq, True,
+                          HEAD_DIM, BLOCK_D)
+            do = load_tile(DO + rows[:, None] * stride_don + offs_d[None, :], rows, offs_d, Nq, True,
+                           HEAD_DIM, BLOCK_D)
         if UPCAST:
             q = q.to(tl.float32)
             do = do.to(tl.float32)
@@ -117,7 +127,7 @@ def _bwd_dkdv(
     KV_LO, KV_HI, Q_LO, Q_HI, stride_rqb, stride_rkb,
     Hkv, Nq, Nk, qk_scale, softmax_scale,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, RANGES: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     start_n = tl.program_id(0) * BLOCK_N
@@ -127,10 +137,14 @@ def _bwd_dkdv(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
 
-    k = load_tile(K + off_b * stride_kb + off_hkv * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :],
-                  offs_n, offs_d, Nk, True, HEAD_DIM, BLOCK_D)
-    v = load_tile(V + off_b * stride_vb + off_hkv * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :],
-                  offs_n, offs_d, Nk, True, HEAD_DIM, BLOCK_D)
+    if TMA:  # Q, K, V, DO are (B, N, H·D) descriptors (kernels/launch_utils.py, row_descriptor)
+        k = K.load([off_b, start_n, off_hkv * HEAD_DIM]).reshape(BLOCK_N, BLOCK_D)
+        v = V.load([off_b, start_n, off_hkv * HEAD_DIM]).reshape(BLOCK_N, BLOCK_D)
+    else:
+        k = load_tile(K + off_b * stride_kb + off_hkv * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :],
+                      offs_n, offs_d, Nk, True, HEAD_DIM, BLOCK_D)
+        v = load_tile(V + off_b * stride_vb + off_hkv * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :],
+                      offs_n, offs_d, Nk, True, HEAD_DIM, BLOCK_D)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -156,19 +170,24 @@ def _bwd_dkdv(
         hi = Nq
     for g in range(GROUP):  # the query heads sharing this kv head, in a fixed order
         off_h = off_hkv * GROUP + g
-        q_base = Q + off_b * stride_qb + off_h * stride_qh
-        do_base = DO + off_b * stride_dob + off_h * stride_doh
+        if TMA:
+            q_base = Q
+            do_base = DO
+        else:
+            q_base = Q + off_b * stride_qb + off_h * stride_qh
+            do_base = DO + off_b * stride_dob + off_h * stride_doh
+        q_col = off_h * HEAD_DIM
         row_base = (off_b * Hkv * GROUP + off_h) * Nq
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, Delta + row_base,
-                             kv_lo_ptr, kv_hi_ptr, stride_qn, stride_don, offs_n, offs_d, lo, split, Nq,
-                             qk_scale, CAUSAL, RANGES, True, UPCAST, BLOCK_M, HEAD_DIM, BLOCK_D, PRECISION)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, Delta + row_base,
-                             kv_lo_ptr, kv_hi_ptr, stride_qn, stride_don, offs_n, offs_d, split, split2, Nq,
-                             qk_scale, CAUSAL, RANGES, False, UPCAST, BLOCK_M, HEAD_DIM, BLOCK_D, PRECISION)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, Delta + row_base, kv_lo_ptr, kv_hi_ptr,
+                             stride_qn, stride_don, off_b, q_col, offs_n, offs_d, lo, split, Nq, qk_scale, CAUSAL,
+                             RANGES, True, UPCAST, TMA, BLOCK_M, HEAD_DIM, BLOCK_D, PRECISION)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, Delta + row_base, kv_lo_ptr, kv_hi_ptr,
+                             stride_qn, stride_don, off_b, q_col, offs_n, offs_d, split, split2, Nq, qk_scale, CAUSAL,
+                             RANGES, False, UPCAST, TMA, BLOCK_M, HEAD_DIM, BLOCK_D, PRECISION)
         if RANGES:
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, Delta + row_base,
-                                 kv_lo_ptr, kv_hi_ptr, stride_qn, stride_don, offs_n, offs_d, split2, hi, Nq,
-                                 qk_scale, CAUSAL, RANGES, True, UPCAST, BLOCK_M, HEAD_DIM, BLOCK_D, PRECISION)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, Delta + row_base, kv_lo_ptr, kv_hi_ptr,
+                                 stride_qn, stride_don, off_b, q_col, offs_n, offs_d, split2, hi, Nq, qk_scale, CAUSAL,
+                                 RANGES, True, UPCAST, TMA, BLOCK_M, HEAD_DIM, BLOCK_D, PRECISION)
 
     dk_ptrs = DK + off_b * stride_dkb + off_hkv * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :]
     dv_ptrs = DV + off_b * stride_dvb + off_hkv * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :]
@@ -185,18 +204,24 @@ def _bwd_dkdv(
 
 @triton.jit
 def _dq_inner(
-    dq, q, do, lse2, delta, K, V, stride_kn, stride_vn, offs_m, offs_d, kv_lo, kv_hi, lo, hi, Nk, qk_scale,
-    CAUSAL: tl.constexpr, RANGES: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    dq, q, do, lse2, delta, K, V, stride_kn, stride_vn, off_b, kv_col, offs_m, offs_d, kv_lo, kv_hi, lo, hi, Nk,
+    qk_scale, CAUSAL: tl.constexpr, RANGES: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr,
+    TMA: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Accumulate dQ of one query block over key blocks [lo, hi)."""
+    """Accumulate dQ of one query block over key blocks [lo, hi).
+
+    `K, V`: descriptors loaded at `[off_b, row, kv_col]` (TMA), else this kv head's base pointers."""
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n0
-        k = load_tile(K + cols[:, None] * stride_kn + offs_d[None, :], cols, offs_d, Nk, MASKED,
-                      HEAD_DIM, BLOCK_D)
-        v = load_tile(V + cols[:, None] * stride_vn + offs_d[None, :], cols, offs_d, Nk, MASKED,
-                      HEAD_DIM, BLOCK_D)
+        if TMA:  # rows past Nk load as zeros; the mask hides them as it does for pointers
+            k = K.load([off_b, start_n, kv_col]).reshape(BLOCK_N, BLOCK_D)
+            v = V.load([off_b, start_n, kv_col]).reshape(BLOCK_N, BLOCK_D)
+        else:
+            k = load_tile(K + cols[:, None] * stride_kn + offs_d[None, :], cols, offs_d, Nk, MASKED,
+                          HEAD_DIM, BLOCK_D)
+            v = load_tile(V + cols[:, None] * stride_vn + offs_d[None, :], cols, offs_d, Nk, MASKED,
+                          HEAD_DIM, BLOCK_D)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -219,7 +244,7 @@ def _bwd_dq(
     KV_LO, KV_HI, stride_rqb,
     H, Nq, Nk, qk_scale, softmax_scale,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, RANGES: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M  # heaviest (last) query blocks first
@@ -230,10 +255,19 @@ def _bwd_dq(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
 
-    q = load_tile(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :],
-                  offs_m, offs_d, Nq, True, HEAD_DIM, BLOCK_D)
-    do = load_tile(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_don
-                   + offs_d[None, :], offs_m, offs_d, Nq, True, HEAD_DIM, BLOCK_D)
+    kv_col = off_hkv * HEAD_DIM
+    if TMA:  # Q, K, V, DO are (B, N, H·D) descriptors (kernels/launch_utils.py, row_descriptor)
+        q = Q.load([off_b, start_m, off_h * HEAD_DIM]).reshape(BLOCK_M, BLOCK_D)
+        do = DO.load([off_b, start_m, off_h * HEAD_DIM]).reshape(BLOCK_M, BLOCK_D)
+        k_base = K
+        v_base = V
+    else:
+        q = load_tile(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :],
+                      offs_m, offs_d, Nq, True, HEAD_DIM, BLOCK_D)
+        do = load_tile(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_don
+                       + offs_d[None, :], offs_m, offs_d, Nq, True, HEAD_DIM, BLOCK_D)
+        k_base = K + off_b * stride_kb + off_hkv * stride_kh
+        v_base = V + off_b * stride_vb + off_hkv * stride_vh
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
@@ -241,20 +275,20 @@ def _bwd_dq(
     delta = tl.load(Delta + off_bh * Nq + offs_m, mask=offs_m < Nq, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    k_base = K + off_b * stride_kb + off_hkv * stride_kh
-    v_base = V + off_b * stride_vb + off_hkv * stride_vh
     if RANGES:  # as the forward: masked, unmasked, masked key blocks from the rows' intervals
         row_ok = offs_m < Nq
         kv_lo = tl.maximum(tl.load(KV_LO + off_b * stride_rqb + offs_m, mask=row_ok, other=0), 0)
         kv_hi = tl.minimum(tl.load(KV_HI + off_b * stride_rqb + offs_m, mask=row_ok, other=0), Nk)
         lo, split, split2, hi = block_bounds(kv_lo, kv_hi, row_ok, Nk, BLOCK_N)
-        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, kv_lo, kv_hi,
-                       split, split2, Nk, qk_scale, False, True, False, UPCAST, BLOCK_N, HEAD_DIM, BLOCK_D,
-                       PRECISION)
-        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, kv_lo, kv_hi,
-                       lo, split, Nk, qk_scale, False, True, True, UPCAST, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION)
-        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, kv_lo, kv_hi,
-                       split2, hi, Nk, qk_scale, False, True, True, UPCAST, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, off_b, kv_col, offs_m, offs_d,
+                       kv_lo, kv_hi, split, split2, Nk, qk_scale, False, True, False, UPCAST, TMA, BLOCK_N, HEAD_DIM,
+                       BLOCK_D, PRECISION)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, off_b, kv_col, offs_m, offs_d,
+                       kv_lo, kv_hi, lo, split, Nk, qk_scale, False, True, True, UPCAST, TMA, BLOCK_N, HEAD_DIM,
+                       BLOCK_D, PRECISION)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, off_b, kv_col, offs_m, offs_d,
+                       kv_lo, kv_hi, split2, hi, Nk, qk_scale, False, True, True, UPCAST, TMA, BLOCK_N, HEAD_DIM,
+                       BLOCK_D, PRECISION)
     else:
         if CAUSAL:
             split = start_m  # BLOCK_M is a multiple of BLOCK_N: keys before the block are all visible
@@ -262,10 +296,12 @@ def _bwd_dq(
         else:
             split = (Nk // BLOCK_N) * BLOCK_N
             hi = Nk
-        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, offs_m, offs_m,
-                       0, split, Nk, qk_scale, CAUSAL, False, False, UPCAST, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION)
-        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, offs_m, offs_m,
-                       split, hi, Nk, qk_scale, CAUSAL, False, True, UPCAST, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, off_b, kv_col, offs_m, offs_d,
+                       offs_m, offs_m, 0, split, Nk, qk_scale, CAUSAL, False, False, UPCAST, TMA, BLOCK_N, HEAD_DIM,
+                       BLOCK_D, PRECISION)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, off_b, kv_col, offs_m, offs_d,
+                       offs_m, offs_m, split, hi, Nk, qk_scale, CAUSAL, False, True, UPCAST, TMA, BLOCK_N, HEAD_DIM,
+                       BLOCK_D, PRECISION)
 
     dq_ptrs = DQ + off_b * stride_dqb + off_h * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :]
     dq = dq * softmax_scale
@@ -336,14 +372,29 @@ def triton_attn_bwd(
         q_ranges = (vis.q_lo, vis.q_hi, batch_stride(vis.q_lo))
     strides_in = (*bhnd_strides(q), *bhnd_strides(k), *bhnd_strides(v), *bhnd_strides(do))
     tiles = tiles or {}
+    descriptors_fit = tma_ok(q, k, v, do, block_d=BD)
+
+    def inputs(kernel: str) -> tuple[tuple, Tile | None, bool]:
+        """One kernel's (Q, K, V, DO) arguments, tile and TMA flag: descriptors sized for its tile where they fit."""
+        tile = tiles.get(kernel)
+        if not descriptors_fit or (tile is None and autotuning()):  # a descriptor serves one tile shape
+            return (q, k, v, do), tile, False
+        tile = tile or tile_for(kernel, BD)
+        q_rows, kv_rows = (tile[1], tile[0]) if kernel == "dkdv" else (tile[0], tile[1])
+        descs = (row_descriptor(q, q_rows), row_descriptor(k, kv_rows), row_descriptor(v, kv_rows),
+                 row_descriptor(do, q_rows))
+        return descs, tile, True
+
+    srcs, tile, tma = inputs("dkdv")
     launch("dkdv", _bwd_dkdv, lambda meta: (triton.cdiv(Nk, meta["BLOCK_N"]), B * Hkv),
-           (q, k, v, do, lse, delta, dk, dv, *strides_in, *bhnd_strides(dk), *bhnd_strides(dv),
+           (*srcs, lse, delta, dk, dv, *strides_in, *bhnd_strides(dk), *bhnd_strides(dv),
             *kv_ranges[:2], *q_ranges[:2], kv_ranges[2], q_ranges[2],
-            Hkv, Nq, Nk, scale * LOG2E, scale), dict(common, ACCUMULATE=accumulate), tiles.get("dkdv"))
+            Hkv, Nq, Nk, scale * LOG2E, scale), dict(common, ACCUMULATE=accumulate, TMA=tma), tile)
     if after_dkdv is not None:
         after_dkdv()
+    srcs, tile, tma = inputs("dq")
     launch("dq", _bwd_dq, lambda meta: (triton.cdiv(Nq, meta["BLOCK_M"]), B * H),
-           (q, k, v, do, lse, delta, dq, *strides_in, *bhnd_strides(dq), *kv_ranges,
+           (*srcs, lse, delta, dq, *strides_in, *bhnd_strides(dq), *kv_ranges,
             H, Nq, Nk, scale * LOG2E, scale),
-           dict(common, ACCUMULATE=accumulate), tiles.get("dq"))
+           dict(common, ACCUMULATE=accumulate, TMA=tma), tile)
     return dq, dk, dv

@@ -77,19 +77,16 @@ def test_any_strides(backend):
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_forward_through_pointers(shape, causal, monkeypatch):
-    """`RINGFLASH_TMA=0` (as on pre-Hopper GPUs, odd head dims, unaligned views): the forward
-    loads its tiles through pointers instead of tensor descriptors, with the same result."""
+def test_kernels_through_pointers(shape, causal, monkeypatch):
+    """`RINGFLASH_TMA=0` (as on pre-Hopper GPUs, odd head dims, unaligned views): the kernels load
+    their tiles through pointers instead of tensor descriptors, with the same result."""
     monkeypatch.setenv("RINGFLASH_TMA", "0")
-    q, k, v, _ = _inputs(shape, torch.bfloat16, seed=6)
-    truth = attention_f64(q, k, v, causal)
-    o, lse = attn_fwd(q, k, v, causal=causal, backend="triton")
-    assert rel_err(o, truth["o"]) < TOL[torch.bfloat16]
-    assert lse_err(lse, truth["lse"]) < 10 * TOL[torch.bfloat16]
+    q, k, v, do = _inputs(shape, torch.bfloat16, seed=6)
+    _check_all(q, k, v, do, causal, "triton")
 
 
 def test_descriptor_eligibility(monkeypatch):
-    """Which `(B, N, H, D)` tensors the forward loads through tensor descriptors (kernels/launch_utils.py)."""
+    """Which `(B, N, H, D)` tensors the kernels load through tensor descriptors (kernels/launch_utils.py)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # stands in for a Hopper GPU
     q = torch.randn(2, 64, 4, 64)
     assert tma_ok(q, block_d=64)
@@ -256,8 +253,8 @@ def test_gpu_matches_float64(shape, causal, dtype, poisoned_outputs):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", GPU_SHAPES[:2], ids=lambda s: "x".join(map(str, s)))
-def test_gpu_forward_through_pointers(shape, monkeypatch, poisoned_outputs):
-    """The pointer-load forward (pre-Hopper GPUs, `RINGFLASH_TMA=0`) on CUDA as well."""
+def test_gpu_kernels_through_pointers(shape, monkeypatch, poisoned_outputs):
+    """The pointer-load kernels (pre-Hopper GPUs, `RINGFLASH_TMA=0`) on CUDA as well."""
     monkeypatch.setenv("RINGFLASH_TMA", "0")
     q, k, v, do = _inputs(shape, torch.bfloat16, device="cuda", seed=9)
     _check_all(q, k, v, do, True, "triton")
