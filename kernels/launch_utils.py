@@ -42,19 +42,22 @@ def tma_ok(*ts: torch.Tensor, block_d: int) -> bool:
 
     A descriptor (TMA on Hopper) sees the tensor as `(B, N, H·D)` and loads a tile of one head's
     rows with one instruction instead of per-thread address arithmetic. It needs: Hopper or newer
-    (or the interpreter, so the CPU tests run this path), heads packed along the last two dims,
-    a head dim that is its own block (no masked columns), 16-byte aligned rows and base, and
-    rows to load. `RINGFLASH_TMA=0` turns it off.
+    (or the interpreter, so the CPU tests run this path), 16-bit inputs (the measured case;
+    float32 keeps the pointer loads), heads packed along the last two dims, a head dim that is
+    its own block (no masked columns), 16-byte aligned rows and base, and rows to load.
+    `RINGFLASH_TMA=0` turns it off.
     """
     if TensorDescriptor is None or os.environ.get("RINGFLASH_TMA", "1") == "0":
         return False
     if not interpreting() and not (ts[0].is_cuda and torch.cuda.get_device_capability(ts[0].device)[0] >= 9):
         return False
-    return all(
-        t.shape[-1] == block_d and t.stride(3) == 1 and t.stride(2) == block_d and t.shape[1] > 0
-        and t.data_ptr() % 16 == 0 and all(s > 0 and s * t.element_size() % 16 == 0 for s in _row_strides(t))
-        for t in ts
-    )
+    return all(_descriptor_fits(t, block_d) for t in ts)
+
+
+def _descriptor_fits(t: torch.Tensor, block_d: int) -> bool:
+    packed = t.stride(3) == 1 and t.stride(2) == t.shape[3] == block_d
+    aligned = t.data_ptr() % 16 == 0 and all(s > 0 and s * t.element_size() % 16 == 0 for s in _row_strides(t))
+    return t.element_size() == 2 and packed and aligned and t.shape[1] > 0
 
 
 def _row_strides(t: torch.Tensor) -> tuple[int, int]:

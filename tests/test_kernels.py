@@ -88,13 +88,14 @@ def test_kernels_through_pointers(shape, causal, monkeypatch):
 def test_descriptor_eligibility(monkeypatch):
     """Which `(B, N, H, D)` tensors the kernels load through tensor descriptors (kernels/launch_utils.py)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # stands in for a Hopper GPU
-    q = torch.randn(2, 64, 4, 64)
+    q = torch.randn(2, 64, 4, 64, dtype=torch.bfloat16)
     assert tma_ok(q, block_d=64)
-    assert tma_ok(*torch.randn(2, 64, 3, 4, 64).unbind(2), block_d=64)  # views of a packed QKV
+    assert tma_ok(*torch.randn(2, 64, 3, 4, 64, dtype=torch.float16).unbind(2), block_d=64)  # a packed QKV's views
     assert tma_ok(q[:, 10:], block_d=64)  # a ring step's slice of the sequence
-    assert not tma_ok(torch.randn(1, 64, 2, 96), block_d=128)  # the head dim runs masked in its block
+    assert not tma_ok(q.float(), block_d=64)  # float32 keeps the pointer loads
+    assert not tma_ok(torch.randn(1, 64, 2, 96, dtype=torch.bfloat16), block_d=128)  # D masked in its block
     assert not tma_ok(q.transpose(1, 2), block_d=64)  # heads not packed in the last two dims
-    assert not tma_ok(torch.randn(1 + q.numel())[1:].view(q.shape), block_d=64)  # 4-byte aligned only
+    assert not tma_ok(torch.randn(1 + q.numel(), dtype=q.dtype)[1:].view(q.shape), block_d=64)  # 2-byte aligned
     assert not tma_ok(q[:, :0], block_d=64)  # no rows
     monkeypatch.setenv("RINGFLASH_TMA", "0")
     assert not tma_ok(q, block_d=64)
