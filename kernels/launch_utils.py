@@ -8,6 +8,7 @@ import torch
 import triton
 
 from kernels import interpreting
+from kernels.tuning import Tile, autotuning, tile_for
 
 try:  # Triton >= 3.3; without it the kernels load every tile through pointers
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -72,3 +73,18 @@ def row_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     """
     B, N, H, D = t.shape
     return TensorDescriptor(t, [B, N, H * D], [*_row_strides(t), 1], [1, rows, D])
+
+
+def kernel_inputs(kernel: str, tensors: tuple[torch.Tensor, ...], tile: Tile | None,
+                  block_d: int) -> tuple[tuple, Tile | None, bool]:
+    """One kernel's `(q, k, v[, do])` arguments, its tile and its TMA flag.
+
+    Descriptors sized for the kernel's tile where `tma_ok`, else the tensors themselves. A
+    descriptor serves one tile shape, so there are none while autotuning picks among several.
+    """
+    if (tile is None and autotuning()) or not tma_ok(*tensors, block_d=block_d):
+        return tensors, tile, False
+    tile = tile or tile_for(kernel, block_d)
+    q_rows, kv_rows = (tile[1], tile[0]) if kernel == "dkdv" else (tile[0], tile[1])
+    rows = (q_rows, kv_rows, kv_rows, q_rows)
+    return tuple(row_descriptor(t, n) for t, n in zip(tensors, rows)), tile, True

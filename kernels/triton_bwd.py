@@ -36,13 +36,12 @@ from kernels.launch_utils import (
     bhnd_strides,
     block_d,
     dot_precision,
-    row_descriptor,
-    tma_ok,
+    kernel_inputs,
     upcast_dots,
 )
 from kernels.masks import Visibility, batch_stride, resolve_visibility
 from kernels.tiles import block_bounds, load_tile, store_tile, visible_keys
-from kernels.tuning import Tile, autotuning, launch, tile_for
+from kernels.tuning import Tile, launch
 
 
 @triton.jit
@@ -372,27 +371,14 @@ def triton_attn_bwd(
         q_ranges = (vis.q_lo, vis.q_hi, batch_stride(vis.q_lo))
     strides_in = (*bhnd_strides(q), *bhnd_strides(k), *bhnd_strides(v), *bhnd_strides(do))
     tiles = tiles or {}
-    descriptors_fit = tma_ok(q, k, v, do, block_d=BD)
-
-    def inputs(kernel: str) -> tuple[tuple, Tile | None, bool]:
-        """One kernel's (Q, K, V, DO) arguments, tile and TMA flag: descriptors sized for its tile where they fit."""
-        tile = tiles.get(kernel)
-        if not descriptors_fit or (tile is None and autotuning()):  # a descriptor serves one tile shape
-            return (q, k, v, do), tile, False
-        tile = tile or tile_for(kernel, BD)
-        q_rows, kv_rows = (tile[1], tile[0]) if kernel == "dkdv" else (tile[0], tile[1])
-        descs = (row_descriptor(q, q_rows), row_descriptor(k, kv_rows), row_descriptor(v, kv_rows),
-                 row_descriptor(do, q_rows))
-        return descs, tile, True
-
-    srcs, tile, tma = inputs("dkdv")
+    srcs, tile, tma = kernel_inputs("dkdv", (q, k, v, do), tiles.get("dkdv"), BD)
     launch("dkdv", _bwd_dkdv, lambda meta: (triton.cdiv(Nk, meta["BLOCK_N"]), B * Hkv),
            (*srcs, lse, delta, dk, dv, *strides_in, *bhnd_strides(dk), *bhnd_strides(dv),
             *kv_ranges[:2], *q_ranges[:2], kv_ranges[2], q_ranges[2],
             Hkv, Nq, Nk, scale * LOG2E, scale), dict(common, ACCUMULATE=accumulate, TMA=tma), tile)
     if after_dkdv is not None:
         after_dkdv()
-    srcs, tile, tma = inputs("dq")
+    srcs, tile, tma = kernel_inputs("dq", (q, k, v, do), tiles.get("dq"), BD)
     launch("dq", _bwd_dq, lambda meta: (triton.cdiv(Nq, meta["BLOCK_M"]), B * H),
            (*srcs, lse, delta, dq, *strides_in, *bhnd_strides(dq), *kv_ranges,
             H, Nq, Nk, scale * LOG2E, scale),

@@ -38,13 +38,12 @@ from kernels.launch_utils import (
     bhnd_strides,
     block_d,
     dot_precision,
-    row_descriptor,
-    tma_ok,
+    kernel_inputs,
     upcast_dots,
 )
 from kernels.masks import Visibility, batch_stride, resolve_visibility
 from kernels.tiles import block_bounds, load_tile, store_tile, visible_keys
-from kernels.tuning import Tile, autotuning, launch, tile_for
+from kernels.tuning import Tile, launch
 
 
 @triton.jit
@@ -237,13 +236,7 @@ def triton_attn_fwd(
     if Nq == 0 or B * H == 0:
         return o, lse
     BD = block_d(D)
-    # A descriptor serves one tile shape: none while autotuning picks among several.
-    tma = not (tile is None and autotuning()) and tma_ok(q, k, v, block_d=BD)
-    if tma:
-        tile = tile or tile_for("fwd", BD)
-        srcs = (row_descriptor(q, tile[0]), row_descriptor(k, tile[1]), row_descriptor(v, tile[1]))
-    else:
-        srcs = (q, k, v)
+    srcs, tile, tma = kernel_inputs("fwd", (q, k, v), tile, BD)
     args = (*srcs, o, lse, *bhnd_strides(q), *bhnd_strides(k), *bhnd_strides(v), *bhnd_strides(o),
             *lse.stride(), *_ranges_args(vis, q), H, Nq, Nk, scale * LOG2E)
     consts = dict(HEAD_DIM=D, GROUP=H // Hkv, CAUSAL=causal and vis is None, RANGES=vis is not None,
