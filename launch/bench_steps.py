@@ -7,12 +7,13 @@ For N tokens per rank on W ranks (zigzag, causal, bf16, B = 1, H = 16, D = 128) 
 torch.profiler, each Triton kernel (forward, dK/dV, dQ) of
 - single: one GPU's causal forward and backward on the whole W·N sequence, divided by W (the
   denominator of the ring's efficiency), and
-- every rank's ring steps, called as `ringflash/ring.py` calls them (shapes from `ring_schedule`):
-  float32 outputs, step s ≥ 1 merging its forward into the accumulator and adding its dq and
-  dK/dV into float32 accumulators.
-No communication: what `bench_ring.py` calls compute-only, per rank and per kernel, without the
-copies around the kernels. Cases run in rounds that interleave them, because the GPU's clock drops
-under sustained load; the table gives each kernel's median over the rounds. CUDA only.
+- every rank's ring steps: `ringflash/ring.py`'s own `ring_forward` and `ring_backward` run as
+  rank r of W with `NullComm` (no transfers), so the kernels are called exactly as the ring calls
+  them (float32 outputs, merges and accumulation in the kernels).
+What `bench_ring.py` calls compute-only, per rank and per kernel; only the three Triton kernels
+are counted, not the copies and casts around them. Cases run in rounds that interleave them,
+because the GPU's clock drops under sustained load; the table gives each kernel's median over
+the rounds. CUDA only.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 from benchlib import markdown_table, parse_tokens, record
 
 from kernels import attn_bwd, attn_fwd
-from ringflash.layout import ring_schedule
+from ringflash import NullComm
+from ringflash.ring import pack_kv, ring_backward, ring_forward
 
 KERNELS = {"_attn_fwd_kernel": "fwd", "_bwd_dkdv": "dK/dV", "_bwd_dq": "dQ"}
 DEVICE = "cuda"
@@ -47,26 +49,15 @@ def _single(n_global: int, heads: int, head_dim: int):
 
 
 def _rank_steps(rank: int, world: int, n: int, heads: int, head_dim: int):
-    """Rank `rank`'s ring steps: the forward and backward kernel calls of ringflash/ring.py."""
-    dev, dt, f32 = DEVICE, torch.bfloat16, torch.float32
-    q, k, v, do = (torch.randn(1, n, heads, head_dim, device=dev, dtype=dt) for _ in range(4))
-    o = torch.zeros(1, n, heads, head_dim, device=dev, dtype=f32)
-    lse = torch.zeros(1, heads, n, device=dev, dtype=f32)
-    dq = torch.zeros_like(o)
-    dkv = torch.zeros(2, 1, n, heads, head_dim, device=dev, dtype=f32)
-    steps = [st for st in ring_schedule(rank, world, n, True, "zigzag") if st is not None]
-    o_bf16 = torch.randn_like(q)  # the backward reads a merged o; any finite values time the same
+    """Rank `rank`'s ring forward and backward, without communication (bench_ring's compute-only)."""
+    q, k, v, do = (torch.randn(1, n, heads, head_dim, device=DEVICE, dtype=torch.bfloat16) for _ in range(4))
+    kv = pack_kv(k, v)
+    opts = dict(causal=True, scale=head_dim**-0.5, layout="zigzag", comm=NullComm(rank, world))
 
     def run():
-        for s, st in enumerate(steps):
-            acc = None if s == 0 else (o[:, st.q], lse[:, :, st.q])
-            attn_fwd(q[:, st.q], k[:, st.kv], v[:, st.kv], causal=st.causal, out_dtype=f32, acc=acc)
-        for s, st in enumerate(steps):
-            attn_bwd(do[:, st.q], q[:, st.q], k[:, st.kv], v[:, st.kv], o_bf16[:, st.q], lse[:, :, st.q],
-                     causal=st.causal, grad_dtype=f32, out=(dq[:, st.q], dkv[0][:, st.kv], dkv[1][:, st.kv]),
-                     accumulate=s > 0)
+        o, lse = ring_forward(q, kv, **opts)
+        ring_backward(do, q, kv, o, lse, **opts)
 
-    run()  # sets lse to the real merged values, so the backward's exponentials are realistic
     return run
 
 
@@ -123,9 +114,9 @@ def main() -> None:
     table = markdown_table(headers, rows)
     title = f"Ring step kernels vs one GPU, W={args.world} zigzag causal, bf16, H={args.heads}, D={args.head_dim}"
     notes = (
-        "Kernel time only (torch.profiler), median of rounds that interleave the cases; rank r's steps as "
-        "ringflash/ring.py calls them (float32 outputs, step s >= 1 merging and accumulating in the kernels), "
-        "without transfers and without the copies and casts around the kernels."
+        "Kernel time only (torch.profiler), median of rounds that interleave the cases; rank r's steps are "
+        "ringflash/ring.py's ring_forward and ring_backward with NullComm (no transfers); the copies and casts "
+        "around the kernels are not counted."
     )
     if args.no_record:
         print(table)
