@@ -12,8 +12,9 @@ bf16, so it stands in for it.
 Pass criteria (per tensor, relative Frobenius error on this rank's shard):
     err(ring, ref32) <= 2 · err(single, ref32) + 1e-4   and   err(ring, ref32) < 3e-2 (bf16 tolerance)
     max |lse_ring − lse_single| < 1e-3 (both float32; they differ only by summation order)
-    no host synchronisation inside the ring loop (CUDA only): one more fwd+bwd with
-    check_ranks=False under torch.cuda.set_sync_debug_mode("error")
+    no host synchronisation in a ring call (CUDA only), the cross-rank check included: one more
+    fwd+bwd under torch.cuda.set_sync_debug_mode("error")
+    ranks given different shapes all raise ValueError naming q.shape, and the next call is right
 Exits non-zero on every rank if any check fails on any rank. Only rank 0 prints.
 Without CUDA it runs on CPU over gloo with the reference kernels: a smoke test of the script
 itself (`--tokens-per-rank 64 --head-dim 32`), not of NCCL.
@@ -128,12 +129,12 @@ def main() -> int:
                     ratio = f"{e_r / e_s:8.2f}" if name != "lse" else f"{'(abs)':>8}"
                     print(f"{layout:<11}{causal!s:<7}{name:<7}{e_r:10.2e}{e_s:12.2e}{ratio}  {'ok' if ok else 'FAIL'}")
             del o, lse, dq, dk, dv
-        if cuda:  # the loop itself must never block the host (the input check, skipped here, does once)
+        if cuda:  # neither the ring loop nor the cross-rank check (on by default) may block the host
             ql, kl, vl = (shard(t, 1, rank, world).detach().requires_grad_() for t in (q, k, v))
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
             try:
-                o = ring_flash_attn_func(ql, kl, vl, causal=True, check_ranks=False)
+                o = ring_flash_attn_func(ql, kl, vl, causal=True)
                 torch.autograd.grad(o, (ql, kl, vl), shard(do, 1, rank, world))
                 sync_msg = "none"
             except RuntimeError as e:
@@ -143,7 +144,21 @@ def main() -> int:
                 torch.cuda.set_sync_debug_mode("default")
             torch.cuda.synchronize()
             if rank == 0:
-                print(f"host synchronisations inside the ring loop (zigzag, causal): {sync_msg}")
+                print(f"host synchronisations in a ring call with the cross-rank check (zigzag, causal): {sync_msg}")
+        # Ranks that disagree (rank 0 passes half its tokens) all raise, naming the field, and
+        # nothing is left in flight: the group still runs a correct call afterwards.
+        ql, kl, vl = (shard(t, 1, rank, world) for t in (q, k, v))
+        cut = ql.shape[1] // 2 if rank == 0 else ql.shape[1]
+        try:
+            ring_flash_attn_func(ql[:, :cut], kl[:, :cut], vl[:, :cut], causal=True)
+            mismatch_msg, mismatch_ok = "no error", False
+        except ValueError as e:
+            mismatch_msg, mismatch_ok = str(e), "q.shape" in str(e)
+        o = ring_flash_attn_func(ql, kl, vl, causal=True)
+        mismatch_ok = mismatch_ok and rel_err(o, shard(refs[True][1]["o"], 1, rank, world)) < 3e-2
+        failures += not mismatch_ok
+        if rank == 0:
+            print(f"ranks with different shapes: {'ok' if mismatch_ok else 'FAIL'} ({mismatch_msg[:120]})")
         total = torch.tensor([failures], device=dev)
         dist.all_reduce(total)
         failures = int(total.item())

@@ -134,11 +134,11 @@ def ring_flash_attn_func(
     window, and the mask's fingerprint: a hash of its documents' boundaries, window and layout). If any
     rank rejected its inputs or the signatures differ, every rank raises ValueError, naming the
     field and each rank's value, instead of hanging in a transfer of the wrong size. Cost: one
-    tiny all_gather per call (tens of microseconds on NCCL, about a round trip on gloo) and, on an
-    NCCL-only group, one host synchronisation to read it, outside the ring loop. `check_ranks=False`
-    skips it; do that only where every rank's shapes are guaranteed equal by construction (e.g. a
-    training loop with fixed shapes) and the host sync matters, because a mismatch then fails in
-    the transfers (or at the group timeout) rather than with a clear message.
+    tiny all_gather per call on the host (gloo; on an NCCL-only group over a gloo twin of it,
+    `ringflash.comm.host_group`, made on the first call): a round trip between the ranks' CPUs,
+    tens of microseconds, and no wait for the GPU. `check_ranks=False` skips it, for callers
+    whose ranks agree by construction; a mismatch then fails in the transfers (or at the group
+    timeout) rather than with a clear message.
 
     torch.compile: the ring is one custom op, `torch.ops.ringflash.ring_attn` (ringflash/ops.py),
     with the group passed by name, so a compiled model traces through attention without a graph

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["NullComm", "RingComm", "nccl_options"]
+__all__ = ["NullComm", "RingComm", "host_group", "nccl_options"]
 
 
 def nccl_options() -> dist.ProcessGroupNCCL.Options:
@@ -147,22 +147,46 @@ class RingComm:
         works = dist.batch_isend_irecv(ops)
         return _Transfer(works, recv, src, host_recv)
 
-    def all_gather_ints(self, values: list[int], device: torch.device | None = None) -> list[list[int]]:
+    def all_gather_ints(self, values: list[int]) -> list[list[int]]:
         """Every rank's `values` (same length everywhere), in rank order: one small collective.
 
-        On a gloo group it runs on CPU; on an NCCL-only group on `device` (default: the current
-        CUDA device) and reading the result back is one host synchronisation.
+        It runs on CPU, so it does not wait for queued GPU work: over the group itself if it has
+        gloo, else over its gloo twin (`host_group`). Only a torch built without gloo runs it on
+        the current CUDA device, and reading the result back is then a host synchronisation.
         """
         if self.world == 1:
             return [list(values)]
-        if "gloo" in self._names or "nccl" not in self._names:
-            device = torch.device("cpu")
-        elif device is None or device.type != "cuda":
-            device = torch.device("cuda", torch.cuda.current_device())
+        group, device = self.group, torch.device("cpu")
+        if "gloo" not in self._names:
+            if dist.is_gloo_available():
+                group = host_group(self.group)
+            else:
+                device = torch.device("cuda", torch.cuda.current_device())
         t = torch.tensor(values, dtype=torch.int64, device=device)
         out = [torch.empty_like(t) for _ in range(self.world)]
-        dist.all_gather(out, t, group=self.group)
+        dist.all_gather(out, t, group=group)
         return torch.stack(out).tolist()
+
+
+_host_groups: dict[tuple[dist.ProcessGroup, tuple[int, ...]], dist.ProcessGroup] = {}
+
+
+def host_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """A gloo group over the ranks of `group` (None: the default group), made once per rank set.
+
+    For the ring's small host-side collectives on an NCCL-only group: an NCCL collective runs on
+    a device stream, and reading its result back waits for all GPU work queued before it, which
+    costs the host its lead over the GPU (1 ms a call at 8k tokens per rank on 2×H200). Created
+    the first time the ranks of `group` ask for it, by those ranks only
+    (`use_local_synchronization`), so subgroups of a device mesh each make their own; ranks
+    in several such groups must reach their first calls in the same order (as ranks running the
+    same layers do), since each creation waits for all of its members.
+    """
+    ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+    key = (dist.group.WORLD, ranks)  # a re-initialised default group gets new twins
+    if key not in _host_groups:
+        _host_groups[key] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+    return _host_groups[key]
 
 
 class NullComm:
@@ -183,5 +207,5 @@ class NullComm:
         recv.copy_(send)
         return _Transfer([])
 
-    def all_gather_ints(self, values: list[int], device: torch.device | None = None) -> list[list[int]]:
+    def all_gather_ints(self, values: list[int]) -> list[list[int]]:
         return [list(values)] * self.world

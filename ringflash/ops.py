@@ -89,8 +89,8 @@ def _signature(ok, q, k, causal, scale, layout, window=None, mask_key=0) -> list
     ]
 
 
-def _check_across_ranks(comm: RingComm, rows_of_self: list[int], device) -> None:
-    rows = comm.all_gather_ints(rows_of_self, device)
+def _check_across_ranks(comm: RingComm, rows_of_self: list[int]) -> None:
+    rows = comm.all_gather_ints(rows_of_self)
     failed = [r for r, row in enumerate(rows) if row[0] == 0]
     if failed:
         raise ValueError(
@@ -123,8 +123,7 @@ def _check_across_ranks(comm: RingComm, rows_of_self: list[int], device) -> None
 
 def announce_rejection(comm: RingComm, q, k, causal, layout) -> None:
     """This rank rejected its inputs: tell the others, who wait in the op's all_gather."""
-    device = q.device if isinstance(q, torch.Tensor) else None
-    comm.all_gather_ints(_signature(False, q, k, causal, None, layout), device)
+    comm.all_gather_ints(_signature(False, q, k, causal, None, layout))
 
 
 def _decode(mask_plan, mask_vis):
@@ -161,7 +160,7 @@ def ring_attn(
     comm = _comm(group_name)
     if check_ranks and comm.world > 1:
         sig = _signature(True, q, k, causal, softmax_scale, layout, window, mask_key)
-        _check_across_ranks(comm, sig, q.device)
+        _check_across_ranks(comm, sig)
     plan = _decode(mask_plan, mask_vis)
     kv = pack_kv(k, v) if comm.world > 1 else (k, v)
     # Autocast off: the merge and accumulators are float32 by design, and the reference kernel's

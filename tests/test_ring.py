@@ -28,6 +28,7 @@ from truth import TOL, attention_f64, lse_err, rel_err
 import ringflash
 from kernels import attn_bwd, attn_fwd
 from ringflash import RingFlashAttention, ring_flash_attn_func, shard
+from ringflash.comm import RingComm, host_group
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -196,6 +197,25 @@ def _subgroup_worker(rank, world):
 
 def test_subgroup_and_non_member():
     assert run_ranks(_subgroup_worker, 3) == [None, 0, 1]
+
+
+def _host_group_worker(rank, world):
+    # An NCCL-only group's check runs over a gloo twin made by the group's own ranks only: here
+    # ranks {0, 1} and {2, 3} each make theirs without the other pair taking part.
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = pairs[rank // 2]
+    comm = RingComm(mine)
+    comm._names = {"nccl"}  # as an NCCL group reports itself (this one is gloo, so it can run here)
+    rows = comm.all_gather_ints([rank, 10 * rank])
+    twin = host_group(mine)
+    assert twin is host_group(mine) and twin is not mine, "made once, and a group of its own"
+    assert dist.get_backend(twin) == "gloo" and dist.get_process_group_ranks(twin) == dist.get_process_group_ranks(mine)
+    return rows
+
+
+def test_cross_rank_check_of_nccl_group_runs_on_a_gloo_twin():
+    pair0, pair1 = [[0, 0], [1, 10]], [[2, 20], [3, 30]]
+    assert run_ranks(_host_group_worker, 4) == [pair0, pair0, pair1, pair1]
 
 
 def _error_worker(rank, world, what):
