@@ -84,7 +84,7 @@ def kernel_inputs(kernel: str, tensors: tuple[torch.Tensor, ...], tile: Tile | N
     """
     if (tile is None and autotuning()) or not tma_ok(*tensors, block_d=block_d):
         return tensors, tile, False
-    tile = tile or tile_for(kernel, block_d)
+    tile = tile or tile_for(kernel, block_d, descriptors=True)
     q_rows, kv_rows = (tile[1], tile[0]) if kernel == "dkdv" else (tile[0], tile[1])
     rows = (q_rows, kv_rows, kv_rows, q_rows)
     return tuple(row_descriptor(t, n) for t, n in zip(tensors, rows)), tile, True

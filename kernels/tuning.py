@@ -25,23 +25,33 @@ KERNELS = ("fwd", "dkdv", "dq")
 
 CANDIDATES: dict[str, list[Tile]] = {
     "fwd": [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3),
-            (64, 32, 4, 4), (128, 64, 8, 2), (128, 128, 8, 2)],
+            (64, 32, 4, 4), (128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 8, 4)],
     "dkdv": [(128, 32, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3), (128, 32, 4, 3),
-             (128, 64, 8, 2), (64, 32, 4, 2)],
+             (128, 64, 8, 2), (64, 32, 4, 2), (128, 64, 8, 4), (128, 32, 8, 4), (128, 32, 4, 4)],
     "dq": [(128, 32, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3), (128, 32, 4, 3),
-           (128, 64, 8, 2), (64, 32, 4, 2)],
+           (128, 64, 8, 2), (64, 32, 4, 2), (128, 64, 8, 4), (128, 32, 8, 4), (64, 64, 4, 4)],
 }
 
 # (kernel, BLOCK_D) -> tile. Measured with launch/tune_kernels.py on an H100 (Triton 3.6), bf16,
-# N = 16k, B·N = 32k, H·D = 2048, causal and not (docs/PERF_NOTES.md has the sweep). Head dims
-# 32 and 256 were not swept: 32 takes 64's tiles, 256 small ones that fit in shared memory.
+# causal and not, B·N = 32k, H·D = 2048: D = 128 at N = 16k, D = 64 at N = 4k; re-swept with the
+# tensor-descriptor loads (docs/PERF_NOTES.md has the sweeps). Head dims 32 and 256 were not
+# swept: 32 takes 64's tiles, 256 small ones that fit in shared memory.
 TUNED: dict[tuple[str, int], Tile] = {
-    ("fwd", 32): (128, 64, 4, 3), ("fwd", 64): (128, 64, 4, 3), ("fwd", 128): (128, 64, 8, 3),
+    ("fwd", 32): (128, 64, 8, 3), ("fwd", 64): (128, 64, 8, 3), ("fwd", 128): (128, 128, 8, 3),
     ("fwd", 256): (64, 64, 8, 2),
     ("dkdv", 32): (128, 32, 4, 3), ("dkdv", 64): (128, 32, 4, 3), ("dkdv", 128): (128, 64, 8, 3),
     ("dkdv", 256): (64, 32, 8, 2),
-    ("dq", 32): (64, 64, 4, 3), ("dq", 64): (64, 64, 4, 3), ("dq", 128): (128, 64, 8, 3),
+    ("dq", 32): (128, 64, 8, 4), ("dq", 64): (128, 64, 8, 4), ("dq", 128): (128, 64, 8, 3),
     ("dq", 256): (64, 32, 8, 2),
+}
+
+# Where the kernels load through pointers (before Hopper, float32 inputs, RINGFLASH_TMA=0) they
+# keep the tiles of the sweep made with pointer loads wherever the descriptor sweep chose others:
+# the 128×128 forward tile stages 224 KB of shared memory at 3 stages, more than an A100 has
+# (164 KB), and it was the slower one with pointer loads on the H100.
+POINTER_TUNED: dict[tuple[str, int], Tile] = {
+    ("fwd", 32): (128, 64, 4, 3), ("fwd", 64): (128, 64, 4, 3), ("fwd", 128): (128, 64, 8, 3),
+    ("dq", 32): (64, 64, 4, 3), ("dq", 64): (64, 64, 4, 3),
 }
 
 INTERPRETER_TILE: Tile = (64, 32, 4, 1)  # several key blocks per query block even on tiny shapes
@@ -57,10 +67,12 @@ def autotuning() -> bool:
     return os.environ.get("RINGFLASH_AUTOTUNE", "0") == "1" and not interpreting()
 
 
-def tile_for(kernel: str, block_d: int) -> Tile:
+def tile_for(kernel: str, block_d: int, descriptors: bool = False) -> Tile:
+    """The tuned tile for `kernel` at `block_d`, for descriptor (TMA) loads or pointer loads."""
     if interpreting():
         return INTERPRETER_TILE
-    return TUNED[(kernel, min(max(block_d, 32), 256))]
+    key = (kernel, min(max(block_d, 32), 256))
+    return TUNED[key] if descriptors else POINTER_TUNED.get(key, TUNED[key])
 
 
 def _as_config(kernel: str, tile: Tile) -> triton.Config:
@@ -84,6 +96,6 @@ def launch(kernel: str, jit_fn, grid: Callable[[dict], tuple], args: tuple, cons
                 configs=configs, key=["Nq", "Nk", "CAUSAL", "RANGES", "GROUP", "HEAD_DIM"])(jit_fn)
         _autotuned[key][grid](*args, **consts)
         return
-    config = _as_config(kernel, tile or tile_for(kernel, block_d))
+    config = _as_config(kernel, tile or tile_for(kernel, block_d))  # descriptor loads always pass theirs
     meta = {**consts, **config.kwargs}
     jit_fn[grid(meta)](*args, **meta, num_warps=config.num_warps, num_stages=config.num_stages)

@@ -14,7 +14,7 @@ import json
 import torch
 from benchlib import attn_flops, markdown_table, time_ms
 
-from kernels.launch_utils import block_d
+from kernels.launch_utils import block_d, tma_ok
 from kernels.triton_bwd import triton_attn_bwd
 from kernels.triton_fwd import triton_attn_fwd
 from kernels.tuning import KERNELS, candidates, tile_for
@@ -62,7 +62,7 @@ def main() -> None:
                         print(f"  D={D} N={N} causal={causal} {kernel} {tile}: {ms:.3f} ms {tflops:.0f} TFLOP/s",
                               flush=True)
                     ms, tile = min(timed)
-                    default = tile_for(kernel, block_d(D))
+                    default = tile_for(kernel, block_d(D), descriptors=tma_ok(q, k, v, block_d=block_d(D)))
                     default_ms = next((m for m, t in timed if t == default), float("nan"))
                     best_rows.append((kernel, D, N, causal, str(tile), f"{ms:.3f}", str(default),
                                       f"{default_ms:.3f}"))
