@@ -353,7 +353,7 @@ def main() -> None:
         "--no-check-ranks",
         dest="check_ranks",
         action="store_false",
-        help="skip the per-call cross-rank input check (as train/ does)",
+        help="skip the per-call cross-rank input check (a host round trip per call)",
     )
     p.add_argument("--no-torch-cp", action="store_true", help="skip torch's context_parallel")
     p.add_argument("--cp-rotate", choices=["allgather", "alltoall"], default=None)
