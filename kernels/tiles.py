@@ -5,6 +5,10 @@ rows are checked only where a block can run past the sequence end (`CHECK_ROWS`)
 dim only when it is not a power of two (`HEAD_DIM < BLOCK_D`, e.g. 96), so the common case
 compiles to unpredicated, vectorised accesses.
 
+`head_rows(src, ...)` loads a tile of one head's rows either way the kernels read their inputs:
+through a tensor descriptor (TMA, one instruction per tile; kernels/launch_utils.py says when)
+or through pointers; `head_base` gives the `src` it expects.
+
 `block_bounds` turns a block of rows' visible intervals (kernels/masks.py) into loop bounds;
 `visible_keys` is the mask the forward and the dQ pass apply inside masked blocks.
 """
@@ -27,6 +31,33 @@ def load_tile(ptrs, rows, offs_d, n_rows, CHECK_ROWS: tl.constexpr, HEAD_DIM: tl
         else:
             tile = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
     return tile
+
+
+@triton.jit
+def head_base(X, off_b, off_h, stride_b, stride_h, TMA: tl.constexpr):
+    """What `head_rows` loads head `off_h` of batch `off_b` from: X itself if it is a `(B, N, H·D)`
+    descriptor (TMA), else the head's first element."""
+    if TMA:
+        return X
+    else:
+        return X + off_b * stride_b + off_h * stride_h
+
+
+@triton.jit
+def head_rows(src, stride_n, off_b, start, col, offs_d, n_rows, CHECK_ROWS: tl.constexpr, TMA: tl.constexpr,
+              ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows `[start, start + ROWS)` of one head, `(ROWS, BLOCK_D)`; rows past `n_rows` read as zeros.
+
+    `src` from `head_base`: a descriptor, loaded at `[off_b, start, col]` with `col` the head's
+    first column (TMA), or the head's base pointer with row stride `stride_n`, checked against
+    `n_rows` only if CHECK_ROWS (a descriptor always is).
+    """
+    if TMA:
+        return src.load([off_b, start, col]).reshape(ROWS, BLOCK_D)
+    else:
+        rows = start + tl.arange(0, ROWS)
+        return load_tile(src + rows[:, None] * stride_n + offs_d[None, :], rows, offs_d, n_rows, CHECK_ROWS,
+                         HEAD_DIM, BLOCK_D)
 
 
 @triton.jit

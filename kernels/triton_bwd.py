@@ -40,7 +40,7 @@ from kernels.launch_utils import (
     upcast_dots,
 )
 from kernels.masks import Visibility, batch_stride, resolve_visibility
-from kernels.tiles import block_bounds, load_tile, store_tile, visible_keys
+from kernels.tiles import block_bounds, head_base, head_rows, load_tile, store_tile, visible_keys
 from kernels.tuning import Tile, launch
 
 
@@ -82,21 +82,15 @@ def _dkdv_inner(
     """Accumulate dK, dV of one key block over query blocks [lo, hi) of one query head.
 
     Works on transposed scores `S^T (BLOCK_N, BLOCK_M)` so that dV = P^T·dO and dK = dS^T·Q are
-    plain products with the key block as rows. `Q, DO`: descriptors loaded at `[off_b, row, q_col]`
-    (TMA), else this head's base pointers.
+    plain products with the key block as rows. `Q, DO`: the query head's `head_base`, rows at
+    column `q_col`.
     """
     offs_m0 = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m0
         # Query rows past Nq load as zeros with lse = +inf, so they contribute exactly nothing.
-        if TMA:
-            q = Q.load([off_b, start_m, q_col]).reshape(BLOCK_M, BLOCK_D)
-            do = DO.load([off_b, start_m, q_col]).reshape(BLOCK_M, BLOCK_D)
-        else:
-            q = load_tile(Q + rows[:, None] * stride_qn + offs_d[None, :], rows, offs_d, Nq, True,
-                          HEAD_DIM, BLOCK_D)
-            do = load_tile(DO + rows[:, None] * stride_don + offs_d[None, :], rows, offs_d, Nq, True,
-                           HEAD_DIM, BLOCK_D)
+        q = head_rows(Q, stride_qn, off_b, start_m, q_col, offs_d, Nq, True, TMA, BLOCK_M, HEAD_DIM, BLOCK_D)
+        do = head_rows(DO, stride_don, off_b, start_m, q_col, offs_d, Nq, True, TMA, BLOCK_M, HEAD_DIM, BLOCK_D)
         if UPCAST:
             q = q.to(tl.float32)
             do = do.to(tl.float32)
@@ -136,14 +130,11 @@ def _bwd_dkdv(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
 
-    if TMA:  # Q, K, V, DO are (B, N, H·D) descriptors (kernels/launch_utils.py, row_descriptor)
-        k = K.load([off_b, start_n, off_hkv * HEAD_DIM]).reshape(BLOCK_N, BLOCK_D)
-        v = V.load([off_b, start_n, off_hkv * HEAD_DIM]).reshape(BLOCK_N, BLOCK_D)
-    else:
-        k = load_tile(K + off_b * stride_kb + off_hkv * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :],
-                      offs_n, offs_d, Nk, True, HEAD_DIM, BLOCK_D)
-        v = load_tile(V + off_b * stride_vb + off_hkv * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :],
-                      offs_n, offs_d, Nk, True, HEAD_DIM, BLOCK_D)
+    kv_col = off_hkv * HEAD_DIM
+    k = head_rows(head_base(K, off_b, off_hkv, stride_kb, stride_kh, TMA), stride_kn, off_b, start_n, kv_col, offs_d,
+                  Nk, True, TMA, BLOCK_N, HEAD_DIM, BLOCK_D)
+    v = head_rows(head_base(V, off_b, off_hkv, stride_vb, stride_vh, TMA), stride_vn, off_b, start_n, kv_col, offs_d,
+                  Nk, True, TMA, BLOCK_N, HEAD_DIM, BLOCK_D)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -169,12 +160,8 @@ def _bwd_dkdv(
         hi = Nq
     for g in range(GROUP):  # the query heads sharing this kv head, in a fixed order
         off_h = off_hkv * GROUP + g
-        if TMA:
-            q_base = Q
-            do_base = DO
-        else:
-            q_base = Q + off_b * stride_qb + off_h * stride_qh
-            do_base = DO + off_b * stride_dob + off_h * stride_doh
+        q_base = head_base(Q, off_b, off_h, stride_qb, stride_qh, TMA)
+        do_base = head_base(DO, off_b, off_h, stride_dob, stride_doh, TMA)
         q_col = off_h * HEAD_DIM
         row_base = (off_b * Hkv * GROUP + off_h) * Nq
         dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, Delta + row_base, kv_lo_ptr, kv_hi_ptr,
@@ -209,18 +196,13 @@ def _dq_inner(
 ):
     """Accumulate dQ of one query block over key blocks [lo, hi).
 
-    `K, V`: descriptors loaded at `[off_b, row, kv_col]` (TMA), else this kv head's base pointers."""
+    `K, V`: the kv head's `head_base`, rows at column `kv_col`."""
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n0
-        if TMA:  # rows past Nk load as zeros; the mask hides them as it does for pointers
-            k = K.load([off_b, start_n, kv_col]).reshape(BLOCK_N, BLOCK_D)
-            v = V.load([off_b, start_n, kv_col]).reshape(BLOCK_N, BLOCK_D)
-        else:
-            k = load_tile(K + cols[:, None] * stride_kn + offs_d[None, :], cols, offs_d, Nk, MASKED,
-                          HEAD_DIM, BLOCK_D)
-            v = load_tile(V + cols[:, None] * stride_vn + offs_d[None, :], cols, offs_d, Nk, MASKED,
-                          HEAD_DIM, BLOCK_D)
+        # Keys past Nk read as zeros (only MASKED blocks reach them); the mask hides them.
+        k = head_rows(K, stride_kn, off_b, start_n, kv_col, offs_d, Nk, MASKED, TMA, BLOCK_N, HEAD_DIM, BLOCK_D)
+        v = head_rows(V, stride_vn, off_b, start_n, kv_col, offs_d, Nk, MASKED, TMA, BLOCK_N, HEAD_DIM, BLOCK_D)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -255,18 +237,13 @@ def _bwd_dq(
     offs_d = tl.arange(0, BLOCK_D)
 
     kv_col = off_hkv * HEAD_DIM
-    if TMA:  # Q, K, V, DO are (B, N, H·D) descriptors (kernels/launch_utils.py, row_descriptor)
-        q = Q.load([off_b, start_m, off_h * HEAD_DIM]).reshape(BLOCK_M, BLOCK_D)
-        do = DO.load([off_b, start_m, off_h * HEAD_DIM]).reshape(BLOCK_M, BLOCK_D)
-        k_base = K
-        v_base = V
-    else:
-        q = load_tile(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :],
-                      offs_m, offs_d, Nq, True, HEAD_DIM, BLOCK_D)
-        do = load_tile(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_don
-                       + offs_d[None, :], offs_m, offs_d, Nq, True, HEAD_DIM, BLOCK_D)
-        k_base = K + off_b * stride_kb + off_hkv * stride_kh
-        v_base = V + off_b * stride_vb + off_hkv * stride_vh
+    q_col = off_h * HEAD_DIM
+    q = head_rows(head_base(Q, off_b, off_h, stride_qb, stride_qh, TMA), stride_qn, off_b, start_m, q_col, offs_d,
+                  Nq, True, TMA, BLOCK_M, HEAD_DIM, BLOCK_D)
+    do = head_rows(head_base(DO, off_b, off_h, stride_dob, stride_doh, TMA), stride_don, off_b, start_m, q_col,
+                   offs_d, Nq, True, TMA, BLOCK_M, HEAD_DIM, BLOCK_D)
+    k_base = head_base(K, off_b, off_hkv, stride_kb, stride_kh, TMA)
+    v_base = head_base(V, off_b, off_hkv, stride_vb, stride_vh, TMA)
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)

@@ -42,7 +42,7 @@ from kernels.launch_utils import (
     upcast_dots,
 )
 from kernels.masks import Visibility, batch_stride, resolve_visibility
-from kernels.tiles import block_bounds, load_tile, store_tile, visible_keys
+from kernels.tiles import block_bounds, head_base, head_rows, load_tile, store_tile, visible_keys
 from kernels.tuning import Tile, launch
 
 
@@ -58,15 +58,12 @@ def _fwd_inner(
 
     MASKED blocks hide keys past Nk and, by the causal diagonal or the rows' intervals
     [kv_lo, kv_hi) (RANGES; they lie within [0, Nk)), the keys a row does not see.
-    `k_src, v_src`: descriptors loaded at `[off_b, row, kv_col]` (TMA), else tile pointers."""
+    `k_src, v_src`: the kv head's `head_base`, rows at column `kv_col`."""
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        if TMA:  # rows past Nk load as zeros; the mask below hides them as it does for pointers
-            k = k_src.load([off_b, start_n, kv_col]).reshape(BLOCK_N, BLOCK_D)
-            v = v_src.load([off_b, start_n, kv_col]).reshape(BLOCK_N, BLOCK_D)
-        else:
-            k = load_tile(k_src + start_n * stride_kn, cols, offs_d, Nk, MASKED, HEAD_DIM, BLOCK_D)
-            v = load_tile(v_src + start_n * stride_vn, cols, offs_d, Nk, MASKED, HEAD_DIM, BLOCK_D)
+        # Keys past Nk read as zeros (only MASKED blocks reach them); the mask hides them.
+        k = head_rows(k_src, stride_kn, off_b, start_n, kv_col, offs_d, Nk, MASKED, TMA, BLOCK_N, HEAD_DIM, BLOCK_D)
+        v = head_rows(v_src, stride_vn, off_b, start_n, kv_col, offs_d, Nk, MASKED, TMA, BLOCK_N, HEAD_DIM, BLOCK_D)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -138,15 +135,10 @@ def _attn_fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
 
     kv_col = off_hkv * HEAD_DIM
-    if TMA:  # Q, K, V are (B, N, H·D) descriptors (kernels/launch_utils.py, row_descriptor)
-        q = Q.load([off_b, start_m * BLOCK_M, off_h * HEAD_DIM]).reshape(BLOCK_M, BLOCK_D)
-        k_src = K
-        v_src = V
-    else:
-        q_ptrs = Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :]
-        q = load_tile(q_ptrs, offs_m, offs_d, Nq, True, HEAD_DIM, BLOCK_D)
-        k_src = K + off_b * stride_kb + off_hkv * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
-        v_src = V + off_b * stride_vb + off_hkv * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :]
+    q = head_rows(head_base(Q, off_b, off_h, stride_qb, stride_qh, TMA), stride_qn, off_b, start_m * BLOCK_M,
+                  off_h * HEAD_DIM, offs_d, Nq, True, TMA, BLOCK_M, HEAD_DIM, BLOCK_D)
+    k_src = head_base(K, off_b, off_hkv, stride_kb, stride_kh, TMA)
+    v_src = head_base(V, off_b, off_hkv, stride_vb, stride_vh, TMA)
     if UPCAST:
         q = q.to(tl.float32)
 
