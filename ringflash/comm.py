@@ -25,6 +25,8 @@ exposed.
 
 from __future__ import annotations
 
+import datetime
+
 import torch
 import torch.distributed as dist
 
@@ -182,11 +184,23 @@ def host_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     in several such groups must reach their first calls in the same order (as ranks running the
     same layers do), since each creation waits for all of its members.
     """
-    ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+    group = group or dist.group.WORLD
+    ranks = tuple(dist.get_process_group_ranks(group))
     key = (dist.group.WORLD, ranks)  # a re-initialised default group gets new twins
     if key not in _host_groups:
-        _host_groups[key] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+        _host_groups[key] = dist.new_group(
+            list(ranks), timeout=_timeout_of(group), backend="gloo", use_local_synchronization=True
+        )
     return _host_groups[key]
+
+
+def _timeout_of(group: dist.ProcessGroup):
+    """`group`'s timeout (its CUDA backend's), so its twin's waits are bounded alike (None: torch's default)."""
+    try:
+        timeout = group._get_backend(torch.device("cuda")).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+    return timeout if isinstance(timeout, datetime.timedelta) else None
 
 
 class NullComm:

@@ -169,10 +169,10 @@ def distributed(cfg: ParallelConfig, device: str = "auto", timeout_s: float | No
 def check_same_config(cfg: Config) -> None:
     """Raise ConfigError on every rank unless every rank of the job runs the same configuration.
 
-    The model's ring skips its per-call cross-rank check (see `parallelize`), so ranks launched
-    with different settings (a stale TOML on one node, a per-rank override) would otherwise meet
-    in transfers of different sizes and fail late and obscurely, or wait until the timeout. One
-    small all_gather at start-up instead names every differing key and each rank's value.
+    The ring's per-call check compares what reaches attention (shapes, masks), not the settings:
+    ranks launched with different ones (a stale TOML on one node, a per-rank override) would
+    otherwise fail at the first differing shape, or train apart without an error. One small
+    all_gather at start-up instead names every differing key and each rank's value.
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
