@@ -12,7 +12,7 @@ import pytest
 import torch
 from truth import TOL, attention_f64, lse_err, rel_err
 
-from kernels import attn_bwd, attn_fwd, resolve_backend
+from kernels import attn_bwd, attn_fwd, resolve_backend, tuning
 from kernels.launch_utils import tma_ok
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -99,6 +99,24 @@ def test_descriptor_eligibility(monkeypatch):
     assert not tma_ok(q[:, :0], block_d=64)  # no rows
     monkeypatch.setenv("RINGFLASH_TMA", "0")
     assert not tma_ok(q, block_d=64)
+
+
+def _staged_kib(kernel: str, tile, head_dim: int) -> float:
+    """Shared memory a tile's bf16 operands take: the resident ones plus `stages` of the streamed ones."""
+    outer, inner, _, stages = tile
+    resident = 1 if kernel == "fwd" else 2  # q; k, v (dK/dV); q, do (dQ)
+    return (resident * outer + stages * 2 * inner) * head_dim * 2 / 1024
+
+
+def test_tuned_tiles_fit_shared_memory(monkeypatch):
+    """Descriptor tiles (Hopper) fit an H100's 227 KiB per block; pointer tiles, which run on
+    older GPUs too, an A100's 163 KiB (kernels/tuning.py)."""
+    monkeypatch.setattr(tuning, "interpreting", lambda: False)
+    for kernel, head_dim in tuning.TUNED:
+        for descriptors, limit in ((True, 227), (False, 163)):
+            tile = tuning.tile_for(kernel, head_dim, descriptors)
+            assert _staged_kib(kernel, tile, head_dim) <= limit, (kernel, head_dim, descriptors, tile)
+    assert tuning.tile_for("fwd", 128, True) != tuning.tile_for("fwd", 128, False)  # the case that needs both
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])
