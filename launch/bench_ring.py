@@ -438,7 +438,8 @@ def main() -> None:
                 "kernels: ours for ringflash, SDPA's flash/cuDNN for torch CP) ÷ ring fwd+bwd; compute-only = "
                 "the slowest rank's per-step kernels without communication; cross-rank input check: "
                 f"{'on' if args.check_ranks else 'off'}; torch CP rotate method: {args.cp_rotate or 'torch default'}; "
-                f"NCCL stream priority: {args.nccl_priority if cuda else 'n/a (gloo)'}."
+                f"NCCL stream priority: {args.nccl_priority if cuda else 'n/a (gloo)'}; "
+                f"ringflash transport (RINGFLASH_TRANSPORT): {os.environ.get('RINGFLASH_TRANSPORT', 'nccl')}."
             )
             if args.quick or args.no_record:
                 print(f"## {title}\n\n{table}\n\n{notes}")

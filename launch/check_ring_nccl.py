@@ -15,6 +15,8 @@ Pass criteria (per tensor, relative Frobenius error on this rank's shard):
     no host synchronisation in a ring call (CUDA only), the cross-rank check included: one more
     fwd+bwd under torch.cuda.set_sync_debug_mode("error")
     ranks given different shapes all raise ValueError naming q.shape, and the next call is right
+    with CUDA, all of it for each transport (ringflash/comm.py TRANSPORTS: NCCL, copy engine), and
+    the copy engine's results bit-identical to NCCL's
 Exits non-zero on every rank if any check fails on any rank. Only rank 0 prints.
 Without CUDA it runs on CPU over gloo with the reference kernels: a smoke test of the script
 itself (`--tokens-per-rank 64 --head-dim 32`), not of NCCL.
@@ -36,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 from kernels import attn_bwd, attn_fwd
 from ringflash import nccl_options, ring_flash_attn_func, shard
+from ringflash.comm import TRANSPORTS
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 CASES = (("zigzag", True), ("contiguous", True), ("zigzag", False))
@@ -77,6 +80,7 @@ def main() -> int:
         torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl" if cuda else "gloo", pg_options=nccl_options() if cuda else None)
     rank, world = dist.get_rank(), dist.get_world_size()
+    transports = TRANSPORTS if cuda else ("nccl",)  # copy engines need GPUs
     failures = 0
     try:
         B, N, H, Hkv, D = args.batch, args.tokens_per_rank * world, args.heads, args.kv_heads, args.head_dim
@@ -93,8 +97,11 @@ def main() -> int:
                 f"D={D} {args.dtype}, {'Triton' if cuda else 'reference'} kernels"
             )
             print(f"{'layout':<11}{'causal':<7}{'tensor':<7}{'err ring':>10}{'err single':>12}{'ratio':>8}  ok")
-        refs = {}
-        for layout, causal in CASES:
+        refs, first = {}, {}
+        for transport, (layout, causal) in [(t, c) for t in transports for c in CASES]:
+            os.environ["RINGFLASH_TRANSPORT"] = transport
+            if rank == 0 and (layout, causal) == CASES[0]:
+                print(f"-- transport: {transport}")
             if causal not in refs:
                 o1, lse1 = attn_fwd(q, k, v, causal=causal)
                 dq1, dk1, dv1 = attn_bwd(do, q, k, v, o1, lse1, causal=causal)
@@ -128,8 +135,21 @@ def main() -> int:
                     ok = bool(worst[:, i, 2].min().item())
                     ratio = f"{e_r / e_s:8.2f}" if name != "lse" else f"{'(abs)':>8}"
                     print(f"{layout:<11}{causal!s:<7}{name:<7}{e_r:10.2e}{e_s:12.2e}{ratio}  {'ok' if ok else 'FAIL'}")
+            # Another transport moves the same bytes: its results must be bit-identical.
+            if (layout, causal) in first:
+                equal = all(torch.equal(a, b) for a, b in zip(first[layout, causal], (o, lse, dq, dk, dv)))
+                same = torch.tensor([equal], device=dev, dtype=torch.int32)
+                dist.all_reduce(same, op=dist.ReduceOp.MIN)
+                failures += not same.item()
+                if rank == 0:
+                    verdict = "ok" if same.item() else "FAIL"
+                    print(f"{layout:<11}{causal!s:<7}bit-identical to {transports[0]}: {verdict}")
+            else:
+                first[layout, causal] = (o, lse, dq, dk, dv)
             del o, lse, dq, dk, dv
-        if cuda:  # neither the ring loop nor the cross-rank check (on by default) may block the host
+        first.clear()
+        for transport in transports if cuda else ():  # neither the ring nor the cross-rank check may block the host
+            os.environ["RINGFLASH_TRANSPORT"] = transport
             ql, kl, vl = (shard(t, 1, rank, world).detach().requires_grad_() for t in (q, k, v))
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
@@ -144,7 +164,8 @@ def main() -> int:
                 torch.cuda.set_sync_debug_mode("default")
             torch.cuda.synchronize()
             if rank == 0:
-                print(f"host synchronisations in a ring call with the cross-rank check (zigzag, causal): {sync_msg}")
+                print(f"host synchronisations in a ring call with the cross-rank check ({transport}): {sync_msg}")
+        os.environ["RINGFLASH_TRANSPORT"] = "nccl"
         # Ranks that disagree (rank 0 passes half its tokens) all raise, naming the field, and
         # nothing is left in flight: the group still runs a correct call afterwards.
         ql, kl, vl = (shard(t, 1, rank, world) for t in (q, k, v))

@@ -26,11 +26,14 @@ exposed.
 from __future__ import annotations
 
 import datetime
+import os
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["NullComm", "RingComm", "host_group", "nccl_options"]
+__all__ = ["TRANSPORTS", "NullComm", "RingComm", "host_group", "nccl_options"]
+
+TRANSPORTS = ("nccl", "copy-engine")  # RINGFLASH_TRANSPORT: how an NCCL group's blocks travel
 
 
 def nccl_options() -> dist.ProcessGroupNCCL.Options:
@@ -83,10 +86,14 @@ class RingComm:
 
     Attributes: `rank` and `world` within the group; `group`. Raises TypeError/ValueError naming
     `group` if it is not a process group this rank belongs to.
+
+    `RINGFLASH_TRANSPORT=copy-engine` moves an NCCL group's blocks by copy engine instead
+    (ringflash/peer.py; the ranks must share a host); `nccl`, the default, through NCCL.
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None):
         self.group = group
+        self._peer = None
         if group is None and not (dist.is_available() and dist.is_initialized()):
             self.rank, self.world, self._names = 0, 1, set()
             return
@@ -107,6 +114,29 @@ class RingComm:
         to_global = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
         self.next_peer = to_global((self.rank + 1) % self.world)
         self.prev_peer = to_global((self.rank - 1) % self.world)
+        transport = os.environ.get("RINGFLASH_TRANSPORT", "nccl")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"RINGFLASH_TRANSPORT must be one of {TRANSPORTS}, got {transport!r}")
+        if transport == "copy-engine" and self.world > 1:
+            if "nccl" not in self._names:
+                raise ValueError(
+                    "RINGFLASH_TRANSPORT=copy-engine needs an NCCL group (GPUs of one host); this group's "
+                    f"backend is {dist.get_backend(group)}"
+                )
+            from ringflash import peer
+
+            self._peer = peer.for_group(group, torch.device("cuda", torch.cuda.current_device()))
+
+    def buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A buffer for the ring to receive into: new memory, or with the copy-engine transport
+        the persistent symmetric buffer `name`, which the next call reuses (see `keep`)."""
+        if self._peer is not None and device.type == "cuda":
+            return self._peer.buffer(name, tuple(shape), dtype)
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    def keep(self, t: torch.Tensor) -> torch.Tensor:
+        """`t`, safe to outlive the call: a copy if it lives in a buffer the next call reuses."""
+        return t.clone() if self._peer is not None and self._peer.owns(t) else t
 
     def _staged(self, device: torch.device) -> bool:
         if device.type == "cuda":
@@ -134,6 +164,8 @@ class RingComm:
                 f"send and recv buffers must match: {send.shape}/{send.dtype}/{send.device} vs "
                 f"{recv.shape}/{recv.dtype}/{recv.device}"
             )
+        if self._peer is not None and send.is_cuda:
+            return self._peer.send_recv(send, recv, tag)
         host_send = host_recv = None
         src, dst = send, recv
         if self._staged(send.device):
@@ -220,6 +252,12 @@ class NullComm:
     def send_recv(self, send: torch.Tensor, recv: torch.Tensor, tag: int = 0) -> _Transfer:
         recv.copy_(send)
         return _Transfer([])
+
+    def buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    def keep(self, t: torch.Tensor) -> torch.Tensor:
+        return t
 
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
         return [list(values)] * self.world

@@ -50,14 +50,14 @@ def pack_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.stack((k, v))
 
 
-def _ring_buffers(home: torch.Tensor, world: int):
+def _ring_buffers(home: torch.Tensor, comm):
     """`buf(s)`: the buffer that holds the block computed at step s.
 
     Step 0 computes on `home`; later steps alternate between two receive buffers (one when
     W = 2), so `home` is never overwritten and the transfer into one buffer overlaps the compute
     on the other.
     """
-    bufs = [home] + [torch.empty_like(home) for _ in range(min(2, world - 1))]
+    bufs = [home] + [comm.buffer(f"kv{i}", home.shape, home.dtype, home.device) for i in range(min(2, comm.world - 1))]
     return lambda s: bufs[0] if s == 0 else bufs[1 + (s - 1) % 2]
 
 
@@ -89,7 +89,7 @@ def ring_forward(q, kv, *, causal: bool, scale: float, layout: str, comm, backen
     plan = _plan(plan, comm, q.shape[1], causal, layout)
     if comm.world == 1:
         return attn_fwd(q, kv[0], kv[1], softmax_scale=scale, backend=backend, **_mask(*plan[0]))
-    buf = _ring_buffers(kv, comm.world)
+    buf = _ring_buffers(kv, comm)
     o = lse = None
     for s, entry in enumerate(plan):
         cur = buf(s)
@@ -134,9 +134,9 @@ def ring_backward(
         attn_bwd(do, q, kv[0], kv[1], o, lse, softmax_scale=scale, out=(dq, *dkv), backend=backend, **_mask(*plan[0]))
         return dq, dkv
     world = comm.world
-    buf = _ring_buffers(kv, world)
+    buf = _ring_buffers(kv, comm)
     # dK/dV travel in float32: rounding each hop to bf16 would lose what the sum needs.
-    dkv = torch.empty((2, *kv.shape), dtype=torch.float32, device=kv.device)
+    dkv = comm.buffer("dkv", (2, *kv.shape), torch.float32, kv.device)
     dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     sent = home = None  # the dK/dV transfer in flight; where the last hop brings ours
 
@@ -155,7 +155,7 @@ def ring_backward(
             # The last hop brings finished dK/dV home. Home would round them to the input dtype
             # anyway: rounding before sending is bit-identical and halves the bytes for bf16/fp16.
             # (Earlier hops carry partial sums: float32.) Allocated only now, not to raise the peak.
-            home = torch.empty_like(kv)
+            home = comm.buffer("home", kv.shape, kv.dtype, kv.device)
             sent = comm.send_recv(acc.to(kv.dtype), home, _DKV_TAG)
 
     for s, entry in enumerate(plan):
@@ -192,5 +192,5 @@ def ring_backward(
         if kv_transfer is not None:
             kv_transfer.wait()
     sent.wait()
-    return dq.to(q.dtype), home
+    return dq.to(q.dtype), comm.keep(home)
 

@@ -218,6 +218,26 @@ def test_cross_rank_check_of_nccl_group_runs_on_a_gloo_twin():
     assert run_ranks(_host_group_worker, 4) == [pair0, pair0, pair1, pair1]
 
 
+def _transport_worker(rank, world, transport, match):
+    os.environ["RINGFLASH_TRANSPORT"] = transport
+    c = make_case(world, "zigzag", True, n_local=8)
+    q, k, v, _ = (shard(t, 1, rank, world) for t in global_inputs(c))
+    with pytest.raises(ValueError, match=match) as err:
+        ring_flash_attn_func(q, k, v, causal=True)
+    return str(err.value)
+
+
+@pytest.mark.parametrize(
+    "transport, match",
+    [("nvlink", r"RINGFLASH_TRANSPORT must be one of \('nccl', 'copy-engine'\), got 'nvlink'"),
+     ("copy-engine", "RINGFLASH_TRANSPORT=copy-engine needs an NCCL group.*gloo")],
+)
+def test_transport_is_checked(transport, match):
+    # Copy engines move CUDA blocks between the GPUs of one host (tested by the multigpu case);
+    # a gloo group or an unknown name gets an error naming the variable, on every rank.
+    assert len(run_ranks(_transport_worker, 2, (transport, match))) == 2
+
+
 def _error_worker(rank, world, what):
     c = make_case(world, "zigzag", True, n_local=8)
     q, k, v, _ = global_inputs(c)

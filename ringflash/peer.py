@@ -1,0 +1,116 @@
+"""Ring transfers between the GPUs of one host by copy engine, through torch symmetric memory.
+
+`RINGFLASH_TRANSPORT=copy-engine` makes `RingComm` (ringflash/comm.py) use this instead of NCCL
+for an NCCL group whose ranks share a host. NCCL's send/recv run as kernels on SMs, beside the
+attention kernels they should hide behind, and slow them; a copy engine moves the bytes over
+NVLink without taking an SM (2×H200, fwd+bwd at 8k / 32k tokens per rank: NCCL 5.39 / 74.8 ms,
+copy engine 5.28 / 73.7 ms, no communication at all 5.23 / 72.6 ms; docs/PERF_NOTES.md).
+
+How a block travels (push): the sender writes it straight into the next rank's receive buffer,
+one `cudaMemcpyAsync` on a side stream, ordered by two stream-ordered signals of the group's
+symmetric memory:
+- "free": the receiver puts it when its own stream reaches the transfer's posting, i.e. after
+  everything queued before that read the receive buffer; the sender's copy waits for it;
+- "written": the sender puts it after the copy; the receiver's stream waits for it in `wait()`.
+Every signal is consumed within its transfer, so nothing carries over between calls. A peer
+that never signals makes the waiting kernel trap after `SIGNAL_TIMEOUT_MS` (the process then
+fails with a CUDA error) rather than spin forever.
+
+Receive buffers must be symmetric (the same offset in every rank's mapping): the ring takes them
+from `buffer(name, ...)`, one persistent buffer per name, grown collectively when a call needs
+more. They are reused by the next call, so what outlives a call is copied out (`keep`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["PeerTransport"]
+
+SIGNAL_TIMEOUT_MS = 600_000  # the process-group default; a dead peer fails the waiting rank
+
+
+class _PeerTransfer:
+    __slots__ = ("_copied", "_handle", "_prev", "_send", "_tag")
+
+    def __init__(self, handle, prev: int, tag: int, copied: torch.cuda.Event, send: torch.Tensor):
+        self._handle, self._prev, self._tag, self._copied = handle, prev, tag, copied
+        self._send = send  # alive until copied: the caller may drop it (e.g. a temporary cast) at once
+
+    def wait(self) -> None:
+        # The previous rank's block is in our receive buffer, and ours has left our send buffer.
+        self._handle.wait_signal(self._prev, channel=2 * self._tag + 1, timeout_ms=SIGNAL_TIMEOUT_MS)
+        torch.cuda.current_stream().wait_event(self._copied)
+        self._send = None
+
+
+class PeerTransport:
+    """The copy-engine ring over `group` (NCCL, one host), made once per group (`for_group`)."""
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device):
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        self._symm_mem = symm_mem
+        self.group, self.device = group, device
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.next, self.prev = (self.rank + 1) % self.world, (self.rank - 1) % self.world
+        self._streams: dict[int, torch.cuda.Stream] = {}  # one per tag: K/V and dK/dV travel together
+        self._buffers: dict[str, tuple[torch.Tensor, object]] = {}  # name -> (bytes, symmetric handle)
+
+    def buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The receive buffer `name`, viewed as `shape`/`dtype`: valid until the next call asks for it.
+
+        Collective the first time a name is asked for, and when it must grow (every rank asks for
+        the same names and sizes in the same order: the ring's calls agree across ranks).
+        """
+        nbytes = math.prod(shape) * dtype.itemsize
+        held = self._buffers.get(name)
+        if held is None or held[0].numel() < nbytes:
+            self._buffers.pop(name, None)  # drop the old one first: its memory returns to the pool
+            raw = self._symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
+            self._buffers[name] = (raw, self._symm_mem.rendezvous(raw, self.group))
+        return self._buffers[name][0][:nbytes].view(dtype).view(shape)
+
+    def _holder(self, t: torch.Tensor):
+        for raw, handle in self._buffers.values():
+            offset = t.data_ptr() - raw.data_ptr()
+            if 0 <= offset < raw.numel():
+                return raw, handle, offset
+        return None
+
+    def owns(self, t: torch.Tensor) -> bool:
+        return self._holder(t) is not None
+
+    def send_recv(self, send: torch.Tensor, recv: torch.Tensor, tag: int) -> _PeerTransfer:
+        """Post: `send` into the next rank's buffer at `recv`'s place in ours; `recv` from the previous rank."""
+        holder = self._holder(recv)
+        if holder is None:
+            raise ValueError("recv: a copy-engine transfer receives into a buffer from PeerTransport.buffer()")
+        _, handle, offset = holder
+        current = torch.cuda.current_stream(self.device)
+        handle.put_signal(self.prev, channel=2 * tag, timeout_ms=SIGNAL_TIMEOUT_MS)  # our `recv` is free
+        side = self._streams.setdefault(tag, torch.cuda.Stream(self.device, priority=-1))
+        side.wait_stream(current)  # `send` is ready
+        with torch.cuda.stream(side):
+            handle.wait_signal(self.next, channel=2 * tag, timeout_ms=SIGNAL_TIMEOUT_MS)  # theirs is free
+            dst = handle.get_buffer(self.next, tuple(recv.shape), recv.dtype, offset // recv.element_size())
+            dst.copy_(send)
+            handle.put_signal(self.next, channel=2 * tag + 1, timeout_ms=SIGNAL_TIMEOUT_MS)
+            copied = torch.cuda.Event()
+            copied.record(side)
+        return _PeerTransfer(handle, self.prev, tag, copied, send)
+
+
+_transports: dict[tuple[object, tuple[int, ...]], PeerTransport] = {}
+
+
+def for_group(group: dist.ProcessGroup | None, device: torch.device) -> PeerTransport:
+    """The group's transport, made on first use (cached like comm.host_group's twins)."""
+    ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+    key = (dist.group.WORLD, ranks)
+    if key not in _transports:
+        _transports[key] = PeerTransport(group or dist.group.WORLD, device)
+    return _transports[key]
