@@ -138,6 +138,11 @@ class RingComm:
         """`t`, safe to outlive the call: a copy if it lives in a buffer the next call reuses."""
         return t.clone() if self._peer is not None and self._peer.owns(t) else t
 
+    def reserve(self, kv: torch.Tensor) -> None:
+        """Room for a ring call's receive buffers, made before it posts anything (copy engine only)."""
+        if self._peer is not None and kv.is_cuda:
+            self._peer.reserve(kv)
+
     def _staged(self, device: torch.device) -> bool:
         if device.type == "cuda":
             return "gloo" in self._names and "nccl" not in self._names
@@ -258,6 +263,9 @@ class NullComm:
 
     def keep(self, t: torch.Tensor) -> torch.Tensor:
         return t
+
+    def reserve(self, kv: torch.Tensor) -> None:
+        pass
 
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
         return [list(values)] * self.world

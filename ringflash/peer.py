@@ -16,9 +16,10 @@ Every signal is consumed within its transfer, so nothing carries over between ca
 that never signals makes the waiting kernel trap after `SIGNAL_TIMEOUT_MS` (the process then
 fails with a CUDA error) rather than spin forever.
 
-Receive buffers must be symmetric (the same offset in every rank's mapping): the ring takes them
-from `buffer(name, ...)`, one persistent buffer per name, grown collectively when a call needs
-more. They are reused by the next call, so what outlives a call is copied out (`keep`).
+Receive buffers must be symmetric (the same offset in every rank's mapping): they are slices of
+one heap per group, laid out by `reserve` at the start of each ring call (and grown there,
+collectively, only when a call needs more), handed out by `buffer(name, ...)`. The next call
+reuses them, so what outlives a call is copied out (`RingComm.keep`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ class _PeerTransfer:
 class PeerTransport:
     """The copy-engine ring over `group` (NCCL, one host), made once per group (`for_group`)."""
 
+    # The receive buffers of a ring call, in their order in the heap: K/V (two when W > 2), the
+    # float32 dK/dV accumulators, and the last dK/dV hop.
+    _LAYOUT = ("kv0", "kv1", "dkv", "home")
+
     def __init__(self, group: dist.ProcessGroup, device: torch.device):
         from torch.distributed import _symmetric_memory as symm_mem
 
@@ -58,38 +63,51 @@ class PeerTransport:
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.next, self.prev = (self.rank + 1) % self.world, (self.rank - 1) % self.world
         self._streams: dict[int, torch.cuda.Stream] = {}  # one per tag: K/V and dK/dV travel together
-        self._buffers: dict[str, tuple[torch.Tensor, object]] = {}  # name -> (bytes, symmetric handle)
+        self._heap: torch.Tensor | None = None  # uint8, symmetric
+        self._handle = None
+        self._offsets: dict[str, int] = {}
+
+    def reserve(self, kv: torch.Tensor) -> None:
+        """Lay out the heap for a ring call over `kv (2, B, N, Hkv, D)` blocks, growing it if needed.
+
+        Called at the start of every ring call, before anything of it is posted. Growing is the
+        transport's one collective step (synchronise the device, meet at a host barrier, allocate,
+        rendezvous): done there, every rank's GPU is idle, so no kernel spins on a signal whose
+        sender waits in the same collective (buffers made lazily between transfers hung:
+        docs/PERF_NOTES.md).
+        """
+        kv_bytes = kv.numel() * kv.element_size()
+        sizes = {"kv0": kv_bytes, "kv1": kv_bytes if self.world > 2 else 0, "dkv": 2 * kv.numel() * 4,
+                 "home": kv_bytes}
+        total = 0
+        for name in self._LAYOUT:
+            self._offsets[name] = total
+            total += -(-sizes[name] // 512) * 512
+        if self._heap is None or self._heap.numel() < total:
+            from ringflash.comm import host_group
+
+            torch.cuda.synchronize(self.device)
+            dist.barrier(group=host_group(self.group))
+            self._heap = self._handle = None  # every rank is idle: the old heap can go
+            heap = self._symm_mem.empty(total, dtype=torch.uint8, device=self.device)
+            self._handle = self._symm_mem.rendezvous(heap, self.group)
+            self._heap = heap
 
     def buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """The receive buffer `name`, viewed as `shape`/`dtype`: valid until the next call asks for it.
-
-        Collective the first time a name is asked for, and when it must grow (every rank asks for
-        the same names and sizes in the same order: the ring's calls agree across ranks).
-        """
-        nbytes = math.prod(shape) * dtype.itemsize
-        held = self._buffers.get(name)
-        if held is None or held[0].numel() < nbytes:
-            self._buffers.pop(name, None)  # drop the old one first: its memory returns to the pool
-            raw = self._symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
-            self._buffers[name] = (raw, self._symm_mem.rendezvous(raw, self.group))
-        return self._buffers[name][0][:nbytes].view(dtype).view(shape)
-
-    def _holder(self, t: torch.Tensor):
-        for raw, handle in self._buffers.values():
-            offset = t.data_ptr() - raw.data_ptr()
-            if 0 <= offset < raw.numel():
-                return raw, handle, offset
-        return None
+        """The receive buffer `name` of the call `reserve` laid out, viewed as `shape`/`dtype`."""
+        if self._heap is None:
+            raise RuntimeError("PeerTransport.buffer before reserve(): the ring reserves at the start of each call")
+        start = self._offsets[name]
+        return self._heap[start : start + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
 
     def owns(self, t: torch.Tensor) -> bool:
-        return self._holder(t) is not None
+        return self._heap is not None and 0 <= t.data_ptr() - self._heap.data_ptr() < self._heap.numel()
 
     def send_recv(self, send: torch.Tensor, recv: torch.Tensor, tag: int) -> _PeerTransfer:
         """Post: `send` into the next rank's buffer at `recv`'s place in ours; `recv` from the previous rank."""
-        holder = self._holder(recv)
-        if holder is None:
+        if not self.owns(recv):
             raise ValueError("recv: a copy-engine transfer receives into a buffer from PeerTransport.buffer()")
-        _, handle, offset = holder
+        handle, offset = self._handle, recv.data_ptr() - self._heap.data_ptr()
         current = torch.cuda.current_stream(self.device)
         handle.put_signal(self.prev, channel=2 * tag, timeout_ms=SIGNAL_TIMEOUT_MS)  # our `recv` is free
         side = self._streams.setdefault(tag, torch.cuda.Stream(self.device, priority=-1))

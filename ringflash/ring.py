@@ -89,6 +89,7 @@ def ring_forward(q, kv, *, causal: bool, scale: float, layout: str, comm, backen
     plan = _plan(plan, comm, q.shape[1], causal, layout)
     if comm.world == 1:
         return attn_fwd(q, kv[0], kv[1], softmax_scale=scale, backend=backend, **_mask(*plan[0]))
+    comm.reserve(kv)
     buf = _ring_buffers(kv, comm)
     o = lse = None
     for s, entry in enumerate(plan):
@@ -134,6 +135,7 @@ def ring_backward(
         attn_bwd(do, q, kv[0], kv[1], o, lse, softmax_scale=scale, out=(dq, *dkv), backend=backend, **_mask(*plan[0]))
         return dq, dkv
     world = comm.world
+    comm.reserve(kv)
     buf = _ring_buffers(kv, comm)
     # dK/dV travel in float32: rounding each hop to bf16 would lose what the sum needs.
     dkv = comm.buffer("dkv", (2, *kv.shape), torch.float32, kv.device)
