@@ -6,12 +6,17 @@ a symmetric heap, same offset on every rank) with cudaMemcpyAsync on a side stre
 signals say "my receive slot is free" (receiver -> sender) and "written" (sender -> receiver).
 ring.py's buffers come from the heap through a proxy for its `torch` (experiment only).
 """
-import math, os, sys, types
+import math
+import os
+import sys
+import types
+
 import torch
 import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
-from ringflash import RingComm, nccl_options, NullComm
+
 import ringflash.ring as ring
+from ringflash import NullComm, RingComm, nccl_options
 from ringflash.ring import pack_kv, ring_backward, ring_forward
 
 
@@ -90,7 +95,7 @@ def main():
         opts = dict(causal=True, scale=128 ** -0.5, layout="zigzag")
         comms = {"nccl": RingComm(group), "copy engine": SymmComm(group, heap), "compute only": NullComm(rank, world)}
 
-        def run(name):
+        def run(name, q=q, kv=kv, do=do, comms=comms, opts=opts):
             c = comms[name]
             if name == "copy engine":
                 heap.off = 0
@@ -108,17 +113,20 @@ def main():
         torch.cuda.synchronize()
         same = all(torch.equal(a, b) for a, b in zip(ref, got))
         res = {}
-        for rnd in range(3):
+        for _round in range(3):
             for name in comms:
                 iters = max(3, (2 ** 31) // (n * n) * 4)
                 for _ in range(2):
                     run(name)
-                torch.cuda.synchronize(); dist.barrier(); torch.cuda.synchronize()
+                torch.cuda.synchronize()
+                dist.barrier()
+                torch.cuda.synchronize()
                 s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 s.record()
                 for _ in range(iters):
                     run(name)
-                e.record(); torch.cuda.synchronize()
+                e.record()
+                torch.cuda.synchronize()
                 ms = torch.tensor([s.elapsed_time(e) / iters], device=dev)
                 dist.all_reduce(ms, op=dist.ReduceOp.MAX)
                 res.setdefault(name, []).append(ms.item())
