@@ -25,6 +25,7 @@ reuses them, so what outlives a call is copied out (`RingComm.keep`).
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -60,6 +61,9 @@ class PeerTransport:
 
         self._symm_mem = symm_mem
         self.group, self.device = group, device
+        with warnings.catch_warnings():  # deprecated (a no-op need) in newer torch; the working experiment called it
+            warnings.simplefilter("ignore", FutureWarning)
+            symm_mem.enable_symm_mem_for_group(group.group_name)
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.next, self.prev = (self.rank + 1) % self.world, (self.rank - 1) % self.world
         self._streams: dict[int, torch.cuda.Stream] = {}  # one per tag: K/V and dK/dV travel together
