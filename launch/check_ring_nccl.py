@@ -14,7 +14,8 @@ Pass criteria (per tensor, relative Frobenius error on this rank's shard):
     max |lse_ring − lse_single| < 1e-3 (both float32; they differ only by summation order)
     no host synchronisation in a ring call (CUDA only), the cross-rank check included: one more
     fwd+bwd under torch.cuda.set_sync_debug_mode("error")
-    ranks given different shapes all raise ValueError naming q.shape, and the next call is right
+    ranks given different shapes (or, with CUDA, transports) all raise ValueError naming the
+    field, and the next call is right
     with CUDA, all of it for each transport (ringflash/comm.py TRANSPORTS: NCCL, copy engine), and
     the copy engine's results bit-identical to NCCL's
 Exits non-zero on every rank if any check fails on any rank. Only rank 0 prints.
@@ -165,21 +166,27 @@ def main() -> int:
             torch.cuda.synchronize()
             if rank == 0:
                 print(f"host synchronisations in a ring call with the cross-rank check ({transport}): {sync_msg}")
-        os.environ["RINGFLASH_TRANSPORT"] = "nccl"
-        # Ranks that disagree (rank 0 passes half its tokens) all raise, naming the field, and
-        # nothing is left in flight: the group still runs a correct call afterwards.
+        # Ranks that disagree all raise, naming the field, and nothing is left in flight: the group
+        # still runs a correct call afterwards. Rank 0 passes half its tokens, or (CUDA) moves its
+        # blocks by copy engine while rank 1 uses NCCL.
         ql, kl, vl = (shard(t, 1, rank, world) for t in (q, k, v))
-        cut = ql.shape[1] // 2 if rank == 0 else ql.shape[1]
-        try:
-            ring_flash_attn_func(ql[:, :cut], kl[:, :cut], vl[:, :cut], causal=True)
-            mismatch_msg, mismatch_ok = "no error", False
-        except ValueError as e:
-            mismatch_msg, mismatch_ok = str(e), "q.shape" in str(e)
-        o = ring_flash_attn_func(ql, kl, vl, causal=True)
-        mismatch_ok = mismatch_ok and rel_err(o, shard(refs[True][1]["o"], 1, rank, world)) < 3e-2
-        failures += not mismatch_ok
-        if rank == 0:
-            print(f"ranks with different shapes: {'ok' if mismatch_ok else 'FAIL'} ({mismatch_msg[:120]})")
+        half = ql.shape[1] // 2 if rank == 0 else ql.shape[1]
+        disagreements = [("q.shape", half, "nccl")]
+        if cuda:
+            disagreements.append(("RINGFLASH_TRANSPORT", ql.shape[1], "copy-engine" if rank == 0 else "nccl"))
+        for field, cut, transport in disagreements:
+            os.environ["RINGFLASH_TRANSPORT"] = transport
+            try:
+                ring_flash_attn_func(ql[:, :cut], kl[:, :cut], vl[:, :cut], causal=True)
+                mismatch_msg, mismatch_ok = "no error", False
+            except ValueError as e:
+                mismatch_msg, mismatch_ok = str(e), field in str(e)
+            os.environ["RINGFLASH_TRANSPORT"] = "nccl"
+            o = ring_flash_attn_func(ql, kl, vl, causal=True)
+            mismatch_ok = mismatch_ok and rel_err(o, shard(refs[True][1]["o"], 1, rank, world)) < 3e-2
+            failures += not mismatch_ok
+            if rank == 0:
+                print(f"ranks with different {field}: {'ok' if mismatch_ok else 'FAIL'} ({mismatch_msg[:140]})")
         total = torch.tensor([failures], device=dev)
         dist.all_reduce(total)
         failures = int(total.item())

@@ -95,7 +95,7 @@ class RingComm:
         self.group = group
         self._peer = None
         if group is None and not (dist.is_available() and dist.is_initialized()):
-            self.rank, self.world, self._names = 0, 1, set()
+            self.rank, self.world, self._names, self.transport = 0, 1, set(), "nccl"
             return
         if group is dist.GroupMember.NON_GROUP_MEMBER:
             raise ValueError(
@@ -114,7 +114,7 @@ class RingComm:
         to_global = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
         self.next_peer = to_global((self.rank + 1) % self.world)
         self.prev_peer = to_global((self.rank - 1) % self.world)
-        transport = os.environ.get("RINGFLASH_TRANSPORT", "nccl")
+        self.transport = transport = os.environ.get("RINGFLASH_TRANSPORT", "nccl")
         if transport not in TRANSPORTS:
             raise ValueError(f"RINGFLASH_TRANSPORT must be one of {TRANSPORTS}, got {transport!r}")
         if transport == "copy-engine" and self.world > 1:
@@ -252,7 +252,7 @@ class NullComm:
     def __init__(self, rank: int, world: int):
         if not 0 <= rank < world:
             raise ValueError(f"rank must be in [0, world={world}), got {rank}")
-        self.rank, self.world, self.group = rank, world, None
+        self.rank, self.world, self.group, self.transport = rank, world, None, "nccl"
 
     def send_recv(self, send: torch.Tensor, recv: torch.Tensor, tag: int = 0) -> _Transfer:
         recv.copy_(send)

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from kernels.checks import SUPPORTED_DTYPES
-from ringflash.comm import RingComm
+from ringflash.comm import TRANSPORTS, RingComm
 from ringflash.layout import LAYOUTS
 from ringflash.masks import decode
 from ringflash.ring import pack_kv, ring_backward, ring_forward
@@ -67,11 +67,11 @@ def _comm(name: str) -> RingComm:
 # Fields of the per-call signature every rank must agree on, with how many ints each takes.
 _FIELDS = (
     ("q.shape", 4), ("k.shape", 4), ("dtype", 1), ("layout", 1), ("causal", 1), ("softmax_scale", 1),
-    ("window", 1), ("mask", 1),
+    ("window", 1), ("mask", 1), ("RINGFLASH_TRANSPORT", 1),
 )  # fmt: skip
 
 
-def _signature(ok, q, k, causal, scale, layout, window=None, mask_key=0) -> list[int]:
+def _signature(ok, q, k, causal, scale, layout, window=None, mask_key=0, transport=None) -> list[int]:
     def shape(t):
         return list(t.shape) if isinstance(t, torch.Tensor) and t.dim() == 4 else [-1] * 4
 
@@ -86,6 +86,7 @@ def _signature(ok, q, k, causal, scale, layout, window=None, mask_key=0) -> list
         struct.unpack("<q", struct.pack("<d", scale))[0] if scale is not None else -1,  # exact bits
         window if isinstance(window, int) else 0,
         mask_key,
+        TRANSPORTS.index(transport) if transport in TRANSPORTS else -1,
     ]
 
 
@@ -109,6 +110,8 @@ def _check_across_ranks(comm: RingComm, rows_of_self: list[int]) -> None:
                 vals = [struct.unpack("<d", struct.pack("<q", v[0]))[0] for v in vals]
             elif name == "window":
                 vals = [v[0] or None for v in vals]
+            elif name == "RINGFLASH_TRANSPORT":
+                vals = [TRANSPORTS[v[0]] for v in vals]
             elif name == "mask":  # the fingerprint of ringflash.ring_mask's arguments
                 name = "the mask (documents, window or layout given to ring_mask)"
                 vals = ["none" if v[0] == 0 else f"{v[0] & (2**64 - 1):016x}" for v in vals]
@@ -159,7 +162,7 @@ def ring_attn(
     """
     comm = _comm(group_name)
     if check_ranks and comm.world > 1:
-        sig = _signature(True, q, k, causal, softmax_scale, layout, window, mask_key)
+        sig = _signature(True, q, k, causal, softmax_scale, layout, window, mask_key, comm.transport)
         _check_across_ranks(comm, sig)
     plan = _decode(mask_plan, mask_vis)
     kv = pack_kv(k, v) if comm.world > 1 else (k, v)

@@ -13,7 +13,7 @@ symmetric memory:
   everything queued before that read the receive buffer; the sender's copy waits for it;
 - "written": the sender puts it after the copy; the receiver's stream waits for it in `wait()`.
 Every signal is consumed within its transfer, so nothing carries over between calls. A peer
-that never signals makes the waiting kernel trap after `SIGNAL_TIMEOUT_MS` (the process then
+that never signals makes the waiting kernel trap after the group's timeout (the process then
 fails with a CUDA error) rather than spin forever.
 
 Receive buffers must be symmetric (the same offset in every rank's mapping): they are slices of
@@ -24,27 +24,28 @@ reuses them, so what outlives a call is copied out (`RingComm.keep`).
 
 from __future__ import annotations
 
+import datetime
 import math
 import warnings
 
 import torch
 import torch.distributed as dist
 
+from ringflash.comm import _timeout_of, host_group
+
 __all__ = ["PeerTransport"]
 
-SIGNAL_TIMEOUT_MS = 600_000  # the process-group default; a dead peer fails the waiting rank
-
-
 class _PeerTransfer:
-    __slots__ = ("_copied", "_handle", "_prev", "_send", "_tag")
+    __slots__ = ("_copied", "_handle", "_prev", "_send", "_tag", "_timeout_ms")
 
-    def __init__(self, handle, prev: int, tag: int, copied: torch.cuda.Event, send: torch.Tensor):
+    def __init__(self, handle, prev: int, tag: int, copied: torch.cuda.Event, send: torch.Tensor, timeout_ms: int):
         self._handle, self._prev, self._tag, self._copied = handle, prev, tag, copied
+        self._timeout_ms = timeout_ms
         self._send = send  # alive until copied: the caller may drop it (e.g. a temporary cast) at once
 
     def wait(self) -> None:
         # The previous rank's block is in our receive buffer, and ours has left our send buffer.
-        self._handle.wait_signal(self._prev, channel=2 * self._tag + 1, timeout_ms=SIGNAL_TIMEOUT_MS)
+        self._handle.wait_signal(self._prev, channel=2 * self._tag + 1, timeout_ms=self._timeout_ms)
         torch.cuda.current_stream().wait_event(self._copied)
         self._send = None
 
@@ -66,6 +67,8 @@ class PeerTransport:
             symm_mem.enable_symm_mem_for_group(group.group_name)
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.next, self.prev = (self.rank + 1) % self.world, (self.rank - 1) % self.world
+        timeout = _timeout_of(group) or datetime.timedelta(minutes=10)  # 10 min: torch's NCCL default
+        self.timeout_ms = int(timeout.total_seconds() * 1000)  # a signal not put by then traps the waiting kernel
         self._streams: dict[int, torch.cuda.Stream] = {}  # one per tag: K/V and dK/dV travel together
         self._heap: torch.Tensor | None = None  # uint8, symmetric
         self._handle = None
@@ -88,8 +91,6 @@ class PeerTransport:
             self._offsets[name] = total
             total += -(-sizes[name] // 512) * 512
         if self._heap is None or self._heap.numel() < total:
-            from ringflash.comm import host_group
-
             torch.cuda.synchronize(self.device)
             dist.barrier(group=host_group(self.group))
             self._heap = self._handle = None  # every rank is idle: the old heap can go
@@ -113,17 +114,17 @@ class PeerTransport:
             raise ValueError("recv: a copy-engine transfer receives into a buffer from PeerTransport.buffer()")
         handle, offset = self._handle, recv.data_ptr() - self._heap.data_ptr()
         current = torch.cuda.current_stream(self.device)
-        handle.put_signal(self.prev, channel=2 * tag, timeout_ms=SIGNAL_TIMEOUT_MS)  # our `recv` is free
+        handle.put_signal(self.prev, channel=2 * tag, timeout_ms=self.timeout_ms)  # our `recv` is free
         side = self._streams.setdefault(tag, torch.cuda.Stream(self.device, priority=-1))
         side.wait_stream(current)  # `send` is ready
         with torch.cuda.stream(side):
-            handle.wait_signal(self.next, channel=2 * tag, timeout_ms=SIGNAL_TIMEOUT_MS)  # theirs is free
+            handle.wait_signal(self.next, channel=2 * tag, timeout_ms=self.timeout_ms)  # theirs is free
             dst = handle.get_buffer(self.next, tuple(recv.shape), recv.dtype, offset // recv.element_size())
             dst.copy_(send)
-            handle.put_signal(self.next, channel=2 * tag + 1, timeout_ms=SIGNAL_TIMEOUT_MS)
+            handle.put_signal(self.next, channel=2 * tag + 1, timeout_ms=self.timeout_ms)
             copied = torch.cuda.Event()
             copied.record(side)
-        return _PeerTransfer(handle, self.prev, tag, copied, send)
+        return _PeerTransfer(handle, self.prev, tag, copied, send, self.timeout_ms)
 
 
 _transports: dict[tuple[object, tuple[int, ...]], PeerTransport] = {}

@@ -28,7 +28,8 @@ from truth import TOL, attention_f64, lse_err, rel_err
 import ringflash
 from kernels import attn_bwd, attn_fwd
 from ringflash import RingFlashAttention, ring_flash_attn_func, shard
-from ringflash.comm import RingComm, host_group
+from ringflash.comm import TRANSPORTS, RingComm, host_group
+from ringflash.ops import _check_across_ranks, _signature
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -236,6 +237,24 @@ def test_transport_is_checked(transport, match):
     # Copy engines move CUDA blocks between the GPUs of one host (tested by the multigpu case);
     # a gloo group or an unknown name gets an error naming the variable, on every rank.
     assert len(run_ranks(_transport_worker, 2, (transport, match))) == 2
+
+
+class _TwoRanks:
+    """Stands in for a two-rank comm whose rank 1 differs only in RINGFLASH_TRANSPORT."""
+
+    def all_gather_ints(self, row):
+        other = list(row)
+        other[-1] = TRANSPORTS.index("copy-engine")
+        return [list(row), other]
+
+
+def test_ranks_with_different_transports_raise():
+    # Mixed transports would leave one rank waiting on a signal and the other in NCCL (the
+    # multigpu case checks it for real); the cross-rank check names the variable instead.
+    q, k = torch.randn(1, 8, 2, 4), torch.randn(1, 8, 2, 4)
+    row = _signature(True, q, k, True, 0.5, "zigzag", transport="nccl")
+    with pytest.raises(ValueError, match="RINGFLASH_TRANSPORT is nccl on rank 0, copy-engine on rank 1"):
+        _check_across_ranks(_TwoRanks(), row)
 
 
 def _error_worker(rank, world, what):
