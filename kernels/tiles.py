@@ -9,12 +9,37 @@ compiles to unpredicated, vectorised accesses.
 through a tensor descriptor (TMA, one instruction per tile; kernels/launch_utils.py says when)
 or through pointers; `head_base` gives the `src` it expects.
 
+`heaviest_first` says which tile and head a program of the `(tiles, B·H)` grid works on.
+
 `block_bounds` turns a block of rows' visible intervals (kernels/masks.py) into loop bounds;
 `visible_keys` is the mask the forward and the dQ pass apply inside masked blocks.
 """
 
 import triton
 import triton.language as tl
+
+# Heads that `heaviest_first` interleaves: enough that a heavy tile never starts near the end of
+# the grid, few enough that the programs in flight share these heads' K/V in L2.
+HEADS_PER_SWEEP = tl.constexpr(4)
+
+
+@triton.jit
+def heaviest_first():
+    """`(i, bh)`: this program's tile as a rank in launch order (0 = first) and its batch·head.
+
+    The GPU starts programs in launch order (axis 0 fastest). Under a causal mask tiles differ in
+    work (up to N/BLOCK times), so each kernel maps rank 0 to its heaviest tile; and the ranks
+    sweep `HEADS_PER_SWEEP` heads at a time rather than one, so that the last heads' heavy tiles
+    do not start when the grid is nearly done and run alone (a tail of ~10% of the kernel at
+    N = 8k, B·H = 16 on 132 SMs; docs/PERF_NOTES.md, "Launch order").
+    """
+    n_tiles = tl.num_programs(0)
+    pid = tl.program_id(1) * n_tiles + tl.program_id(0)  # the launch order
+    sweep = HEADS_PER_SWEEP * n_tiles
+    first_bh = (pid // sweep) * HEADS_PER_SWEEP
+    heads = tl.minimum(HEADS_PER_SWEEP, tl.num_programs(1) - first_bh)  # fewer in the last sweep
+    within = pid % sweep
+    return within // heads, first_bh + within % heads
 
 
 @triton.jit

@@ -40,7 +40,7 @@ from kernels.launch_utils import (
     upcast_dots,
 )
 from kernels.masks import Visibility, batch_stride, resolve_visibility
-from kernels.tiles import block_bounds, head_base, head_rows, load_tile, store_tile, visible_keys
+from kernels.tiles import block_bounds, head_base, head_rows, heaviest_first, load_tile, store_tile, visible_keys
 from kernels.tuning import Tile, launch
 
 
@@ -123,8 +123,8 @@ def _bwd_dkdv(
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    start_n = tl.program_id(0) * BLOCK_N
-    off_bh = tl.program_id(1)
+    rank, off_bh = heaviest_first()
+    start_n = rank * BLOCK_N  # first key blocks first: under a causal mask every query sees them
     off_b = off_bh // Hkv
     off_hkv = off_bh % Hkv
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -228,8 +228,8 @@ def _bwd_dq(
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M  # heaviest (last) query blocks first
-    off_bh = tl.program_id(1)
+    rank, off_bh = heaviest_first()
+    start_m = (tl.num_programs(0) - 1 - rank) * BLOCK_M  # last query blocks first: they see the most keys
     off_b = off_bh // H
     off_h = off_bh % H
     off_hkv = off_h // GROUP

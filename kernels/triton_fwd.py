@@ -42,7 +42,7 @@ from kernels.launch_utils import (
     upcast_dots,
 )
 from kernels.masks import Visibility, batch_stride, resolve_visibility
-from kernels.tiles import block_bounds, head_base, head_rows, load_tile, store_tile, visible_keys
+from kernels.tiles import block_bounds, head_base, head_rows, heaviest_first, load_tile, store_tile, visible_keys
 from kernels.tuning import Tile, launch
 
 
@@ -122,10 +122,9 @@ def _attn_fwd_kernel(
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, MERGE: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    # Last query blocks first: under a causal mask they see the most keys, so the heaviest
-    # programs start first and the light ones fill the tail of the grid.
-    start_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    off_bh = tl.program_id(1)
+    # Last query blocks first: under a causal mask they see the most keys.
+    rank, off_bh = heaviest_first()
+    start_m = tl.num_programs(0) - 1 - rank
     off_b = off_bh // H
     off_h = off_bh % H
     off_hkv = off_h // GROUP  # GQA: query heads share key/value heads, nothing is repeated

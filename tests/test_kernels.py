@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from truth import TOL, attention_f64, lse_err, rel_err
 
 from kernels import attn_bwd, attn_fwd, resolve_backend, tuning
 from kernels.launch_utils import tma_ok
+from kernels.tiles import HEADS_PER_SWEEP, heaviest_first
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (B, Nq, Nk, H, Hkv, D): odd lengths, GQA/MQA, every head dim at least once.
@@ -117,6 +120,29 @@ def test_tuned_tiles_fit_shared_memory(monkeypatch):
             tile = tuning.tile_for(kernel, head_dim, descriptors)
             assert _staged_kib(kernel, tile, head_dim) <= limit, (kernel, head_dim, descriptors, tile)
     assert tuning.tile_for("fwd", 128, True) != tuning.tile_for("fwd", 128, False)  # the case that needs both
+
+
+@triton.jit
+def _launch_order_kernel(OUT):
+    rank, bh = heaviest_first()
+    pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    tl.store(OUT + 2 * pid, rank)
+    tl.store(OUT + 2 * pid + 1, bh)
+
+
+@pytest.mark.parametrize("n_tiles, n_bh", [(1, 1), (3, 1), (5, 4), (4, 7), (6, 9)])
+def test_launch_order_covers_the_grid_heaviest_first(n_tiles, n_bh):
+    """Every (tile, head) once, whatever the grid's remainder of heads; rank 0 of every head
+    (the heaviest tile) launches before any rank 1 of its sweep's heads."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    out = torch.full((n_bh * n_tiles, 2), -1, dtype=torch.int32, device=device)
+    _launch_order_kernel[(n_tiles, n_bh)](out)
+    order = [tuple(pair) for pair in out.tolist()]  # in launch order
+    assert sorted(order) == [(r, bh) for r in range(n_tiles) for bh in range(n_bh)]
+    for sweep in range(0, n_bh, HEADS_PER_SWEEP):
+        heads = range(sweep, min(sweep + HEADS_PER_SWEEP, n_bh))
+        ranks = [r for r, bh in order if bh in heads]
+        assert ranks == sorted(ranks)  # within a sweep, the ranks (heaviest first) go in order
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])
