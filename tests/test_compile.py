@@ -23,6 +23,7 @@ from dist_utils import RankFailure, run_ranks
 
 import kernels.ops  # registers torch.ops.ringflash.attn_fwd / attn_bwd
 import ringflash
+from kernels import interpreting
 from train.config import ModelConfig
 from train.model import Transformer
 
@@ -55,8 +56,8 @@ def _kernel_opcheck_worker(rank, world, backend, device):
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_kernel_ops_opcheck(backend):
-    # Triton on the GPU if there is one, else in the interpreter (tests/conftest.py).
-    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    # Triton in the interpreter in the CPU suite, else on the GPU (tests/conftest.py).
+    device = "cuda" if backend == "triton" and not interpreting() else "cpu"
     run_ranks(_kernel_opcheck_worker, 1, args=(backend, device), start_method=START, timeout_s=120)
 
 

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from truth import TOL, attention_f64, lse_err, rel_err
 
-from kernels import attn_bwd, attn_fwd, resolve_backend, tuning
+from kernels import attn_bwd, attn_fwd, interpreting, resolve_backend, tuning
 from kernels.launch_utils import tma_ok
 from kernels.tiles import HEADS_PER_SWEEP, heaviest_first
 
@@ -134,7 +134,7 @@ def _launch_order_kernel(OUT):
 def test_launch_order_covers_the_grid_heaviest_first(n_tiles, n_bh):
     """Every (tile, head) once, whatever the grid's remainder of heads; rank 0 of every head
     (the heaviest tile) launches before any rank 1 of its sweep's heads."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = "cpu" if interpreting() else "cuda"
     out = torch.full((n_bh * n_tiles, 2), -1, dtype=torch.int32, device=device)
     _launch_order_kernel[(n_tiles, n_bh)](out)
     order = [tuple(pair) for pair in out.tolist()]  # in launch order
