@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -31,6 +32,13 @@ def dot_precision(dtype: torch.dtype) -> str:
 def block_d(head_dim: int) -> int:
     """Head dims that are not powers of two (96, ...) run in the next power of two, masked."""
     return max(16, triton.next_power_of_2(head_dim))
+
+
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    """The device's SM count, which sets how many heads a grid sweeps at a time (kernels/tiles.py
+    `heaviest_first`); on CPU (the interpreter) an H100's, so the tests cover the same orders."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
 def bhnd_strides(t: torch.Tensor) -> tuple[int, int, int]:

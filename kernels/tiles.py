@@ -18,27 +18,28 @@ or through pointers; `head_base` gives the `src` it expects.
 import triton
 import triton.language as tl
 
-# Heads that `heaviest_first` interleaves: enough that a heavy tile never starts near the end of
-# the grid, few enough that the programs in flight share these heads' K/V in L2.
-HEADS_PER_SWEEP = tl.constexpr(4)
-
 
 @triton.jit
-def heaviest_first():
+def heaviest_first(n_sms):
     """`(i, bh)`: this program's tile as a rank in launch order (0 = first) and its batch·head.
 
-    The GPU starts programs in launch order (axis 0 fastest). Under a causal mask tiles differ in
-    work (up to N/BLOCK times), so each kernel maps rank 0 to its heaviest tile; and the ranks
-    sweep `HEADS_PER_SWEEP` heads at a time rather than one, so that the last heads' heavy tiles
-    do not start when the grid is nearly done and run alone (a tail of ~10% of the kernel at
-    N = 8k, B·H = 16 on 132 SMs; docs/PERF_NOTES.md, "Launch order").
+    The GPU starts programs in launch order (axis 0 fastest), and each kernel maps rank 0 to its
+    heaviest tile: under a causal mask tiles differ in work up to N/BLOCK times. One head at a
+    time, a grid with few tiles per head leaves the last head's heavy tiles to start when the
+    grid is nearly done and run alone: a tail of ~10% at N = 8k, B·H = 16 on 132 SMs. So ranks
+    sweep several heads at a time, the fewest (a power of two) whose tiles fill the `n_sms` SMs
+    (4 at 4k, 2 at 8k, 1 from 16k on, with 128-row tiles): more would only split the L2 between
+    heads (the 32k ring steps ran 1% slower with 4; docs/PERF_NOTES.md, "Launch order").
     """
     n_tiles = tl.num_programs(0)
+    fit = tl.maximum(n_sms // n_tiles, 1)
+    sweep = 1
+    for _ in tl.static_range(6):  # the largest power of two <= fit, up to 64
+        sweep = tl.where(sweep * 2 <= fit, sweep * 2, sweep)
     pid = tl.program_id(1) * n_tiles + tl.program_id(0)  # the launch order
-    sweep = HEADS_PER_SWEEP * n_tiles
-    first_bh = (pid // sweep) * HEADS_PER_SWEEP
-    heads = tl.minimum(HEADS_PER_SWEEP, tl.num_programs(1) - first_bh)  # fewer in the last sweep
-    within = pid % sweep
+    first_bh = (pid // (sweep * n_tiles)) * sweep
+    heads = tl.minimum(sweep, tl.num_programs(1) - first_bh)  # fewer in the last sweep
+    within = pid - first_bh * n_tiles
     return within // heads, first_bh + within % heads
 
 

@@ -37,6 +37,7 @@ from kernels.launch_utils import (
     block_d,
     dot_precision,
     kernel_inputs,
+    num_sms,
     upcast_dots,
 )
 from kernels.masks import Visibility, batch_stride, resolve_visibility
@@ -118,12 +119,12 @@ def _bwd_dkdv(
     stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
     stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
     KV_LO, KV_HI, Q_LO, Q_HI, stride_rqb, stride_rkb,
-    Hkv, Nq, Nk, qk_scale, softmax_scale,
+    Hkv, Nq, Nk, qk_scale, softmax_scale, n_sms,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, RANGES: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    rank, off_bh = heaviest_first()
+    rank, off_bh = heaviest_first(n_sms)
     start_n = rank * BLOCK_N  # first key blocks first: under a causal mask every query sees them
     off_b = off_bh // Hkv
     off_hkv = off_bh % Hkv
@@ -223,12 +224,12 @@ def _bwd_dq(
     stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
     stride_dqb, stride_dqn, stride_dqh,
     KV_LO, KV_HI, stride_rqb,
-    H, Nq, Nk, qk_scale, softmax_scale,
+    H, Nq, Nk, qk_scale, softmax_scale, n_sms,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, RANGES: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    rank, off_bh = heaviest_first()
+    rank, off_bh = heaviest_first(n_sms)
     start_m = (tl.num_programs(0) - 1 - rank) * BLOCK_M  # last query blocks first: they see the most keys
     off_b = off_bh // H
     off_h = off_bh % H
@@ -352,12 +353,12 @@ def triton_attn_bwd(
     launch("dkdv", _bwd_dkdv, lambda meta: (triton.cdiv(Nk, meta["BLOCK_N"]), B * Hkv),
            (*srcs, lse, delta, dk, dv, *strides_in, *bhnd_strides(dk), *bhnd_strides(dv),
             *kv_ranges[:2], *q_ranges[:2], kv_ranges[2], q_ranges[2],
-            Hkv, Nq, Nk, scale * LOG2E, scale), dict(common, ACCUMULATE=accumulate, TMA=tma), tile)
+            Hkv, Nq, Nk, scale * LOG2E, scale, num_sms(q.device)), dict(common, ACCUMULATE=accumulate, TMA=tma), tile)
     if after_dkdv is not None:
         after_dkdv()
     srcs, tile, tma = kernel_inputs("dq", (q, k, v, do), tiles.get("dq"), BD)
     launch("dq", _bwd_dq, lambda meta: (triton.cdiv(Nq, meta["BLOCK_M"]), B * H),
            (*srcs, lse, delta, dq, *strides_in, *bhnd_strides(dq), *kv_ranges,
-            H, Nq, Nk, scale * LOG2E, scale),
+            H, Nq, Nk, scale * LOG2E, scale, num_sms(q.device)),
            dict(common, ACCUMULATE=accumulate, TMA=tma), tile)
     return dq, dk, dv

@@ -39,6 +39,7 @@ from kernels.launch_utils import (
     block_d,
     dot_precision,
     kernel_inputs,
+    num_sms,
     upcast_dots,
 )
 from kernels.masks import Visibility, batch_stride, resolve_visibility
@@ -117,13 +118,13 @@ def _attn_fwd_kernel(
     stride_ob, stride_on, stride_oh,
     stride_lb, stride_lh, stride_ln,
     KV_LO, KV_HI, stride_rb,
-    H, Nq, Nk, qk_scale,
+    H, Nq, Nk, qk_scale, n_sms,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, RANGES: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, MERGE: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # Last query blocks first: under a causal mask they see the most keys.
-    rank, off_bh = heaviest_first()
+    rank, off_bh = heaviest_first(n_sms)
     start_m = tl.num_programs(0) - 1 - rank
     off_b = off_bh // H
     off_h = off_bh % H
@@ -229,7 +230,7 @@ def triton_attn_fwd(
     BD = block_d(D)
     srcs, tile, tma = kernel_inputs("fwd", (q, k, v), tile, BD)
     args = (*srcs, o, lse, *bhnd_strides(q), *bhnd_strides(k), *bhnd_strides(v), *bhnd_strides(o),
-            *lse.stride(), *_ranges_args(vis, q), H, Nq, Nk, scale * LOG2E)
+            *lse.stride(), *_ranges_args(vis, q), H, Nq, Nk, scale * LOG2E, num_sms(q.device))
     consts = dict(HEAD_DIM=D, GROUP=H // Hkv, CAUSAL=causal and vis is None, RANGES=vis is not None,
                   UPCAST=upcast_dots(q.dtype), PRECISION=dot_precision(q.dtype), MERGE=acc is not None,
                   TMA=tma, BLOCK_D=BD)

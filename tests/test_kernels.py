@@ -16,7 +16,7 @@ from truth import TOL, attention_f64, lse_err, rel_err
 
 from kernels import attn_bwd, attn_fwd, interpreting, resolve_backend, tuning
 from kernels.launch_utils import tma_ok
-from kernels.tiles import HEADS_PER_SWEEP, heaviest_first
+from kernels.tiles import heaviest_first
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (B, Nq, Nk, H, Hkv, D): odd lengths, GQA/MQA, every head dim at least once.
@@ -123,26 +123,30 @@ def test_tuned_tiles_fit_shared_memory(monkeypatch):
 
 
 @triton.jit
-def _launch_order_kernel(OUT):
-    rank, bh = heaviest_first()
+def _launch_order_kernel(OUT, n_sms):
+    rank, bh = heaviest_first(n_sms)
     pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
     tl.store(OUT + 2 * pid, rank)
     tl.store(OUT + 2 * pid + 1, bh)
 
 
-@pytest.mark.parametrize("n_tiles, n_bh", [(1, 1), (3, 1), (5, 4), (4, 7), (6, 9)])
-def test_launch_order_covers_the_grid_heaviest_first(n_tiles, n_bh):
-    """Every (tile, head) once, whatever the grid's remainder of heads; rank 0 of every head
-    (the heaviest tile) launches before any rank 1 of its sweep's heads."""
+@pytest.mark.parametrize(
+    "n_tiles, n_bh, n_sms, sweep",
+    [(1, 1, 132, 1), (3, 1, 132, 1), (32, 16, 132, 4), (64, 16, 132, 2), (128, 16, 132, 1), (256, 4, 132, 1),
+     (5, 7, 20, 4), (6, 9, 13, 2), (2, 3, 1000, 64)],
+)
+def test_launch_order_covers_the_grid_heaviest_first(n_tiles, n_bh, n_sms, sweep):
+    """Every (tile, head) exactly once, the heads swept `sweep` at a time (the largest power of
+    two whose tiles fit the SMs; fewer in the last sweep), each sweep's ranks heaviest first."""
     device = "cpu" if interpreting() else "cuda"
     out = torch.full((n_bh * n_tiles, 2), -1, dtype=torch.int32, device=device)
-    _launch_order_kernel[(n_tiles, n_bh)](out)
+    _launch_order_kernel[(n_tiles, n_bh)](out, n_sms)
     order = [tuple(pair) for pair in out.tolist()]  # in launch order
-    assert sorted(order) == [(r, bh) for r in range(n_tiles) for bh in range(n_bh)]
-    for sweep in range(0, n_bh, HEADS_PER_SWEEP):
-        heads = range(sweep, min(sweep + HEADS_PER_SWEEP, n_bh))
-        ranks = [r for r, bh in order if bh in heads]
-        assert ranks == sorted(ranks)  # within a sweep, the ranks (heaviest first) go in order
+    expected = []
+    for first in range(0, n_bh, sweep):
+        heads = range(first, min(first + sweep, n_bh))
+        expected += [(rank, bh) for rank in range(n_tiles) for bh in heads]
+    assert order == expected
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])
