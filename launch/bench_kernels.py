@@ -56,8 +56,12 @@ def _sdpa(backend):
 
 
 def _flex(q, k, v, do, causal):
+    import torch._dynamo
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+    # One compile per shape: three sequence lengths make 12, more than dynamo's recompile limit
+    # (8), past which flex_attention runs uncompiled and fails (an earlier run lost its D = 128 rows).
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     compiled = torch.compile(flex_attention, dynamic=False)
     N = q.shape[2]
     mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, N, N) if causal else None
