@@ -100,7 +100,6 @@ def main() -> int:
             print(f"{'layout':<11}{'causal':<7}{'tensor':<7}{'err ring':>10}{'err single':>12}{'ratio':>8}  ok")
         refs, first = {}, {}
         for transport, (layout, causal) in [(t, c) for t in transports for c in CASES]:
-            os.environ["RINGFLASH_TRANSPORT"] = transport
             if rank == 0 and (layout, causal) == CASES[0]:
                 print(f"-- transport: {transport}")
             if causal not in refs:
@@ -110,7 +109,9 @@ def main() -> int:
                 refs[causal] = (single, reference_fp32(q, k, v, do, causal))
             single, ref32 = refs[causal]
             ql, kl, vl = (shard(t, 1, rank, world, layout).detach().requires_grad_() for t in (q, k, v))
-            o, lse = ring_flash_attn_func(ql, kl, vl, causal=causal, layout=layout, return_lse=True)
+            o, lse = ring_flash_attn_func(
+                ql, kl, vl, causal=causal, layout=layout, return_lse=True, transport=transport
+            )
             dq, dk, dv = torch.autograd.grad(o, (ql, kl, vl), shard(do, 1, rank, world, layout))
             rows = []
             for name, x in (("o", o), ("dq", dq), ("dk", dk), ("dv", dv)):
@@ -150,12 +151,11 @@ def main() -> int:
             del o, lse, dq, dk, dv
         first.clear()
         for transport in transports if cuda else ():  # neither the ring nor the cross-rank check may block the host
-            os.environ["RINGFLASH_TRANSPORT"] = transport
             ql, kl, vl = (shard(t, 1, rank, world).detach().requires_grad_() for t in (q, k, v))
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
             try:
-                o = ring_flash_attn_func(ql, kl, vl, causal=True)
+                o = ring_flash_attn_func(ql, kl, vl, causal=True, transport=transport)
                 torch.autograd.grad(o, (ql, kl, vl), shard(do, 1, rank, world))
                 sync_msg = "none"
             except RuntimeError as e:
@@ -173,15 +173,13 @@ def main() -> int:
         half = ql.shape[1] // 2 if rank == 0 else ql.shape[1]
         disagreements = [("q.shape", half, "nccl")]
         if cuda:
-            disagreements.append(("RINGFLASH_TRANSPORT", ql.shape[1], "copy-engine" if rank == 0 else "nccl"))
+            disagreements.append(("transport", ql.shape[1], "copy-engine" if rank == 0 else "nccl"))
         for field, cut, transport in disagreements:
-            os.environ["RINGFLASH_TRANSPORT"] = transport
             try:
-                ring_flash_attn_func(ql[:, :cut], kl[:, :cut], vl[:, :cut], causal=True)
+                ring_flash_attn_func(ql[:, :cut], kl[:, :cut], vl[:, :cut], causal=True, transport=transport)
                 mismatch_msg, mismatch_ok = "no error", False
             except ValueError as e:
-                mismatch_msg, mismatch_ok = str(e), field in str(e)
-            os.environ["RINGFLASH_TRANSPORT"] = "nccl"
+                mismatch_msg, mismatch_ok = str(e), f"{field} is" in str(e)
             o = ring_flash_attn_func(ql, kl, vl, causal=True)
             mismatch_ok = mismatch_ok and rel_err(o, shard(refs[True][1]["o"], 1, rank, world)) < 3e-2
             failures += not mismatch_ok

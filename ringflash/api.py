@@ -14,7 +14,7 @@ from torch import nn
 import kernels
 from kernels.checks import check_qkv, resolve_scale
 from ringflash import ops
-from ringflash.comm import RingComm
+from ringflash.comm import RingComm, resolve_transport
 from ringflash.layout import check_layout, check_splittable
 from ringflash.masks import RingMask, window_mask
 
@@ -98,6 +98,7 @@ def ring_flash_attn_func(
     *,
     window: int | None = None,
     mask: RingMask | None = None,
+    transport: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over a sequence sharded across the ranks of `group`.
 
@@ -123,15 +124,21 @@ def ring_flash_attn_func(
             the ring steps it empties launch no kernel (ringflash/masks.py gives the cost
             model). Its causal, layout, world, rank, local length and device must be the call's
             (ValueError otherwise); a `window` given here must equal the mask's.
+        transport: how an NCCL group's blocks travel: `"nccl"` (NCCL send/recv) or `"copy-engine"`
+            (the GPUs' copy engines through torch symmetric memory, ringflash/peer.py: ranks of
+            one host; bit-identical, and the transfers take no SMs from attention). None: the
+            environment's `RINGFLASH_TRANSPORT`, default `"nccl"`. Every rank must use the same.
 
     Returns `o (B, N_local, H, D)` in q's dtype (and `lse`). Gradients flow to q, k, v in their dtype.
 
-    Communication: NCCL for CUDA tensors; gloo with CPU tensors, or with CUDA tensors staged
-    through pinned host memory (several ranks sharing one GPU). See ringflash/comm.py.
+    Communication: NCCL for CUDA tensors (or copy engines, `transport`); gloo with CPU tensors, or
+    with CUDA tensors staged through pinned host memory (several ranks sharing one GPU). See
+    ringflash/comm.py.
 
-    Cross-rank check: before the ring starts, every rank all-gathers a 15-int64 signature (whether
+    Cross-rank check: before the ring starts, every rank all-gathers a 16-int64 signature (whether
     its own inputs passed validation, q and k shapes, dtype, layout, causal, softmax_scale,
-    window, and the mask's fingerprint: a hash of its documents' boundaries, window and layout). If any
+    window, the mask's fingerprint: a hash of its documents' boundaries, window and layout, and
+    the transport). If any
     rank rejected its inputs or the signatures differ, every rank raises ValueError, naming the
     field and each rank's value, instead of hanging in a transfer of the wrong size. Cost: one
     tiny all_gather per call on the host (gloo; on an NCCL-only group over a gloo twin of it,
@@ -152,7 +159,8 @@ def ring_flash_attn_func(
     # Traced, not run, under torch.compile: only the metadata checks happen here; the group is
     # checked (RingComm) and the ranks compared inside the op. Eager checks the group first.
     compiling = torch.compiler.is_compiling()
-    comm = None if compiling else RingComm(group)
+    transport = resolve_transport(transport)
+    comm = None if compiling else RingComm(group, transport)
     world = _world_size(group) if compiling else comm.world
     if causal is None:
         causal = mask.causal if isinstance(mask, RingMask) else False
@@ -195,6 +203,7 @@ def ring_flash_attn_func(
         window=None if mask is None else mask.window,
         mask_plan=plan or None,
         mask_key=0 if mask is None else mask.fingerprint,
+        transport=transport,
     )
     return (o, lse) if return_lse else o
 
@@ -207,6 +216,7 @@ class RingFlashAttention(nn.Module):
     model can hold it unconditionally. `window`: a causal sliding window in every call (see
     `ring_flash_attn_func`); `forward(..., mask=)`: this batch's `RingMask` (packed documents),
     whose causal flag must be the module's and whose window must be the module's if it has one.
+    `transport`: as in `ring_flash_attn_func` (None: `RINGFLASH_TRANSPORT`, read at each call).
     """
 
     def __init__(
@@ -218,15 +228,18 @@ class RingFlashAttention(nn.Module):
         backend: str | None = None,
         check_ranks: bool = True,
         window: int | None = None,
+        transport: str | None = None,
     ):
         super().__init__()
         check_layout(layout)
         _check_window(window, causal)
+        if transport is not None:
+            resolve_transport(transport)
         if backend is not None and backend not in kernels.BACKENDS:
             raise ValueError(f"backend must be one of {kernels.BACKENDS} or None, got {backend!r}")
         self.group, self.layout, self.causal = group, layout, causal
         self.softmax_scale, self.backend, self.check_ranks = softmax_scale, backend, check_ranks
-        self.window = window
+        self.window, self.transport = window, transport
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: RingMask | None = None) -> torch.Tensor:
         return ring_flash_attn_func(
@@ -241,8 +254,10 @@ class RingFlashAttention(nn.Module):
             check_ranks=self.check_ranks,
             window=self.window,
             mask=mask,
+            transport=self.transport,
         )
 
     def extra_repr(self) -> str:
         window = f", window={self.window}" if self.window is not None else ""
-        return f"layout={self.layout!r}, causal={self.causal}{window}, backend={self.backend!r}"
+        transport = f", transport={self.transport!r}" if self.transport is not None else ""
+        return f"layout={self.layout!r}, causal={self.causal}{window}, backend={self.backend!r}{transport}"

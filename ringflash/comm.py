@@ -31,9 +31,21 @@ import os
 import torch
 import torch.distributed as dist
 
-__all__ = ["TRANSPORTS", "NullComm", "RingComm", "host_group", "nccl_options"]
+__all__ = ["TRANSPORTS", "NullComm", "RingComm", "host_group", "nccl_options", "resolve_transport"]
 
-TRANSPORTS = ("nccl", "copy-engine")  # RINGFLASH_TRANSPORT: how an NCCL group's blocks travel
+TRANSPORTS = ("nccl", "copy-engine")  # how an NCCL group's blocks travel (RingComm)
+
+
+def resolve_transport(transport: str | None) -> str:
+    """`transport`, or with None the environment's `RINGFLASH_TRANSPORT` (default `nccl`), checked."""
+    if transport is None:
+        env = os.environ.get("RINGFLASH_TRANSPORT", "nccl")
+        if env not in TRANSPORTS:
+            raise ValueError(f"RINGFLASH_TRANSPORT must be one of {TRANSPORTS}, got {env!r}")
+        return env
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS} or None, got {transport!r}")
+    return transport
 
 
 def nccl_options() -> dist.ProcessGroupNCCL.Options:
@@ -87,15 +99,16 @@ class RingComm:
     Attributes: `rank` and `world` within the group; `group`. Raises TypeError/ValueError naming
     `group` if it is not a process group this rank belongs to.
 
-    `RINGFLASH_TRANSPORT=copy-engine` moves an NCCL group's blocks by copy engine instead
-    (ringflash/peer.py; the ranks must share a host); `nccl`, the default, through NCCL.
+    `transport="copy-engine"` moves an NCCL group's blocks by copy engine instead (ringflash/
+    peer.py; the ranks must share a host); `"nccl"` through NCCL; None: `resolve_transport`.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None):
+    def __init__(self, group: dist.ProcessGroup | None = None, transport: str | None = None):
         self.group = group
         self._peer = None
+        self.transport = transport = resolve_transport(transport)
         if group is None and not (dist.is_available() and dist.is_initialized()):
-            self.rank, self.world, self._names, self.transport = 0, 1, set(), "nccl"
+            self.rank, self.world, self._names = 0, 1, set()
             return
         if group is dist.GroupMember.NON_GROUP_MEMBER:
             raise ValueError(
@@ -114,13 +127,10 @@ class RingComm:
         to_global = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
         self.next_peer = to_global((self.rank + 1) % self.world)
         self.prev_peer = to_global((self.rank - 1) % self.world)
-        self.transport = transport = os.environ.get("RINGFLASH_TRANSPORT", "nccl")
-        if transport not in TRANSPORTS:
-            raise ValueError(f"RINGFLASH_TRANSPORT must be one of {TRANSPORTS}, got {transport!r}")
         if transport == "copy-engine" and self.world > 1:
             if "nccl" not in self._names:
                 raise ValueError(
-                    "RINGFLASH_TRANSPORT=copy-engine needs an NCCL group (GPUs of one host); this group's "
+                    "transport: copy-engine needs an NCCL group (GPUs of one host); this group's "
                     f"backend is {dist.get_backend(group)}"
                 )
             from ringflash import peer

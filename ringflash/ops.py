@@ -52,14 +52,14 @@ def group_name(group: dist.ProcessGroup | None) -> str:
     return "" if group is None else group.group_name
 
 
-def _comm(name: str) -> RingComm:
+def _comm(name: str, transport: str = "nccl") -> RingComm:
     if not name:
-        return RingComm(None)
+        return RingComm(None, transport)
     # Private in torch (2.4 to 2.13 at least) but the supported way to go from name to group: the
     # functional collectives and DTensor rely on it.
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    return RingComm(_resolve_process_group(name))
+    return RingComm(_resolve_process_group(name), transport)
 
 
 # ---- cross-rank check -------------------------------------------------------------------------
@@ -67,7 +67,7 @@ def _comm(name: str) -> RingComm:
 # Fields of the per-call signature every rank must agree on, with how many ints each takes.
 _FIELDS = (
     ("q.shape", 4), ("k.shape", 4), ("dtype", 1), ("layout", 1), ("causal", 1), ("softmax_scale", 1),
-    ("window", 1), ("mask", 1), ("RINGFLASH_TRANSPORT", 1),
+    ("window", 1), ("mask", 1), ("transport", 1),
 )  # fmt: skip
 
 
@@ -110,7 +110,7 @@ def _check_across_ranks(comm: RingComm, rows_of_self: list[int]) -> None:
                 vals = [struct.unpack("<d", struct.pack("<q", v[0]))[0] for v in vals]
             elif name == "window":
                 vals = [v[0] or None for v in vals]
-            elif name == "RINGFLASH_TRANSPORT":
+            elif name == "transport":
                 vals = [TRANSPORTS[v[0]] for v in vals]
             elif name == "mask":  # the fingerprint of ringflash.ring_mask's arguments
                 name = "the mask (documents, window or layout given to ring_mask)"
@@ -152,15 +152,17 @@ def ring_attn(
     window: int | None = None,
     mask_plan: list[int] | None = None,
     mask_key: int = 0,
+    transport: str = "nccl",
 ) -> tuple[Tensor, Tensor, Tensor]:
     """`ring.ring_forward` over the group named `group_name`.
 
     Returns `o` like q, `lse (B, H, N)` float32, and what the backward needs of k and v: the
     packed `(2, B, N, Hkv, D)` buffer the ring started from (saved so that the backward's ring
     need not pack again), or an empty tensor on one rank (the backward then takes k and v).
-    `mask_vis`, `mask_plan`, `window`, `mask_key`: a `RingMask` (module docstring).
+    `mask_vis`, `mask_plan`, `window`, `mask_key`: a `RingMask` (module docstring). `transport`:
+    how the blocks travel (`ringflash.comm.TRANSPORTS`).
     """
-    comm = _comm(group_name)
+    comm = _comm(group_name, transport)
     if check_ranks and comm.world > 1:
         sig = _signature(True, q, k, causal, softmax_scale, layout, window, mask_key, comm.transport)
         _check_across_ranks(comm, sig)
@@ -177,7 +179,7 @@ def ring_attn(
 
 @ring_attn.register_fake
 def _(q, k, v, mask_vis, *, causal, softmax_scale, layout, group_name, backend, check_ranks, window=None,
-      mask_plan=None, mask_key=0):  # fmt: skip
+      mask_plan=None, mask_key=0, transport="nccl"):  # fmt: skip
     B, N, H, _ = q.shape
     world = _comm(group_name).world  # a trace-time constant, like every shape here
     return (
@@ -202,13 +204,14 @@ def ring_attn_bwd(
     group_name: str,
     backend: str | None,
     mask_plan: list[int] | None = None,
+    transport: str = "nccl",
 ) -> tuple[Tensor, Tensor]:
     """`ring.ring_backward`: `dq` like q and `dkv (2, B, N, Hkv, D)` (dK, dV packed, as they come
     home in one message; the autograd formula splits them, outside the op, without a copy).
 
     `kv` is `[packed]` as `ring_attn` returned it, or `[k, v]` on one rank.
     """
-    comm = _comm(group_name)
+    comm = _comm(group_name, transport)
     with torch.autocast(q.device.type, enabled=False):
         return ring_backward(
             do.contiguous(), q, kv[0] if len(kv) == 1 else tuple(kv), o, lse,
@@ -218,7 +221,8 @@ def ring_attn_bwd(
 
 
 @ring_attn_bwd.register_fake
-def _(do, q, kv, o, lse, mask_vis, *, causal, softmax_scale, layout, group_name, backend, mask_plan=None):
+def _(do, q, kv, o, lse, mask_vis, *, causal, softmax_scale, layout, group_name, backend, mask_plan=None,
+      transport="nccl"):  # fmt: skip
     kshape = kv[0].shape[1:] if len(kv) == 1 else kv[0].shape
     return q.new_empty(q.shape), q.new_empty((2, *kshape))
 

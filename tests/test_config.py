@@ -114,6 +114,7 @@ def test_missing_file():
         (["--data.kind=text", "--data.path=x", "--data.pack_documents=true", "--data.eod_token=256"], "eod_token"),
         (["--data.eod_token=-2"], r"data.eod_token: must be -1 \(auto\)"),
         (["--model.window=-1"], r"model.window: must be >= 0"),
+        (["--parallel.transport=copy-engine", "--parallel.backend=gloo"], "parallel.transport: copy-engine needs"),
     ],
 )
 def test_inconsistent_values(args, match):
@@ -166,3 +167,16 @@ def test_every_field_is_documented():
 
 def test_parse_overrides_forms():
     assert parse_overrides(["--a.b=1", "--c.d", "x=y"]) == [("a.b", "1"), ("c.d", "x=y")]
+
+
+@pytest.mark.parametrize(
+    "cfg, match",
+    [(ParallelConfig(backend="nccl"), "parallel.backend: nccl needs train.device = cuda"),
+     (ParallelConfig(transport="copy-engine"), "parallel.transport: copy-engine needs GPUs and NCCL; .* gloo")],
+)
+def test_cpu_run_refuses_gpu_only_settings(cfg, match):
+    # Checked before any process group is made: nothing to tear down, nothing hangs.
+    from train.parallel import distributed
+
+    with pytest.raises(ConfigError, match=match), distributed(cfg, device="cpu"):
+        pass

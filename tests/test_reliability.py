@@ -94,6 +94,9 @@ BAD_INPUTS = {
     ),
     ("module", "layout name"): (lambda: RingFlashAttention(layout="zig"), ValueError, r"layout must be one of"),
     ("module", "backend name"): (lambda: RingFlashAttention(backend="cuda"), ValueError, r"backend must be one of"),
+    ("module", "transport name"): (
+        lambda: RingFlashAttention(transport="nvlink"), ValueError, r"transport must be one of .*'nvlink'"
+    ),
     ("module", "head dim"): (_module_forward_head_dims_differ, ValueError, r"k.shape\[3\] \(head_dim\) must equal"),
     ("config", "timeout type"): (
         lambda: load_config(None, ["--parallel.timeout_s=soon"]),

@@ -219,28 +219,31 @@ def test_cross_rank_check_of_nccl_group_runs_on_a_gloo_twin():
     assert run_ranks(_host_group_worker, 4) == [pair0, pair0, pair1, pair1]
 
 
-def _transport_worker(rank, world, transport, match):
-    os.environ["RINGFLASH_TRANSPORT"] = transport
+def _transport_worker(rank, world, env, arg, match):
+    if env is not None:
+        os.environ["RINGFLASH_TRANSPORT"] = env
     c = make_case(world, "zigzag", True, n_local=8)
     q, k, v, _ = (shard(t, 1, rank, world) for t in global_inputs(c))
     with pytest.raises(ValueError, match=match) as err:
-        ring_flash_attn_func(q, k, v, causal=True)
+        ring_flash_attn_func(q, k, v, causal=True, transport=arg)
     return str(err.value)
 
 
 @pytest.mark.parametrize(
-    "transport, match",
-    [("nvlink", r"RINGFLASH_TRANSPORT must be one of \('nccl', 'copy-engine'\), got 'nvlink'"),
-     ("copy-engine", "RINGFLASH_TRANSPORT=copy-engine needs an NCCL group.*gloo")],
+    "env, arg, match",
+    [("nvlink", None, r"RINGFLASH_TRANSPORT must be one of \('nccl', 'copy-engine'\), got 'nvlink'"),
+     (None, "nvlink", r"transport must be one of \('nccl', 'copy-engine'\) or None, got 'nvlink'"),
+     ("copy-engine", None, "transport: copy-engine needs an NCCL group.*gloo"),
+     ("nccl", "copy-engine", "transport: copy-engine needs an NCCL group.*gloo")],  # the argument wins
 )
-def test_transport_is_checked(transport, match):
+def test_transport_is_checked(env, arg, match):
     # Copy engines move CUDA blocks between the GPUs of one host (tested by the multigpu case);
-    # a gloo group or an unknown name gets an error naming the variable, on every rank.
-    assert len(run_ranks(_transport_worker, 2, (transport, match))) == 2
+    # a gloo group or an unknown name gets an error naming the argument or variable, on every rank.
+    assert len(run_ranks(_transport_worker, 2, (env, arg, match))) == 2
 
 
 class _TwoRanks:
-    """Stands in for a two-rank comm whose rank 1 differs only in RINGFLASH_TRANSPORT."""
+    """Stands in for a two-rank comm whose rank 1 differs only in its transport."""
 
     def all_gather_ints(self, row):
         other = list(row)
@@ -253,7 +256,7 @@ def test_ranks_with_different_transports_raise():
     # multigpu case checks it for real); the cross-rank check names the variable instead.
     q, k = torch.randn(1, 8, 2, 4), torch.randn(1, 8, 2, 4)
     row = _signature(True, q, k, True, 0.5, "zigzag", transport="nccl")
-    with pytest.raises(ValueError, match="RINGFLASH_TRANSPORT is nccl on rank 0, copy-engine on rank 1"):
+    with pytest.raises(ValueError, match="transport is nccl on rank 0, copy-engine on rank 1"):
         _check_across_ranks(_TwoRanks(), row)
 
 

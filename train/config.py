@@ -126,6 +126,13 @@ class ParallelConfig:
         "Process-group timeout in seconds: a collective or ring transfer that waits longer (a rank "
         "died, hangs or skipped a call) raises on every rank instead of hanging the job.",
     )
+    transport: str = opt(
+        "nccl",
+        "How the ring's K/V blocks travel between GPUs: nccl (send/recv kernels) or copy-engine (the "
+        "GPUs' copy engines, ranks of one host, no SMs taken from attention; README). Overrides "
+        "RINGFLASH_TRANSPORT.",
+        ("nccl", "copy-engine"),
+    )
 
 
 @dataclass
@@ -321,6 +328,8 @@ def validate(cfg: Config) -> None:
                 f"data.warmup_seq_steps ({d.warmup_seq_steps}) must be in [1, train.steps = {t.steps}] "
                 "when data.warmup_seq_len is set"
             )
+    if p.transport == "copy-engine" and p.backend == "gloo":
+        raise ConfigError("parallel.transport: copy-engine needs GPUs and NCCL, not parallel.backend = gloo")
     if m.window < 0:
         raise ConfigError(f"model.window: must be >= 0 (0: full causal attention), got {m.window}")
     if d.eod_token < -1:

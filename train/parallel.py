@@ -141,6 +141,8 @@ def distributed(cfg: ParallelConfig, device: str = "auto", timeout_s: float | No
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if dev.type == "cuda" else "gloo")
     if backend == "nccl" and dev.type != "cuda":
         raise ConfigError("parallel.backend: nccl needs train.device = cuda")
+    if cfg.transport == "copy-engine" and backend != "nccl":
+        raise ConfigError(f"parallel.transport: copy-engine needs GPUs and NCCL; this run uses {backend}")
     started = not dist.is_initialized()
     # High-priority NCCL streams, so that ring transfers overlap the attention kernels.
     ring_options = ringflash.nccl_options() if backend == "nccl" else None
@@ -212,6 +214,7 @@ def parallelize(model: nn.Module, pc: ParallelContext, cfg: Config) -> nn.Module
             layout=cfg.parallel.layout,
             causal=True,
             window=cfg.model.window or None,
+            transport=cfg.parallel.transport,
         )
         if cfg.train.compile:
             # Only the parts without communication: norms and SwiGLU are memory-bound chains of
