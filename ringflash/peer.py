@@ -1,10 +1,11 @@
 """Ring transfers between the GPUs of one host by copy engine, through torch symmetric memory.
 
-`RINGFLASH_TRANSPORT=copy-engine` makes `RingComm` (ringflash/comm.py) use this instead of NCCL
-for an NCCL group whose ranks share a host. NCCL's send/recv run as kernels on SMs, beside the
-attention kernels they should hide behind, and slow them; a copy engine moves the bytes over
-NVLink without taking an SM (2×H200, fwd+bwd at 8k / 32k tokens per rank: NCCL 5.39 / 74.8 ms,
-copy engine 5.28 / 73.7 ms, no communication at all 5.23 / 72.6 ms; docs/PERF_NOTES.md).
+`transport="copy-engine"` (or `RINGFLASH_TRANSPORT=copy-engine`) makes `RingComm`
+(ringflash/comm.py) use this instead of NCCL for an NCCL group whose ranks share a host. NCCL's
+send/recv run as kernels on SMs, beside the attention kernels they should hide behind, and slow
+them; a copy engine moves the bytes over NVLink without taking an SM. Results are bit-identical
+(2×H200, fwd+bwd at 8k / 32k tokens per rank: NCCL 5.57 / 75.5 ms, copy engine 5.41 / 74.8 ms,
+no communication at all 5.2 / 73.6 ms; docs/PERF_NOTES.md, "Ninth session").
 
 How a block travels (push): the sender writes it straight into the next rank's receive buffer,
 one `cudaMemcpyAsync` on a side stream, ordered by two stream-ordered signals of the group's
@@ -34,6 +35,7 @@ import torch.distributed as dist
 from ringflash.comm import _timeout_of, host_group
 
 __all__ = ["PeerTransport"]
+
 
 class _PeerTransfer:
     __slots__ = ("_copied", "_handle", "_prev", "_send", "_tag", "_timeout_ms")
