@@ -253,23 +253,28 @@ def _timeout_of(group: dist.ProcessGroup):
 class NullComm:
     """A stand-in ring with no communication, for measuring compute alone.
 
-    `send_recv` copies `send` into `recv` locally (so every step sees finite data: this rank's
-    own block again) instead of exchanging it, and `wait()` does nothing. The ring loop then runs
-    exactly the kernels rank `rank` of `world` would run, plus one device-local copy of a block
-    per step, which is negligible next to the block's attention. Results are meaningless.
+    The ring loop runs exactly the kernels rank `rank` of `world` would run, and nothing else:
+    `send_recv` leaves `recv` as it is and `wait()` does nothing. So that every step still sees
+    finite data, the receive buffers (`buffer`) are kept from call to call, filled with random
+    numbers when first made (not zeros: tensor cores draw less power, and clock higher, on
+    zeros). Results are meaningless. (A device copy standing in for each transfer cost ~0.2 ms
+    per call at 8k tokens per rank, W = 2: 4% of the compute it was meant to isolate.)
     """
 
     def __init__(self, rank: int, world: int):
         if not 0 <= rank < world:
             raise ValueError(f"rank must be in [0, world={world}), got {rank}")
         self.rank, self.world, self.group, self.transport = rank, world, None, "nccl"
+        self._buffers: dict[str, torch.Tensor] = {}  # the latest of each name only
 
     def send_recv(self, send: torch.Tensor, recv: torch.Tensor, tag: int = 0) -> _Transfer:
-        recv.copy_(send)
         return _Transfer([])
 
     def buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype, device=device)
+        buf = self._buffers.get(name)
+        if buf is None or buf.shape != tuple(shape) or buf.dtype != dtype or buf.device != torch.device(device):
+            buf = self._buffers[name] = torch.randn(shape, device=device).to(dtype)
+        return buf
 
     def keep(self, t: torch.Tensor) -> torch.Tensor:
         return t

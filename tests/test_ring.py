@@ -330,6 +330,18 @@ def test_null_comm_runs_the_same_schedule():
     assert o.shape == q.shape and lse.shape == (2, 4, 16) and torch.isfinite(o).all()
 
 
+def test_null_comm_moves_nothing_and_keeps_its_buffers():
+    # The compute-only ring times kernels alone: no copy stands in for a transfer, and the
+    # receive buffers (random, finite) are made once, again only when the shape changes.
+    null = ringflash.NullComm(0, 2)
+    buf = null.buffer("kv0", (2, 3), torch.bfloat16, torch.device("cpu"))
+    before = buf.clone()
+    null.send_recv(torch.ones(2, 3, dtype=torch.bfloat16), buf).wait()
+    assert torch.equal(buf, before) and torch.isfinite(buf).all() and buf.abs().sum() > 0
+    assert null.buffer("kv0", (2, 3), torch.bfloat16, torch.device("cpu")) is buf
+    assert null.buffer("kv0", (4, 3), torch.bfloat16, torch.device("cpu")).shape == (4, 3)
+
+
 def test_nccl_options_ask_for_high_priority_streams():
     if not dist.is_nccl_available():
         with pytest.raises(RuntimeError, match="nccl_options: this build of torch has no NCCL"):
