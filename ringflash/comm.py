@@ -257,8 +257,9 @@ class NullComm:
     `send_recv` leaves `recv` as it is and `wait()` does nothing. So that every step still sees
     finite data, the receive buffers (`buffer`) are kept from call to call, filled with random
     numbers when first made (not zeros: tensor cores draw less power, and clock higher, on
-    zeros). Results are meaningless. (A device copy standing in for each transfer cost ~0.2 ms
-    per call at 8k tokens per rank, W = 2: 4% of the compute it was meant to isolate.)
+    zeros). Results are meaningless. (A device copy standing in for each transfer was in the
+    profile at 8k tokens per rank, W = 2: 0.27 ms of copies, packing included, out of 5.7 ms;
+    docs/PERF_NOTES.md, "Where the 8k compute goes".)
     """
 
     def __init__(self, rank: int, world: int):
