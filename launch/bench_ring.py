@@ -8,7 +8,7 @@
 Per tokens-per-rank N (global sequence W·N), bf16, causal, D = 128, H = 16 (H·D = 2048), B = 1:
 - ring fwd / fwd+bwd: `ring_flash_attn_func` forward (no grad) and forward + `autograd.grad`, as
   users call it (cross-rank input check included unless --no-check-ranks), for the zigzag and
-  contiguous layouts.
+  contiguous layouts, and on CUDA for each transport (NCCL, copy engine; --transports).
 - compute only: each rank's per-step kernels and merges (`ringflash.NullComm`: no transfers), the
   slowest rank's (the ring runs at its pace; rank 0 prints every rank's).
   ring − compute is what communication costs beyond overlap; compute − single/W is what cutting
@@ -51,6 +51,7 @@ from benchlib import REPO, attn_flops, markdown_table, parse_tokens, plot_lines,
 
 from kernels import attn_bwd, attn_fwd
 from ringflash import NullComm, nccl_options, ring_flash_attn_func, ring_mask
+from ringflash.comm import TRANSPORTS
 from ringflash.ring import pack_kv, ring_backward, ring_forward
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -113,36 +114,42 @@ def time_local(fn, iters: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-def bench_ring(args, n_local, layout, dev, dtype, mask=None):
-    """(fwd ms, fwd+bwd ms, compute-only fwd+bwd ms) of this layout (under `mask`, a RingMask)."""
+def bench_ring(args, n_local, layout, dev, dtype, mask=None, transport="nccl", compute=True):
+    """(fwd ms, fwd+bwd ms, compute-only fwd+bwd ms or None) of this layout (under `mask`, a
+    RingMask), the blocks moved by `transport`; compute-only (no transfers) only if `compute`."""
     rank, world = dist.get_rank(), dist.get_world_size()
     B, H, Hkv, D = args.batch, args.heads, args.kv_heads, args.head_dim
     q = torch.randn(B, n_local, H, D, device=dev, dtype=dtype, requires_grad=True)
     k, v = (torch.randn(B, n_local, Hkv, D, device=dev, dtype=dtype, requires_grad=True) for _ in range(2))
     do = torch.randn_like(q)
 
+    opts = dict(causal=True, layout=layout, check_ranks=args.check_ranks, mask=mask, transport=transport)
+
     def fwd():
         with torch.no_grad():
-            ring_flash_attn_func(q, k, v, causal=True, layout=layout, check_ranks=args.check_ranks, mask=mask)
+            ring_flash_attn_func(q, k, v, **opts)
 
     def fwd_bwd():
-        o = ring_flash_attn_func(q, k, v, causal=True, layout=layout, check_ranks=args.check_ranks, mask=mask)
+        o = ring_flash_attn_func(q, k, v, **opts)
         torch.autograd.grad(o, (q, k, v), do)
 
     null = NullComm(rank, world)
     plan = None if mask is None else mask.schedule()
-    opts = dict(causal=True, scale=D**-0.5, layout=layout, comm=null, plan=plan)
+    step_opts = dict(causal=True, scale=D**-0.5, layout=layout, comm=null, plan=plan)
 
     def compute_only():
         kv = pack_kv(k.detach(), v.detach())  # as the autograd function does
-        o, lse = ring_forward(q.detach(), kv, **opts)
-        ring_backward(do, q.detach(), kv, o, lse, **opts)
+        o, lse = ring_forward(q.detach(), kv, **step_opts)
+        ring_backward(do, q.detach(), kv, o, lse, **step_opts)
 
     if args.profile:
-        _profile(fwd_bwd, f"ring fwd+bwd, {layout}, {n_local} tokens/rank")
-        _profile(compute_only, f"compute only, {layout}, {n_local} tokens/rank")
+        _profile(fwd_bwd, f"ring fwd+bwd ({transport}), {layout}, {n_local} tokens/rank")
+        if compute:
+            _profile(compute_only, f"compute only, {layout}, {n_local} tokens/rank")
     fwd_ms = time_collective(fwd, args.iters, args.warmup)
     fwd_bwd_ms = time_collective(fwd_bwd, args.iters, args.warmup)
+    if not compute:
+        return fwd_ms, fwd_bwd_ms, None
     # The ring runs at its slowest rank's pace (ranks' step shapes differ), so compare with that.
     compute_ms = [None] * world
     dist.all_gather_object(compute_ms, time_local(compute_only, args.iters, args.warmup))
@@ -356,6 +363,11 @@ def main() -> None:
         help="skip the per-call cross-rank input check (a host round trip per call)",
     )
     p.add_argument("--no-torch-cp", action="store_true", help="skip torch's context_parallel")
+    p.add_argument(
+        "--transports",
+        default=None,
+        help="comma-separated ringflash transports to compare (default: nccl,copy-engine on CUDA, nccl on CPU)",
+    )
     p.add_argument("--cp-rotate", choices=["allgather", "alltoall"], default=None)
     p.add_argument(
         "--nccl-priority",
@@ -379,6 +391,10 @@ def main() -> None:
     args.kv_heads = args.kv_heads or args.heads
 
     cuda = torch.cuda.is_available()
+    transports = args.transports.split(",") if args.transports else (list(TRANSPORTS) if cuda else ["nccl"])
+    for t in transports:
+        if t not in TRANSPORTS or (t == "copy-engine" and not cuda):
+            p.error(f"--transports: each must be one of {TRANSPORTS} (copy-engine needs CUDA), got {t!r}")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if cuda:
         torch.cuda.set_device(local_rank)
@@ -399,12 +415,16 @@ def main() -> None:
             n_global = n * world
             single = bench_single(args, n_global, dev, dtype) / world
             flops = attn_flops(args.batch, args.heads, n_global, n_global, args.head_dim, True, "fwd_bwd") / world
-            for layout in layouts:
-                fwd, fwd_bwd, compute = bench_ring(args, n, layout, dev, dtype)
+            for layout, transport in itertools.product(layouts, transports):
+                first = transport == transports[0]  # compute-only does not depend on the transport
+                fwd, fwd_bwd, compute = bench_ring(args, n, layout, dev, dtype, transport=transport, compute=first)
                 tflops = flops / fwd_bwd / 1e9
-                rows.append([n, "ringflash", layout, fwd, fwd_bwd, compute, single, single / fwd_bwd, tflops])
+                impl = "ringflash" if transport == "nccl" else f"ringflash ({transport})"
+                row = [n, impl, layout, fwd, fwd_bwd, "" if compute is None else compute, single, single / fwd_bwd]
+                rows.append([*row, tflops])
                 if rank == 0:
-                    print(f"{n} tokens/rank {layout}: fwd+bwd {fwd_bwd:.3g} ms, efficiency {single / fwd_bwd:.3f}")
+                    print(f"{n} tokens/rank {layout} {transport}: fwd+bwd {fwd_bwd:.3g} ms, "
+                          f"efficiency {single / fwd_bwd:.3f}")
             for sdpa in () if args.no_torch_cp else ("flash", "cudnn"):
                 ms, why = bench_torch_cp(args, n_global, dev, dtype, sdpa)
                 if ms is None:
@@ -438,8 +458,9 @@ def main() -> None:
                 "kernels: ours for ringflash, SDPA's flash/cuDNN for torch CP) ÷ ring fwd+bwd; compute-only = "
                 "the slowest rank's per-step kernels without communication; cross-rank input check: "
                 f"{'on' if args.check_ranks else 'off'}; torch CP rotate method: {args.cp_rotate or 'torch default'}; "
-                f"NCCL stream priority: {args.nccl_priority if cuda else 'n/a (gloo)'}; "
-                f"ringflash transport (RINGFLASH_TRANSPORT): {os.environ.get('RINGFLASH_TRANSPORT', 'nccl')}."
+                f"NCCL stream priority: {args.nccl_priority if cuda else 'n/a (gloo)'}; ringflash rows: "
+                f"blocks sent by {'NCCL' if cuda else 'gloo'} send/recv, or by the GPUs' copy engines where the "
+                "impl says copy-engine (transport='copy-engine')."
             )
             if args.quick or args.no_record:
                 print(f"## {title}\n\n{table}\n\n{notes}")
