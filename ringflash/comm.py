@@ -9,6 +9,8 @@ this file branches on it:
 - NCCL, CUDA buffers: directly. The transfer runs on NCCL's stream, ordered after the work
   already queued on the current stream; `wait()` only makes the current stream wait for it, so
   the host never blocks (no host synchronisation inside the ring loop).
+- NCCL, CUDA buffers, `transport="copy-engine"`: pushed into the next rank's receive buffer by
+  the GPUs' copy engines, no SM taken (ringflash/peer.py: ranks of one host).
 - gloo, CPU buffers: directly (gloo works on its own threads).
 - gloo, CUDA buffers: staged through pinned host memory. This is how 2–4 ranks share one GPU
   (NCCL refuses two ranks on one device). gloo reads host memory from its own thread as soon as
