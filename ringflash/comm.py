@@ -233,14 +233,21 @@ def host_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     in several such groups must reach their first calls in the same order (as ranks running the
     same layers do), since each creation waits for all of its members.
     """
-    group = group or dist.group.WORLD
-    ranks = tuple(dist.get_process_group_ranks(group))
-    key = (dist.group.WORLD, ranks)  # a re-initialised default group gets new twins
+    group, key = group_key(group)
     if key not in _host_groups:
+        _, ranks = key
         _host_groups[key] = dist.new_group(
             list(ranks), timeout=_timeout_of(group), backend="gloo", use_local_synchronization=True
         )
     return _host_groups[key]
+
+
+def group_key(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, tuple]:
+    """`(group, key)`: None made the default group, and a key for what is made once per group
+    (host twins, copy-engine transports): its ranks, under the current default group (a
+    re-initialised default group gets new ones)."""
+    group = group or dist.group.WORLD
+    return group, (dist.group.WORLD, tuple(dist.get_process_group_ranks(group)))
 
 
 def _timeout_of(group: dist.ProcessGroup):

@@ -32,7 +32,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from ringflash.comm import _timeout_of, host_group
+from ringflash.comm import _timeout_of, group_key, host_group
 
 __all__ = ["PeerTransport"]
 
@@ -134,8 +134,7 @@ _transports: dict[tuple[object, tuple[int, ...]], PeerTransport] = {}
 
 def for_group(group: dist.ProcessGroup | None, device: torch.device) -> PeerTransport:
     """The group's transport, made on first use (cached like comm.host_group's twins)."""
-    ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
-    key = (dist.group.WORLD, ranks)
+    group, key = group_key(group)
     if key not in _transports:
-        _transports[key] = PeerTransport(group or dist.group.WORLD, device)
+        _transports[key] = PeerTransport(group, device)
     return _transports[key]
