@@ -58,9 +58,14 @@ def tma_ok(*ts: torch.Tensor, block_d: int) -> bool:
     """
     if TensorDescriptor is None or os.environ.get("RINGFLASH_TMA", "1") == "0":
         return False
-    if not interpreting() and not (ts[0].is_cuda and torch.cuda.get_device_capability(ts[0].device)[0] >= 9):
+    if not interpreting() and not (ts[0].is_cuda and _hopper_or_newer(ts[0].device)):
         return False
     return all(_descriptor_fits(t, block_d) for t in ts)
+
+
+@functools.cache
+def _hopper_or_newer(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _descriptor_fits(t: torch.Tensor, block_d: int) -> bool:

@@ -13,6 +13,7 @@ multiple of `inner`, which the causal split into masked and unmasked stages reli
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 
@@ -75,6 +76,7 @@ def tile_for(kernel: str, block_d: int, descriptors: bool = False) -> Tile:
     return TUNED[key] if descriptors else POINTER_TUNED.get(key, TUNED[key])
 
 
+@functools.cache  # one per (kernel, tile): building a Config on every launch costs the host
 def _as_config(kernel: str, tile: Tile) -> triton.Config:
     outer, inner, warps, stages = tile
     names = ("BLOCK_N", "BLOCK_M") if kernel == "dkdv" else ("BLOCK_M", "BLOCK_N")

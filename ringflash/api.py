@@ -14,7 +14,7 @@ from torch import nn
 import kernels
 from kernels.checks import check_qkv, resolve_scale
 from ringflash import ops
-from ringflash.comm import RingComm, resolve_transport
+from ringflash.comm import resolve_transport, ring_comm
 from ringflash.layout import check_layout, check_splittable
 from ringflash.masks import RingMask, window_mask
 
@@ -160,7 +160,7 @@ def ring_flash_attn_func(
     # checked (RingComm) and the ranks compared inside the op. Eager checks the group first.
     compiling = torch.compiler.is_compiling()
     transport = resolve_transport(transport)
-    comm = None if compiling else RingComm(group, transport)
+    comm = None if compiling else ring_comm(group, transport)
     world = _world_size(group) if compiling else comm.world
     if causal is None:
         causal = mask.causal if isinstance(mask, RingMask) else False

@@ -33,7 +33,7 @@ import os
 import torch
 import torch.distributed as dist
 
-__all__ = ["TRANSPORTS", "NullComm", "RingComm", "host_group", "nccl_options", "resolve_transport"]
+__all__ = ["TRANSPORTS", "NullComm", "RingComm", "host_group", "nccl_options", "resolve_transport", "ring_comm"]
 
 TRANSPORTS = ("nccl", "copy-engine")  # how an NCCL group's blocks travel (RingComm)
 
@@ -217,6 +217,26 @@ class RingComm:
         out = [torch.empty_like(t) for _ in range(self.world)]
         dist.all_gather(out, t, group=group)
         return torch.stack(out).tolist()
+
+
+_comms: dict[tuple, RingComm] = {}
+
+
+def ring_comm(group: dist.ProcessGroup | None = None, transport: str | None = None) -> RingComm:
+    """`RingComm(group, transport)`, made once per group and transport under the current default
+    group. The ring asks for it three times a call (the API, the forward and the backward op), and
+    each new one reads the group's ranks and backend again: host time that, at 8k tokens per
+    rank, the GPU ends up waiting for. Arguments that are not a process group raise as
+    `RingComm` does.
+    """
+    transport = resolve_transport(transport)
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        return RingComm(group, transport)
+    world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    key = (world, group, transport)
+    if key not in _comms:
+        _comms[key] = RingComm(group, transport)
+    return _comms[key]
 
 
 _host_groups: dict[tuple[dist.ProcessGroup, tuple[int, ...]], dist.ProcessGroup] = {}

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from kernels.checks import SUPPORTED_DTYPES
-from ringflash.comm import TRANSPORTS, RingComm
+from ringflash.comm import TRANSPORTS, RingComm, ring_comm
 from ringflash.layout import LAYOUTS
 from ringflash.masks import decode
 from ringflash.ring import pack_kv, ring_backward, ring_forward
@@ -54,12 +54,12 @@ def group_name(group: dist.ProcessGroup | None) -> str:
 
 def _comm(name: str, transport: str = "nccl") -> RingComm:
     if not name:
-        return RingComm(None, transport)
+        return ring_comm(None, transport)
     # Private in torch (2.4 to 2.13 at least) but the supported way to go from name to group: the
     # functional collectives and DTensor rely on it.
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    return RingComm(_resolve_process_group(name), transport)
+    return ring_comm(_resolve_process_group(name), transport)
 
 
 # ---- cross-rank check -------------------------------------------------------------------------
