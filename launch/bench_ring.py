@@ -67,17 +67,22 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+PRIMING_CALLS = 3  # untimed calls queued before each timed run's start event (time_collective)
+
+
 def time_collective(fn, iters: int, warmup: int, repeats: int = 5) -> float:
     """ms per call of `fn`, which every rank calls the same number of times (it communicates).
 
     Calls run back to back, as they do in training (the host queues the next call while the GPU
     works on this one), `iters` at a time between two CUDA events; the median of `repeats` such
     runs, and the slowest rank's, is reported. Synchronising the host after every call instead
-    would add the CPU's launch latency to each one, which single-device timings do not pay. For
-    the same reason the start event is queued behind one untimed call: recorded on an idle GPU,
-    it would also time the host's first launches of the run, a wait that a steady stream of
-    calls never has (at 8k tokens per rank ~1.5 ms once, 0.15 ms a call over 10 calls; the
-    single-device timings, `triton.testing.do_bench`, queue ahead of the GPU too).
+    would add the CPU's launch latency to each one, which single-device timings do not pay.
+    For the same reason the start event is queued behind `PRIMING_CALLS` untimed calls: the
+    steady state of a run, where the host is ahead of the GPU. Recorded on an idle GPU, it
+    would also time the host's lead being built up: at 8k tokens per rank the host spends
+    ~4.3 ms on a call (cross-rank check included) against the GPU's ~4.8 ms, so it takes a few
+    calls to get ahead, and until then the GPU waits for launches (2xH200, 10 calls: 5.08 ms
+    from an idle GPU, 4.94 behind one call, 4.81 with the host far ahead; docs/PERF_NOTES.md).
     """
     for _ in range(warmup):
         fn()
@@ -87,7 +92,8 @@ def time_collective(fn, iters: int, warmup: int, repeats: int = 5) -> float:
     for _ in range(repeats):
         if torch.cuda.is_available():
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            fn()  # fills the GPU's queue: the timed calls start with the host ahead, as in a run
+            for _ in range(PRIMING_CALLS):
+                fn()
             start.record()
             for _ in range(iters):
                 fn()
@@ -465,7 +471,9 @@ def main() -> None:
                 f"{'on' if args.check_ranks else 'off'}; torch CP rotate method: {args.cp_rotate or 'torch default'}; "
                 f"NCCL stream priority: {args.nccl_priority if cuda else 'n/a (gloo)'}; ringflash rows: "
                 f"blocks sent by {'NCCL' if cuda else 'gloo'} send/recv, or by the GPUs' copy engines where the "
-                "impl says copy-engine (transport='copy-engine')."
+                "impl says copy-engine (transport='copy-engine'); ring and torch CP times: "
+                + (f"steady state, {PRIMING_CALLS} untimed calls queued before each timed run." if cuda else
+                   "host wall clock.")
             )
             if args.quick or args.no_record:
                 print(f"## {title}\n\n{table}\n\n{notes}")
