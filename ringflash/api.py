@@ -142,10 +142,12 @@ def ring_flash_attn_func(
     rank rejected its inputs or the signatures differ, every rank raises ValueError, naming the
     field and each rank's value, instead of hanging in a transfer of the wrong size. Cost: one
     tiny all_gather per call on the host (gloo; on an NCCL-only group over a gloo twin of it,
-    `ringflash.comm.host_group`, made on the first call): a round trip between the ranks' CPUs,
-    tens of microseconds, and no wait for the GPU. `check_ranks=False` skips it, for callers
-    whose ranks agree by construction; a mismatch then fails in the transfers (or at the group
-    timeout) rather than with a clear message.
+    `ringflash.comm.host_group`, made on the first call): a round trip between the ranks' CPUs
+    and no wait for the GPU. It waits for the slowest rank's host, ~1 ms of host time a call on
+    2xH200, which the GPU feels only where the host barely keeps ahead of it (8k tokens per
+    rank: ~0.15 ms a call from an idle GPU, nothing in steady state). `check_ranks=False` skips
+    it, for callers whose ranks agree by construction; a mismatch then fails in the transfers
+    (or at the group timeout) rather than with a clear message.
 
     torch.compile: the ring is one custom op, `torch.ops.ringflash.ring_attn` (ringflash/ops.py),
     with the group passed by name, so a compiled model traces through attention without a graph

@@ -28,7 +28,7 @@ from truth import TOL, attention_f64, lse_err, rel_err
 import ringflash
 from kernels import attn_bwd, attn_fwd, interpreting
 from ringflash import RingFlashAttention, ring_flash_attn_func, shard
-from ringflash.comm import TRANSPORTS, RingComm, host_group
+from ringflash.comm import TRANSPORTS, RingComm, host_group, ring_comm
 from ringflash.ops import _check_across_ranks, _signature
 
 REPO = Path(__file__).resolve().parent.parent
@@ -198,6 +198,32 @@ def _subgroup_worker(rank, world):
 
 def test_subgroup_and_non_member():
     assert run_ranks(_subgroup_worker, 3) == [None, 0, 1]
+
+
+def _ring_comm_worker(rank, world):
+    # One RingComm per group and transport (the ring asks three times a call); what RingComm
+    # rejects is rejected every time, never cached.
+    group = dist.new_group([1, 2])
+    with pytest.raises(TypeError, match=r"group must be a torch\.distributed\.ProcessGroup"):
+        ring_comm("ranks 1 and 2")
+    for _ in range(2):
+        with pytest.raises(ValueError, match="copy-engine needs an NCCL group"):
+            ring_comm(None, "copy-engine")
+    if rank == 0:
+        for _ in range(2):
+            with pytest.raises(ValueError, match="not a member"):
+                ring_comm(group)
+    else:
+        assert ring_comm(group) is ring_comm(group, "nccl") and ring_comm(group) is not ring_comm(None)
+        assert (ring_comm(group).rank, ring_comm(group).world) == (rank - 1, 2)
+    default = ring_comm()
+    assert default is ring_comm(None, "nccl") and (default.rank, default.world) == (rank, world)
+    dist.barrier()  # rank 0 hosts the store: it must not leave while the others still use it
+    return True
+
+
+def test_ring_comm_is_made_once_per_group_and_transport():
+    assert run_ranks(_ring_comm_worker, 3) == [True] * 3
 
 
 def _host_group_worker(rank, world):
