@@ -191,7 +191,7 @@ def ring_flash_attn_func(
             ops.announce_rejection(comm, q, k, causal, layout)
         raise error
     plan, vis = mask.op_args() if mask is not None else ([], [])
-    o, lse, _ = ops.ring_attn(
+    o, lse, _ = (ops.ring_attn if compiling else ops.ring_attn_eager)(
         q,
         k,
         v,
