@@ -80,9 +80,9 @@ def time_collective(fn, iters: int, warmup: int, repeats: int = 5) -> float:
     For the same reason the start event is queued behind `PRIMING_CALLS` untimed calls: the
     steady state of a run, where the host is ahead of the GPU. Recorded on an idle GPU, it
     would also time the host's lead being built up: at 8k tokens per rank the host spends
-    ~4.3 ms on a call (cross-rank check included) against the GPU's ~4.8 ms, so it takes a few
-    calls to get ahead, and until then the GPU waits for launches (2xH200, 10 calls: 5.08 ms
-    from an idle GPU, 4.94 behind one call, 4.81 with the host far ahead; docs/PERF_NOTES.md).
+    3.8-4.6 ms on a call (cross-rank check included) against the GPU's ~5 ms, so it takes a few
+    calls to get ahead, and until then the GPU waits for launches (2xH200, 10 calls: 5.1-5.3 ms
+    from an idle GPU, 4.9-5.1 behind one or three calls; docs/PERF_NOTES.md, "Tenth session").
     """
     for _ in range(warmup):
         fn()

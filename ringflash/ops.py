@@ -259,10 +259,10 @@ class _EagerRingAttn(torch.autograd.Function):
     """The ops' functions under a plain autograd.Function: what eager calls run.
 
     Same forward, backward and saved tensors as `ring_attn`, without torch.library's dispatch
-    (argument defaults, pytrees, the Dynamo guard around the implementation): ~0.2 ms of host
-    time per forward+backward, which at 8k tokens per rank on 2xH200 the GPU ends up waiting for
-    (the host spends ~4.3 of the GPU's ~4.8 ms a call). Under torch.compile `ring_flash_attn_func`
-    calls the op, which Dynamo sees as one node.
+    (argument defaults, pytrees, the Dynamo guard around the implementation). At 8k tokens per
+    rank on 2xH200, where the host barely keeps ahead of the GPU, the host's time per fwd+bwd
+    went from 4.8-4.9 to 3.8-3.9 ms (copy engine, cross-rank check on; docs/PERF_NOTES.md).
+    Under torch.compile `ring_flash_attn_func` calls the op, which Dynamo sees as one node.
     """
 
     @staticmethod
