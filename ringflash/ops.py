@@ -8,7 +8,10 @@
 `ring.ring_backward`; the first is differentiable in q, k, v through the second (registered with
 `register_autograd`), and both have fake implementations (shapes and dtypes only), so Dynamo and
 AOTAutograd never look inside the ring loop, its communication or its kernels. Public callers use
-`ringflash.ring_flash_attn_func`, which validates the inputs and calls the op.
+`ringflash.ring_flash_attn_func`, which validates the inputs and calls the op under
+torch.compile; in eager it calls the same functions through `ring_attn_eager`, a plain
+autograd.Function that skips torch.library's dispatch (host time the GPU waits for at small
+blocks).
 
 The process group cannot be an op argument (op schemas take tensors, scalars and strings), so it
 travels by name: `group.group_name`, the key under which torch.distributed registers every group,
