@@ -3,11 +3,13 @@
     torchrun --standalone --nproc_per_node=2 docs/experiments/host_overhead.py 8192 label
 
 Per transport, 10 back-to-back fwd+bwd calls of `ring_flash_attn_func` (cross-rank check on),
-GPU ms per call (median of 5 runs, slowest rank) timed four ways: `cold`, the start event
+GPU ms per call (median of 5 runs, slowest rank) timed five ways: `cold`, the start event
 recorded on an idle GPU; `primed` / `primed3`, behind one / three untimed calls (bench_ring's
 `time_collective` uses three); `prefilled`, the GPU asleep (~75 ms, `torch.cuda._sleep`, private)
-while the host queues every call, so no launch is ever late. And the host's ms per call. If
-`cold` is well above `prefilled`, the GPU waits for launches. Run it from the tree under test.
+while the host queues every call, so no launch is ever late; `busy`, the same with the GPU
+multiplying matrices (~50 ms) instead of asleep, so the calls do not start on a cool GPU. And
+the host's ms per call. If `cold` is well above `prefilled`, the GPU waits for launches; if
+`busy` is well above `prefilled`, part of that is the clocks. Run it from the tree under test.
 """
 import os
 import statistics
@@ -20,7 +22,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.getcwd())
 from ringflash import nccl_options, ring_flash_attn_func
 
-MODES = ("cold", "primed", "primed3", "prefilled")
+MODES = ("cold", "primed", "primed3", "prefilled", "busy")
 
 
 def timed(fn, mode: str, iters: int = 10) -> tuple[float, float]:
@@ -29,6 +31,10 @@ def timed(fn, mode: str, iters: int = 10) -> tuple[float, float]:
     dist.barrier()
     if mode == "prefilled":
         torch.cuda._sleep(int(1.5e8))
+    if mode == "busy":
+        a = torch.randn(8192, 8192, device=torch.cuda.current_device(), dtype=torch.bfloat16)
+        for _ in range(40):  # ~1.4 ms each on an H200
+            a @ a
     for _ in range({"primed": 1, "primed3": 3}.get(mode, 0)):
         fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
