@@ -68,8 +68,10 @@ def _cp_vs_single(rank, world, cfg):
         (2, ["--parallel.cp=2", "--data.passkey_loss=all", "--parallel.layout=contiguous"]),
         (2, ["--parallel.cp=1", "--data.passkey_loss=answer"]),  # dp = 2: the same global mean
         (8, ["--parallel.cp=4", "--data.passkey_loss=answer"]),  # dp 2 × cp 4, as on an 8-GPU node
+        # Each block replayed in the backward, the ring and its communication with it.
+        (2, ["--parallel.cp=2", "--data.passkey_loss=all", "--train.activation_checkpointing=true"]),
     ],
-    ids=["zigzag-answer-accum", "contiguous-all", "dp2", "dp2-cp4"],
+    ids=["zigzag-answer-accum", "contiguous-all", "dp2", "dp2-cp4", "checkpointed"],
 )
 def test_parallel_step_matches_one_process(world, overrides):
     cfg = tiny(None, *overrides)
