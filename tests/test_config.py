@@ -23,6 +23,17 @@ def test_defaults_are_valid():
     assert cfg == Config()
 
 
+def test_choices_are_the_librarys():
+    # train/config.py spells them out so that loading a config imports no torch; they must stay
+    # what the ring accepts.
+    from ringflash.comm import TRANSPORTS
+    from ringflash.layout import LAYOUTS
+
+    choices = {f.name: f.metadata["choices"] for f in dataclasses.fields(ParallelConfig)}
+    assert set(choices["layout"]) == set(LAYOUTS)
+    assert set(choices["transport"]) == set(TRANSPORTS)
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_shipped_configs_load(path):
     cfg = load_config(path)
