@@ -270,8 +270,9 @@ class _EagerRingAttn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, kwargs, *mask_vis):
-        out = _ring_attn(q, k, v, list(mask_vis), **kwargs)
-        _setup_context(ctx, (q, k, v, list(mask_vis)), kwargs, out)
+        mask_vis = list(mask_vis)
+        out = _ring_attn(q, k, v, mask_vis, **kwargs)
+        _setup_context(ctx, (q, k, v, mask_vis), kwargs, out)
         return out
 
     @staticmethod
