@@ -245,6 +245,9 @@ def _setup_context(ctx, inputs, keyword_only_inputs, output):
     drop = ("check_ranks", "window", "mask_key")  # the cross-rank check ran in the forward
     ctx.kwargs = {key: val for key, val in keyword_only_inputs.items() if key not in drop}
     ctx.mark_non_differentiable(lse, kv)
+    # lse and kv never get a gradient: without this autograd would hand the backward zeros the
+    # size of kv, a 64 MB memset per call at 8k tokens per rank (27 us on an H200).
+    ctx.set_materialize_grads(False)
 
 
 def _grads(ctx, do, backward) -> tuple:
