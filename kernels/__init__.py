@@ -57,6 +57,7 @@ def attn_fwd(
     softmax_scale: float | None = None,
     out_dtype: torch.dtype | None = None,
     acc: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out: torch.Tensor | None = None,
     window: int | None = None,
     visibility: Visibility | None = None,
     backend: str | None = None,
@@ -70,12 +71,15 @@ def attn_fwd(
     This block's result is merged into it in place, exactly (`kernels.reference.ref_merge`:
     lse = logaddexp, weights σ(∓d); −inf on either or both sides is safe), and `acc` is
     returned. The Triton kernel does it in its epilogue: one launch, no extra pass over O.
+    `out`: where o goes (shaped like q, in its own dtype; views fine) instead of a new tensor or,
+    with `acc`, o_acc (then only read; lse_acc is still updated): the ring's last step writes its
+    merged o rounded to q's dtype this way, without a separate cast.
     `window=w` (with causal=True, Nq == Nk): causal sliding window, query i sees keys
     i − w < j <= i, w keys counting the diagonal (flash_attn's `window_size=(w − 1, 0)`).
     `visibility=`: any per-row key intervals, e.g. packed documents at global positions
     (`kernels.visibility`, kernels/masks.py); it replaces `causal` and `window`, and Nq, Nk are free.
     """
-    kw = dict(causal=causal, softmax_scale=softmax_scale, out_dtype=out_dtype, acc=acc, window=window,
+    kw = dict(causal=causal, softmax_scale=softmax_scale, out_dtype=out_dtype, acc=acc, out=out, window=window,
               visibility=visibility)
     if resolve_backend(backend, q.device) == "reference":
         return ref_attn_fwd(q, k, v, **kw)
@@ -97,6 +101,7 @@ def attn_bwd(
     grad_dtype: torch.dtype | None = None,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     accumulate: bool = False,
+    acc: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     window: int | None = None,
     visibility: Visibility | None = None,
     after_dkdv: Callable[[], None] | None = None,
@@ -108,6 +113,9 @@ def attn_bwd(
     `out=(dq, dk, dv)`: write into these (views of larger buffers are fine) instead of new
     tensors; with `accumulate=True` the gradients are added to what `out` holds (in float32 on
     chip), which is how the ring sums its steps' dq and dK/dV without a separate pass.
+    `acc=(dq_acc, dk_acc, dv_acc)` (float32, shaped like out): the gradients are added to what
+    these hold and the sums written to `out`, in `grad_dtype`: the ring's last step rounds its
+    float32 sums to the input dtype this way, without a separate cast.
     `window`, `visibility`: the forward's mask (see `attn_fwd`).
     `after_dkdv()`: called once dk and dv are final, written or added (on CUDA: once their
     kernel is queued on the current stream), and before dq is; the ring sends the finished dK/dV
@@ -115,26 +123,31 @@ def attn_bwd(
     """
     if resolve_backend(backend, q.device) == "reference":
         grads = ref_attn_bwd(
-            do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale, grad_dtype=grad_dtype,
+            do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale,
+            grad_dtype=torch.float32 if acc is not None else grad_dtype,  # rounded after the sum, as on chip
             window=window, visibility=visibility,
         )
-        if out is None and not accumulate:
+        if out is None and not accumulate and acc is None:
             if after_dkdv is not None:
                 after_dkdv()
             return grads
-        check_grad_out(out, accumulate, q, k, grads[0].dtype)
-        write = torch.Tensor.add_ if accumulate else torch.Tensor.copy_
-        write(out[1], grads[1])
-        write(out[2], grads[2])
+        check_grad_out(out, accumulate, q, k, grad_dtype or q.dtype, acc)
+        base = out if accumulate else acc or (None, None, None)
+
+        def write(i: int) -> None:
+            out[i].copy_(grads[i] if base[i] is None else base[i] + grads[i])
+
+        write(1)
+        write(2)
         if after_dkdv is not None:
             after_dkdv()
-        write(out[0], grads[0])
+        write(0)
         return tuple(out)
     from kernels.triton_bwd import triton_attn_bwd
 
     return triton_attn_bwd(
         do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale, grad_dtype=grad_dtype,
-        out=out, accumulate=accumulate, window=window, visibility=visibility, after_dkdv=after_dkdv,
+        out=out, accumulate=accumulate, acc=acc, window=window, visibility=visibility, after_dkdv=after_dkdv,
     )
 
 

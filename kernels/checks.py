@@ -84,26 +84,38 @@ def check_grad_out(
     q: torch.Tensor,
     k: torch.Tensor,
     grad_dtype: torch.dtype,
+    acc: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Check the backward's optional output buffers `out = (dq, dk, dv)`: q's and k's shapes,
-    `grad_dtype`, q's device, contiguous last dim (views of larger tensors are fine)."""
+    `grad_dtype`, q's device, contiguous last dim (views of larger tensors are fine); and the
+    running sums `acc = (dq_acc, dk_acc, dv_acc)` to add to: the same, in float32."""
     if out is None:
-        if accumulate:
-            raise ValueError("accumulate=True needs out=(dq, dk, dv): the buffers to add into")
+        if accumulate or acc is not None:
+            raise ValueError(f"{'acc=' if acc is not None else 'accumulate=True'} needs out=(dq, dk, dv): the buffers "
+                             "to write the sums into")
         return
-    if not isinstance(out, (tuple, list)) or len(out) != 3:
-        raise TypeError(f"out must be a tuple (dq, dk, dv) of tensors, got {type(out).__name__}")
-    for name, t, like in (("dq", out[0], q), ("dk", out[1], k), ("dv", out[2], k)):
+    if accumulate and acc is not None:
+        raise ValueError("give accumulate=True (add to out) or acc= (add to acc, write to out), not both")
+    _check_grads("out", out, q, k, grad_dtype)
+    if acc is not None:
+        _check_grads("acc", acc, q, k, torch.float32)
+
+
+def _check_grads(what: str, ts, q: torch.Tensor, k: torch.Tensor, dtype: torch.dtype) -> None:
+    if not isinstance(ts, (tuple, list)) or len(ts) != 3:
+        raise TypeError(f"{what} must be a tuple (dq, dk, dv) of tensors, got {type(ts).__name__}")
+    for name, t, like in (("dq", ts[0], q), ("dk", ts[1], k), ("dv", ts[2], k)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"out {name} must be a torch.Tensor, got {type(t).__name__}")
+            raise TypeError(f"{what} {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.shape != like.shape:
-            raise ValueError(f"out {name} must have shape {tuple(like.shape)}, got {tuple(t.shape)}")
-        if t.dtype != grad_dtype:
-            raise TypeError(f"out {name} must have the gradient dtype {grad_dtype}, got {t.dtype}")
+            raise ValueError(f"{what} {name} must have shape {tuple(like.shape)}, got {tuple(t.shape)}")
+        if t.dtype != dtype:
+            want = f"have the gradient dtype {dtype}" if what == "out" else "be float32 (running sums)"
+            raise TypeError(f"{what} {name} must {want}, got {t.dtype}")
         if t.device != q.device:
-            raise ValueError(f"out {name} must be on q's device ({q.device}), got {t.device}")
+            raise ValueError(f"{what} {name} must be on q's device ({q.device}), got {t.device}")
         if t.stride(-1) != 1:
-            raise ValueError(f"out {name} must have a contiguous last dim (stride 1), got strides {t.stride()}")
+            raise ValueError(f"{what} {name} must have a contiguous last dim (stride 1), got strides {t.stride()}")
 
 
 def check_acc(
@@ -127,6 +139,40 @@ def check_acc(
         raise ValueError(f"acc o_acc must have a contiguous last dim (stride 1), got strides {acc[0].stride()}")
     if out_dtype not in (None, torch.float32):
         raise ValueError(f"out_dtype must be None or float32 with acc= (the accumulator is float32), got {out_dtype}")
+
+
+def check_fwd_out(out: torch.Tensor, q: torch.Tensor) -> None:
+    """Check the forward's optional output buffer `out`: q's shape and device, a supported dtype,
+    a contiguous last dim (a view of a larger tensor is fine)."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if out.shape != q.shape:
+        raise ValueError(f"out must have q's shape {tuple(q.shape)}, got {tuple(out.shape)}")
+    if out.device != q.device:
+        raise ValueError(f"out must be on q's device ({q.device}), got {out.device}")
+    if out.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"out must have one of the dtypes {SUPPORTED_DTYPES}, got {out.dtype}")
+    if out.stride(-1) != 1:
+        raise ValueError(f"out must have a contiguous last dim (stride 1), got strides {out.stride()}")
+
+
+def resolve_fwd_outputs(
+    q: torch.Tensor, out_dtype: torch.dtype | None, acc: tuple[torch.Tensor, torch.Tensor] | None,
+    out: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the forward writes `(o, lse)`, checked: o to `out`, else o_acc, else a new tensor in
+    `out_dtype` (default q's); lse to lse_acc, else a new float32 `(B, H, Nq)`."""
+    if acc is not None:
+        check_acc(acc, q, None if out is not None else out_dtype)
+    if out is not None:
+        check_fwd_out(out, q)
+        if out_dtype not in (None, out.dtype):
+            raise ValueError(f"out_dtype {out_dtype} differs from out's dtype {out.dtype}; give one of them")
+    B, Nq, H, _ = q.shape
+    if out is None:
+        out = acc[0] if acc is not None else torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
+    lse = acc[1] if acc is not None else torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
+    return out, lse
 
 
 def resolve_scale(softmax_scale: float | None, head_dim: int) -> float:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.checks import check_acc, check_bwd, check_qkv, resolve_scale
+from kernels.checks import check_bwd, check_qkv, resolve_fwd_outputs, resolve_scale
 from kernels.masks import Visibility, resolve_visibility
 
 
@@ -58,6 +58,7 @@ def ref_attn_fwd(
     softmax_scale: float | None = None,
     out_dtype: torch.dtype | None = None,
     acc: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out: torch.Tensor | None = None,
     window: int | None = None,
     visibility: Visibility | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,12 +67,12 @@ def ref_attn_fwd(
     Returns `o (B, Nq, H, D)` in `out_dtype` (default q's dtype) and `lse (B, H, Nq)` float32 (natural log).
     Rows with no visible key give `o = 0` and `lse = -inf`. With `acc=(o_acc, lse_acc)` (float32)
     the result is merged into the accumulator in place (`ref_merge`) and `acc` is returned.
+    `out`: where o goes instead (o_acc is then only read), as in `kernels.attn_fwd`.
     `window` / `visibility`: the masks of kernels/masks.py.
     """
     check_qkv(q, k, v, causal and visibility is None)
     vis = resolve_visibility(q, k, causal, window, visibility)
-    if acc is not None:
-        check_acc(acc, q, out_dtype)
+    o_out, lse_out = resolve_fwd_outputs(q, out_dtype, acc, out)
     scale = resolve_scale(softmax_scale, q.shape[-1])
     B, Nq, H, _ = q.shape
     s = _scores(q, k, causal, scale, vis)  # (B, Hkv, G, Nq, Nk)
@@ -80,9 +81,12 @@ def ref_attn_fwd(
     o = _ungrouped(torch.einsum("bhgqk,bhkd->bhgqd", p, v.float().permute(0, 2, 1, 3)))
     lse = lse.reshape(B, H, Nq)
     if acc is not None:
-        ref_merge(acc[0], acc[1], o, lse)
-        return acc[0], acc[1]
-    return o.to(out_dtype or q.dtype), lse
+        merged = acc[0] if out is None else acc[0].clone()  # with out, o_acc is only read
+        ref_merge(merged, lse_out, o, lse)
+        o = merged
+    else:
+        lse_out.copy_(lse)
+    return o_out.copy_(o) if o_out is not o else o_out, lse_out
 
 
 @torch.no_grad()

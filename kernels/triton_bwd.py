@@ -114,10 +114,11 @@ def _dkdv_inner(
 
 @triton.jit
 def _bwd_dkdv(
-    Q, K, V, DO, LSE, Delta, DK, DV,
+    Q, K, V, DO, LSE, Delta, DK, DV, DKA, DVA,
     stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
     stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+    stride_dkab, stride_dkan, stride_dkah, stride_dvab, stride_dvan, stride_dvah,
     KV_LO, KV_HI, Q_LO, Q_HI, stride_rqb, stride_rkb,
     Hkv, Nq, Nk, qk_scale, softmax_scale, n_sms,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, RANGES: tl.constexpr,
@@ -182,9 +183,11 @@ def _bwd_dkdv(
     # (float32 stores without the causal mask compile to a slow loop; adding into DK/DV does not):
     # time any change on the ring's variants too (docs/PERF_NOTES.md, "Ring step kernels").
     dk = dk * softmax_scale
-    if ACCUMULATE:  # add to what DK and DV hold (the ring's float32 sums over its steps)
-        dk += load_tile(dk_ptrs, offs_n, offs_d, Nk, True, HEAD_DIM, BLOCK_D).to(tl.float32)
-        dv += load_tile(dv_ptrs, offs_n, offs_d, Nk, True, HEAD_DIM, BLOCK_D).to(tl.float32)
+    if ACCUMULATE:  # add to what DKA and DVA hold (the ring's float32 sums; DK and DV, or not)
+        dka_ptrs = DKA + off_b * stride_dkab + off_hkv * stride_dkah + offs_n[:, None] * stride_dkan + offs_d[None, :]
+        dva_ptrs = DVA + off_b * stride_dvab + off_hkv * stride_dvah + offs_n[:, None] * stride_dvan + offs_d[None, :]
+        dk += load_tile(dka_ptrs, offs_n, offs_d, Nk, True, HEAD_DIM, BLOCK_D).to(tl.float32)
+        dv += load_tile(dva_ptrs, offs_n, offs_d, Nk, True, HEAD_DIM, BLOCK_D).to(tl.float32)
     store_tile(dk_ptrs, dk.to(DK.dtype.element_ty), offs_n, offs_d, Nk, HEAD_DIM, BLOCK_D)
     store_tile(dv_ptrs, dv.to(DV.dtype.element_ty), offs_n, offs_d, Nk, HEAD_DIM, BLOCK_D)
 
@@ -219,10 +222,10 @@ def _dq_inner(
 
 @triton.jit
 def _bwd_dq(
-    Q, K, V, DO, LSE, Delta, DQ,
+    Q, K, V, DO, LSE, Delta, DQ, DQA,
     stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
-    stride_dqb, stride_dqn, stride_dqh,
+    stride_dqb, stride_dqn, stride_dqh, stride_dqab, stride_dqan, stride_dqah,
     KV_LO, KV_HI, stride_rqb,
     H, Nq, Nk, qk_scale, softmax_scale, n_sms,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, RANGES: tl.constexpr,
@@ -282,9 +285,18 @@ def _bwd_dq(
 
     dq_ptrs = DQ + off_b * stride_dqb + off_h * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :]
     dq = dq * softmax_scale
-    if ACCUMULATE:  # add to what DQ holds (the ring's float32 sum over its steps)
-        dq += load_tile(dq_ptrs, offs_m, offs_d, Nq, True, HEAD_DIM, BLOCK_D).to(tl.float32)
+    if ACCUMULATE:  # add to what DQA holds (the ring's float32 sum over its steps; DQ, or not)
+        dqa_ptrs = DQA + off_b * stride_dqab + off_h * stride_dqah + offs_m[:, None] * stride_dqan + offs_d[None, :]
+        dq += load_tile(dqa_ptrs, offs_m, offs_d, Nq, True, HEAD_DIM, BLOCK_D).to(tl.float32)
     store_tile(dq_ptrs, dq.to(DQ.dtype.element_ty), offs_m, offs_d, Nq, HEAD_DIM, BLOCK_D)
+
+
+def _copy_or_zero(t: torch.Tensor, src: torch.Tensor | None) -> None:
+    """`t` = `src` (a gradient nothing was added to), or zeros without one."""
+    if src is None:
+        t.zero_()
+    elif src is not t:
+        t.copy_(src)
 
 
 def triton_attn_bwd(
@@ -300,6 +312,7 @@ def triton_attn_bwd(
     grad_dtype: torch.dtype | None = None,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     accumulate: bool = False,
+    acc: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     window: int | None = None,
     visibility: Visibility | None = None,
     after_dkdv: Callable[[], None] | None = None,
@@ -310,7 +323,8 @@ def triton_attn_bwd(
     `do, o` like `q (B, Nq, H, D)`; `k, v (B, Nk, Hkv, D)`; `lse (B, H, Nq)` float32 natural log.
     Returns `dq (B, Nq, H, D)`, `dk, dv (B, Nk, Hkv, D)` in `grad_dtype` (default q's dtype; the
     ring asks for float32 to accumulate across steps): new tensors, or `out`'s (any strides), added
-    to what they hold instead of written when `accumulate` (see `kernels.attn_bwd`).
+    to what they hold instead of written when `accumulate`, or to what `acc` holds (see
+    `kernels.attn_bwd`).
     `window` / `visibility`: the forward's mask (kernels/masks.py). `after_dkdv()`: called
     between the dK/dV launch and the dQ launch (see `kernels.attn_bwd`).
     """
@@ -319,19 +333,22 @@ def triton_attn_bwd(
     check_bwd(do, q, o, lse)
     scale = resolve_scale(softmax_scale, q.shape[-1])
     out_dtype = grad_dtype or q.dtype
-    check_grad_out(out, accumulate, q, k, out_dtype)
+    check_grad_out(out, accumulate, q, k, out_dtype, acc)
     B, Nq, H, D = q.shape
     Nk, Hkv = k.shape[1], k.shape[2]
     if out is None:
         out = tuple(torch.empty(t.shape, dtype=out_dtype, device=q.device) for t in (q, k, v))
     dq, dk, dv = out
-    if Nq == 0 or Nk == 0 or B * H == 0:  # no (query, key) pair: zero gradients, nothing to add
-        if not accumulate:
-            dk.zero_()
-            dv.zero_()
+    if accumulate:
+        acc = out
+    if Nq == 0 or Nk == 0 or B * H == 0:  # no (query, key) pair: zero gradients, or the sums unchanged
+        dqa, dka, dva = acc or (None, None, None)
+        for t, a in ((dk, dka), (dv, dva)):
+            _copy_or_zero(t, a)
         if after_dkdv is not None:
             after_dkdv()
-        return dq if accumulate else dq.zero_(), dk, dv
+        _copy_or_zero(dq, dqa)
+        return dq, dk, dv
     lse = lse.contiguous()
     delta = torch.empty_like(lse)
     BD = block_d(D)
@@ -349,16 +366,18 @@ def triton_attn_bwd(
         q_ranges = (vis.q_lo, vis.q_hi, batch_stride(vis.q_lo))
     strides_in = (*bhnd_strides(q), *bhnd_strides(k), *bhnd_strides(v), *bhnd_strides(do))
     tiles = tiles or {}
+    dqa, dka, dva = acc or out  # the running sums to add to; never read without acc
     srcs, tile, tma = kernel_inputs("dkdv", (q, k, v, do), tiles.get("dkdv"), BD)
     launch("dkdv", _bwd_dkdv, lambda meta: (triton.cdiv(Nk, meta["BLOCK_N"]), B * Hkv),
-           (*srcs, lse, delta, dk, dv, *strides_in, *bhnd_strides(dk), *bhnd_strides(dv),
-            *kv_ranges[:2], *q_ranges[:2], kv_ranges[2], q_ranges[2],
-            Hkv, Nq, Nk, scale * LOG2E, scale, num_sms(q.device)), dict(common, ACCUMULATE=accumulate, TMA=tma), tile)
+           (*srcs, lse, delta, dk, dv, dka, dva, *strides_in, *bhnd_strides(dk), *bhnd_strides(dv),
+            *bhnd_strides(dka), *bhnd_strides(dva), *kv_ranges[:2], *q_ranges[:2], kv_ranges[2], q_ranges[2],
+            Hkv, Nq, Nk, scale * LOG2E, scale, num_sms(q.device)),
+           dict(common, ACCUMULATE=acc is not None, TMA=tma), tile)
     if after_dkdv is not None:
         after_dkdv()
     srcs, tile, tma = kernel_inputs("dq", (q, k, v, do), tiles.get("dq"), BD)
     launch("dq", _bwd_dq, lambda meta: (triton.cdiv(Nq, meta["BLOCK_M"]), B * H),
-           (*srcs, lse, delta, dq, *strides_in, *bhnd_strides(dq), *kv_ranges,
+           (*srcs, lse, delta, dq, dqa, *strides_in, *bhnd_strides(dq), *bhnd_strides(dqa), *kv_ranges,
             H, Nq, Nk, scale * LOG2E, scale, num_sms(q.device)),
-           dict(common, ACCUMULATE=accumulate, TMA=tma), tile)
+           dict(common, ACCUMULATE=acc is not None, TMA=tma), tile)
     return dq, dk, dv

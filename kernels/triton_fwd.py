@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import check_acc, check_qkv, resolve_scale
+from kernels.checks import check_qkv, resolve_fwd_outputs, resolve_scale
 from kernels.launch_utils import (
     LOG2E,
     bhnd_strides,
@@ -111,11 +111,12 @@ def _merge_into(o_blk, lse_blk, o_ptrs, lse_ptrs, offs_m, offs_d, Nq,
 
 @triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, O, LSE,
+    Q, K, V, O, LSE, OA,
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_ob, stride_on, stride_oh,
+    stride_oab, stride_oan, stride_oah,
     stride_lb, stride_lh, stride_ln,
     KV_LO, KV_HI, stride_rb,
     H, Nq, Nk, qk_scale, n_sms,
@@ -188,8 +189,9 @@ def _attn_fwd_kernel(
 
     o_ptrs = O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :]
     lse_ptrs = LSE + off_b * stride_lb + off_h * stride_lh + offs_m * stride_ln
-    if MERGE:  # O, LSE hold the running accumulator: read it, write the merge back in place
-        o, lse = _merge_into(o, lse, o_ptrs, lse_ptrs, offs_m, offs_d, Nq, HEAD_DIM, BLOCK_D)
+    if MERGE:  # OA, LSE hold the running accumulator: read it, write the merge to O (OA or not), LSE
+        oa_ptrs = OA + off_b * stride_oab + off_h * stride_oah + offs_m[:, None] * stride_oan + offs_d[None, :]
+        o, lse = _merge_into(o, lse, oa_ptrs, lse_ptrs, offs_m, offs_d, Nq, HEAD_DIM, BLOCK_D)
     store_tile(o_ptrs, o.to(O.dtype.element_ty), offs_m, offs_d, Nq, HEAD_DIM, BLOCK_D)
     tl.store(lse_ptrs, lse, mask=offs_m < Nq)
 
@@ -203,6 +205,7 @@ def triton_attn_fwd(
     softmax_scale: float | None = None,
     out_dtype: torch.dtype | None = None,
     acc: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out: torch.Tensor | None = None,
     window: int | None = None,
     visibility: Visibility | None = None,
     tile: Tile | None = None,
@@ -212,6 +215,9 @@ def triton_attn_fwd(
     Returns `o (B, Nq, H, D)` (contiguous, in `out_dtype`, default q's) and `lse (B, H, Nq)` float32, natural log.
     With `acc=(o_acc, lse_acc)` (float32 `(B, Nq, H, D)` and `(B, H, Nq)`, any strides with a
     contiguous last dim of o_acc) this block's result is merged into them in place and they are returned.
+    `out`: where o goes (shaped like q, its own dtype; a view of a larger tensor is fine) instead of
+    a new tensor or, with `acc`, o_acc (then only read): the ring's last step rounds its merged o
+    to q's dtype this way, without a separate cast.
     `window` (causal sliding window) and `visibility` (any per-row key intervals): kernels/masks.py.
     """
     check_qkv(q, k, v, causal and visibility is None)
@@ -219,17 +225,14 @@ def triton_attn_fwd(
     scale = resolve_scale(softmax_scale, q.shape[-1])
     B, Nq, H, D = q.shape
     Nk, Hkv = k.shape[1], k.shape[2]
-    if acc is not None:
-        check_acc(acc, q, out_dtype)
-        o, lse = acc
-    else:
-        o = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
-        lse = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
+    o, lse = resolve_fwd_outputs(q, out_dtype, acc, out)
     if Nq == 0 or B * H == 0:
         return o, lse
     BD = block_d(D)
     srcs, tile, tma = kernel_inputs("fwd", (q, k, v), tile, BD)
-    args = (*srcs, o, lse, *bhnd_strides(q), *bhnd_strides(k), *bhnd_strides(v), *bhnd_strides(o),
+    o_acc = o if acc is None else acc[0]  # never read without acc
+    args = (*srcs, o, lse, o_acc, *bhnd_strides(q), *bhnd_strides(k), *bhnd_strides(v), *bhnd_strides(o),
+            *bhnd_strides(o_acc),
             *lse.stride(), *_ranges_args(vis, q), H, Nq, Nk, scale * LOG2E, num_sms(q.device))
     consts = dict(HEAD_DIM=D, GROUP=H // Hkv, CAUSAL=causal and vis is None, RANGES=vis is not None,
                   UPCAST=upcast_dots(q.dtype), PRECISION=dot_precision(q.dtype), MERGE=acc is not None,

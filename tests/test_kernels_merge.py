@@ -1,4 +1,5 @@
-"""`attn_fwd(acc=(o_acc, lse_acc))`: the forward merges its result into a running float32 accumulator.
+"""`attn_fwd(acc=(o_acc, lse_acc), out=...)`: the forward merges its result into a running float32
+accumulator (in place, or written rounded to `out`).
 
 This is a ring step in one launch: the accumulator holds attention over the keys seen so far, the
 call adds a disjoint set of keys. Checked against float64 attention over the union of keys, on
@@ -129,6 +130,30 @@ def test_fused_matches_separate_merge():
     torch.testing.assert_close(fused[1], l_sep, rtol=1e-6, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("backend", "device"),
+    [("reference", "cpu"), ("triton", "cpu"), pytest.param("triton", "cuda", marks=pytest.mark.gpu)],
+)
+def test_out_takes_the_merge_rounded(backend, device):
+    """`out=` (the ring's last step): the merged o written rounded to out's dtype, bit-identical
+    to merging in place and rounding after; o_acc only read, lse_acc updated as in place.
+    (float16 on CPU: Triton's interpreter truncates to bfloat16 where GPUs round to nearest.)"""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    B, N, H, D = 2, 50, 4, 64
+    q, k, v = (t.to(device) for t in _inputs(B, N, 2 * N, H, 2, D, dtype, seed=6))
+    o0, l0 = attn_fwd(q, k[:, :N], v[:, :N], causal=True, out_dtype=torch.float32, backend=backend)
+    in_place = attn_fwd(q, k[:, N:], v[:, N:], acc=(o0.clone(), l0.clone()), backend=backend)
+    o_acc, lse_acc = o0.clone(), l0.clone()
+    out = torch.full((B, N + 10, H, D), 7.0, dtype=dtype, device=device)[:, 5 : 5 + N]  # a view
+    ret = attn_fwd(q, k[:, N:], v[:, N:], acc=(o_acc, lse_acc), out=out, backend=backend)
+    assert ret[0] is out and ret[1] is lse_acc
+    assert torch.equal(out, in_place[0].to(dtype)) and torch.equal(lse_acc, in_place[1])
+    assert torch.equal(o_acc, o0)
+    # Without acc, out is simply where o goes.
+    plain = attn_fwd(q, k, v, backend=backend)
+    assert torch.equal(attn_fwd(q, k, v, out=torch.empty_like(q), backend=backend)[0], plain[0])
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bad_acc_names_the_argument(backend):
     q, k, v = _inputs(1, 8, 8, 2, 2, 32, torch.bfloat16)
@@ -143,6 +168,12 @@ def test_bad_acc_names_the_argument(backend):
         attn_fwd(q, k, v, acc=(o.transpose(1, 3).contiguous().transpose(1, 3), lse), backend=backend)
     with pytest.raises(ValueError, match="out_dtype must be None or float32"):
         attn_fwd(q, k, v, acc=(o, lse), out_dtype=torch.bfloat16, backend=backend)
+    with pytest.raises(ValueError, match="out must have q's shape"):
+        attn_fwd(q, k, v, acc=(o, lse), out=q[:, :4], backend=backend)
+    with pytest.raises(ValueError, match=r"out_dtype torch\.float32 differs from out.s dtype torch\.bfloat16"):
+        attn_fwd(q, k, v, out_dtype=torch.float32, out=torch.empty_like(q), backend=backend)
+    with pytest.raises(TypeError, match="out must have one of the dtypes"):
+        attn_fwd(q, k, v, out=q.to(torch.float64), backend=backend)
 
 
 def _masked_f64(q, k, v, mask):

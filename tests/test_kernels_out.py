@@ -1,5 +1,5 @@
-"""`attn_bwd(out=..., accumulate=...)`: gradients written into, or added to, given buffers (the
-ring's path).
+"""`attn_bwd(out=..., accumulate=..., acc=...)`: gradients written into, or added to, given buffers
+(the ring's path).
 
 The ring hands the backward strided views of its float32 accumulators and sums dq and dK/dV over
 its steps on chip; these tests check both against the float64 ground truth, on both backends.
@@ -46,6 +46,33 @@ def test_out_views_and_accumulated_gradients(backend):
     assert rel_err(dkv[0], truth["dk"]) < 2e-5 and rel_err(dkv[1], truth["dv"]) < 2e-5
 
 
+@pytest.mark.parametrize(
+    ("backend", "device"),
+    [("reference", "cpu"), ("triton", "cpu"), pytest.param("triton", "cuda", marks=pytest.mark.gpu)],
+)
+@pytest.mark.parametrize("n_keys", [40, 0])
+def test_sums_read_from_acc_and_written_rounded(backend, device, n_keys):
+    # The ring's last step: add this block's gradients to float32 sums held elsewhere (`acc`) and
+    # write the totals in the input dtype. Bit-identical to adding in float32, then rounding.
+    # (float16 on CPU: Triton's interpreter truncates to bfloat16 where GPUs round to nearest.)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    q, k, v, do = (t.to(device, dtype) for t in _inputs())
+    k, v = k[:, :n_keys], v[:, :n_keys]
+    o, lse = torch.randn_like(q), torch.randn(2, 4, 40, device=device)
+    gen = torch.Generator().manual_seed(2)
+    sums = (torch.randn(2, 50, 4, 32, generator=gen)[:, 5:45], *(torch.randn(k.shape, generator=gen) for _ in "kv"))
+    sums = tuple(t.to(device) for t in sums)
+    before = tuple(t.clone() for t in sums)
+    f32 = tuple(t.clone() for t in sums)
+    attn_bwd(do, q, k, v, o, lse, grad_dtype=torch.float32, out=f32, accumulate=True, backend=backend)
+    out = tuple(torch.empty(t.shape, dtype=dtype, device=device) for t in sums)
+    ret = attn_bwd(do, q, k, v, o, lse, out=out, acc=sums, backend=backend)
+    assert all(r is t for r, t in zip(ret, out))
+    for got, want, s, b in zip(out, f32, sums, before):
+        assert torch.equal(got, want.to(dtype))
+        assert torch.equal(s, b)  # acc is read, never written
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_no_keys_writes_zeros_or_adds_nothing(backend, accumulate):
@@ -70,6 +97,12 @@ def test_bad_out_names_the_buffer(backend):
         attn_bwd(do, q, k, v, o, lse, out=(good[0], good[1][:, :5], good[2]), backend=backend)
     with pytest.raises(TypeError, match=r"out dq must have the gradient dtype torch\.float16"):
         attn_bwd(do, q, k, v, o, lse, grad_dtype=torch.float16, out=good, backend=backend)
+    with pytest.raises(ValueError, match="acc= needs out"):
+        attn_bwd(do, q, k, v, o, lse, acc=good, backend=backend)
+    with pytest.raises(ValueError, match="not both"):
+        attn_bwd(do, q, k, v, o, lse, out=good, accumulate=True, acc=good, backend=backend)
+    with pytest.raises(TypeError, match=r"acc dv must be float32 \(running sums\), got torch\.float16"):
+        attn_bwd(do, q, k, v, o, lse, out=good, acc=(*good[:2], good[2].half()), backend=backend)
 
 
 @pytest.mark.parametrize(
