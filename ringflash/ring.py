@@ -10,12 +10,14 @@ launches nothing, but its K/V (and, backward, dK/dV) still travel: every rank do
 transfers in the same order.
 
 Forward: partial `(o, lse)` are merged in float32 (merge.py's math, fused into the forward
-kernel through `attn_fwd(acc=...)`); o is cast once to q's dtype.
+kernel through `attn_fwd(acc=...)`); the last step's kernel writes its rows of o rounded to q's
+dtype (`out=`), the other rows are cast.
 Backward: the kernels recompute `P = exp(S·scale − lse)` and `delta = rowsum(do·o)` from the
 *global* `o` and `lse`, so each block's gradients are exact pieces of the full gradient. dQ
 accumulates locally in float32; the float32 dK/dV of each block travel around the ring behind
 it, each rank adding its share, and arrive back on the block's home rank after W hops (the
-last hop, already finished, in the input dtype).
+last hop, already finished, in the input dtype). As in the forward, the last step's kernels
+write their sums rounded (`attn_bwd(acc=...)`) instead of a cast pass after them.
 
 Communication overlaps compute: the transfer for step s+1 is posted before step s computes
 (two K/V buffers in turn); on NCCL only if its streams have high priority (comm.py's
@@ -91,22 +93,26 @@ def ring_forward(q, kv, *, causal: bool, scale: float, layout: str, comm, backen
         return attn_fwd(q, kv[0], kv[1], softmax_scale=scale, backend=backend, **_mask(*plan[0]))
     comm.reserve(kv)
     buf = _ring_buffers(kv, comm)
+    last = comm.world - 1
     o = lse = None
+    out = torch.empty_like(q)  # o rounded to q's dtype: the last step's kernel writes its rows
     for s, entry in enumerate(plan):
         cur = buf(s)
         # Post the next block's transfer first so that it travels while this one is computed.
-        transfer = comm.send_recv(cur, buf(s + 1), _KV_TAG) if s + 1 < comm.world else None
+        transfer = comm.send_recv(cur, buf(s + 1), _KV_TAG) if s < last else None
         if entry is not None:
             step, vis = entry
             # Step 0 (the diagonal, every query row) starts the float32 accumulators; later steps
             # merge into their rows inside the kernel (`acc=`): one launch, no extra pass over o.
+            # Partial results stay unrounded; the last merge writes its rows rounded (`out=`).
             o_lse = attn_fwd(
                 q[:, step.q],
                 cur[0][:, step.kv],
                 cur[1][:, step.kv],
                 softmax_scale=scale,
-                out_dtype=torch.float32,  # partial results stay unrounded until the last merge
+                out_dtype=torch.float32 if s == 0 else None,
                 acc=None if s == 0 else (o[:, step.q], lse[:, :, step.q]),
+                out=out[:, step.q] if s == last else None,
                 backend=backend,
                 **_mask(step, vis),
             )
@@ -114,7 +120,8 @@ def ring_forward(q, kv, *, causal: bool, scale: float, layout: str, comm, backen
                 o, lse = o_lse
         if transfer is not None:
             transfer.wait()
-    return o.to(q.dtype), lse
+    _round_rest(out, o, _last_rows(plan, "q"), dim=1)
+    return out, lse
 
 
 def ring_backward(
@@ -140,25 +147,29 @@ def ring_backward(
     # dK/dV travel in float32: rounding each hop to bf16 would lose what the sum needs.
     dkv = comm.buffer("dkv", (2, *kv.shape), torch.float32, kv.device)
     dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    # The results in the input dtype, made at the last step (not to raise the peak), whose kernels
+    # read the float32 sums and write them rounded (`attn_bwd(acc=...)`): no separate cast pass.
+    # The last hop carries finished dK/dV: rounded before sending, bit-identical to rounding at
+    # home and half the bytes for bf16/fp16.
+    dq_out = dkv_out = None
     sent = home = None  # the dK/dV transfer in flight; where the last hop brings ours
 
-    def pass_on(s: int) -> None:
+    def pass_on(s: int, kv_rows: slice | None) -> None:
         """Step s's dK/dV are in their block's accumulator (the kernel added them): send it on.
 
         Called between the dK/dV and the dQ kernels of step s (`attn_bwd(after_dkdv=...)`), so
         the transfer travels while dQ is computed: even the last hop, which no later step could
-        hide, and the one step s+1's dK/dV kernel waits for.
+        hide, and the one step s+1's dK/dV kernel waits for. `kv_rows`: the rows step s computed
+        (None: none), which on the last step its kernel has already rounded into `dkv_out`.
         """
         nonlocal sent, home
         acc = dkv[s % 2]
         if s + 1 < world:
             sent = comm.send_recv(acc, dkv[(s + 1) % 2], _DKV_TAG)
-        else:
-            # The last hop brings finished dK/dV home. Home would round them to the input dtype
-            # anyway: rounding before sending is bit-identical and halves the bytes for bf16/fp16.
-            # (Earlier hops carry partial sums: float32.) Allocated only now, not to raise the peak.
-            home = comm.buffer("home", kv.shape, kv.dtype, kv.device)
-            sent = comm.send_recv(acc.to(kv.dtype), home, _DKV_TAG)
+            return
+        _round_rest(dkv_out, acc, kv_rows, dim=2)
+        home = comm.buffer("home", kv.shape, kv.dtype, kv.device)
+        sent = comm.send_recv(dkv_out, home, _DKV_TAG)
 
     for s, entry in enumerate(plan):
         cur = buf(s)
@@ -169,13 +180,20 @@ def ring_backward(
             # needs it before this step's dK/dV, not after; that variant also runs 12% faster
             # than one writing float32 scratch: docs/PERF_NOTES.md, "Ring step kernels".)
             sent.wait()
+        if s == world - 1:
+            dq_out, dkv_out = torch.empty_like(q), torch.empty(kv.shape, dtype=kv.dtype, device=kv.device)
         if entry is None:
-            pass_on(s)  # nothing to add, but the accumulator still travels on
+            pass_on(s, None)  # nothing to add, but the accumulator still travels on
         else:
             step, vis = entry
             qs, ks = step.q, step.kv
             acc = dkv[s % 2]  # ours at s = 0, where step 0 (the diagonal, every row) starts it
-            # Step 0 writes dq and this block's dK/dV; later steps add theirs inside the kernels.
+            sums = (dq[:, qs], acc[0][:, ks], acc[1][:, ks])
+            if s + 1 < world:  # step 0 writes dq and this block's dK/dV; later steps add theirs
+                out, grad_dtype, add_to = sums, torch.float32, None
+            else:  # the last adds its share and writes the sums rounded
+                out = (dq_out[:, qs], dkv_out[0][:, ks], dkv_out[1][:, ks])
+                grad_dtype, add_to = q.dtype, sums
             attn_bwd(
                 do[:, qs],
                 q[:, qs],
@@ -184,15 +202,31 @@ def ring_backward(
                 o[:, qs],
                 lse[:, :, qs],
                 softmax_scale=scale,
-                grad_dtype=torch.float32,
-                out=(dq[:, qs], acc[0][:, ks], acc[1][:, ks]),
-                accumulate=s > 0,
-                after_dkdv=partial(pass_on, s),
+                grad_dtype=grad_dtype,
+                out=out,
+                accumulate=0 < s < world - 1,
+                acc=add_to,
+                after_dkdv=partial(pass_on, s, ks),
                 backend=backend,
                 **_mask(step, vis),
             )
         if kv_transfer is not None:
             kv_transfer.wait()
     sent.wait()
-    return dq.to(q.dtype), comm.keep(home)
+    _round_rest(dq_out, dq, _last_rows(plan, "q"), dim=1)
+    return dq_out, comm.keep(home)
 
+
+def _last_rows(plan, which: str) -> slice | None:
+    """The local rows (`"q"` or `"kv"`) the plan's last step computes; None if it skips."""
+    return None if plan[-1] is None else getattr(plan[-1][0], which)
+
+
+def _round_rest(out: torch.Tensor, sums: torch.Tensor, rows: slice | None, dim: int) -> None:
+    """`out` = `sums` (float32) rounded, along `dim` outside `rows` (the last step's kernels
+    wrote those already; None: all of it)."""
+    n = out.shape[dim]
+    start, stop = (0, 0) if rows is None else rows.indices(n)[:2]
+    for lo, hi in ((0, start), (stop, n)):
+        if lo < hi:
+            out.narrow(dim, lo, hi - lo).copy_(sums.narrow(dim, lo, hi - lo))
