@@ -87,6 +87,13 @@ def head_rows(src, stride_n, off_b, start, col, offs_d, n_rows, CHECK_ROWS: tl.c
 
 
 @triton.jit
+def tile_ptrs(T, off_b, off_h, rows, offs_d, stride_b, stride_n, stride_h):
+    """Pointers to `rows × offs_d` of head `off_h`, batch `off_b`, of a `(B, N, H, D)` tensor `T`
+    (last dim contiguous)."""
+    return T + off_b * stride_b + off_h * stride_h + rows[:, None] * stride_n + offs_d[None, :]
+
+
+@triton.jit
 def store_tile(ptrs, tile, rows, offs_d, n_rows, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     if HEAD_DIM == BLOCK_D:
         tl.store(ptrs, tile, mask=rows[:, None] < n_rows)

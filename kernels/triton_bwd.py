@@ -41,7 +41,16 @@ from kernels.launch_utils import (
     upcast_dots,
 )
 from kernels.masks import Visibility, batch_stride, resolve_visibility
-from kernels.tiles import block_bounds, head_base, head_rows, heaviest_first, load_tile, store_tile, visible_keys
+from kernels.tiles import (
+    block_bounds,
+    head_base,
+    head_rows,
+    heaviest_first,
+    load_tile,
+    store_tile,
+    tile_ptrs,
+    visible_keys,
+)
 from kernels.tuning import Tile, launch
 
 
@@ -177,19 +186,20 @@ def _bwd_dkdv(
                                  stride_qn, stride_don, off_b, q_col, offs_n, offs_d, split2, hi, Nq, qk_scale, CAUSAL,
                                  RANGES, True, UPCAST, TMA, BLOCK_M, HEAD_DIM, BLOCK_D, PRECISION)
 
-    dk_ptrs = DK + off_b * stride_dkb + off_hkv * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :]
-    dv_ptrs = DV + off_b * stride_dvb + off_hkv * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :]
     # ptxas's register allocation for this kernel swings its speed by 10%+ with small changes
     # (float32 stores without the causal mask compile to a slow loop; adding into DK/DV does not):
     # time any change on the ring's variants too (docs/PERF_NOTES.md, "Ring step kernels").
+    # Each pointer tile is made where it is used, so that no two are live at once.
     dk = dk * softmax_scale
     if ACCUMULATE:  # add to what DKA and DVA hold (the ring's float32 sums; DK and DV, or not)
-        dka_ptrs = DKA + off_b * stride_dkab + off_hkv * stride_dkah + offs_n[:, None] * stride_dkan + offs_d[None, :]
-        dva_ptrs = DVA + off_b * stride_dvab + off_hkv * stride_dvah + offs_n[:, None] * stride_dvan + offs_d[None, :]
-        dk += load_tile(dka_ptrs, offs_n, offs_d, Nk, True, HEAD_DIM, BLOCK_D).to(tl.float32)
-        dv += load_tile(dva_ptrs, offs_n, offs_d, Nk, True, HEAD_DIM, BLOCK_D).to(tl.float32)
-    store_tile(dk_ptrs, dk.to(DK.dtype.element_ty), offs_n, offs_d, Nk, HEAD_DIM, BLOCK_D)
-    store_tile(dv_ptrs, dv.to(DV.dtype.element_ty), offs_n, offs_d, Nk, HEAD_DIM, BLOCK_D)
+        dk += load_tile(tile_ptrs(DKA, off_b, off_hkv, offs_n, offs_d, stride_dkab, stride_dkan, stride_dkah),
+                        offs_n, offs_d, Nk, True, HEAD_DIM, BLOCK_D).to(tl.float32)
+        dv += load_tile(tile_ptrs(DVA, off_b, off_hkv, offs_n, offs_d, stride_dvab, stride_dvan, stride_dvah),
+                        offs_n, offs_d, Nk, True, HEAD_DIM, BLOCK_D).to(tl.float32)
+    store_tile(tile_ptrs(DK, off_b, off_hkv, offs_n, offs_d, stride_dkb, stride_dkn, stride_dkh),
+               dk.to(DK.dtype.element_ty), offs_n, offs_d, Nk, HEAD_DIM, BLOCK_D)
+    store_tile(tile_ptrs(DV, off_b, off_hkv, offs_n, offs_d, stride_dvb, stride_dvn, stride_dvh),
+               dv.to(DV.dtype.element_ty), offs_n, offs_d, Nk, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
@@ -283,12 +293,12 @@ def _bwd_dq(
                        offs_m, offs_m, split, hi, Nk, qk_scale, CAUSAL, False, True, UPCAST, TMA, BLOCK_N, HEAD_DIM,
                        BLOCK_D, PRECISION)
 
-    dq_ptrs = DQ + off_b * stride_dqb + off_h * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :]
     dq = dq * softmax_scale
     if ACCUMULATE:  # add to what DQA holds (the ring's float32 sum over its steps; DQ, or not)
-        dqa_ptrs = DQA + off_b * stride_dqab + off_h * stride_dqah + offs_m[:, None] * stride_dqan + offs_d[None, :]
-        dq += load_tile(dqa_ptrs, offs_m, offs_d, Nq, True, HEAD_DIM, BLOCK_D).to(tl.float32)
-    store_tile(dq_ptrs, dq.to(DQ.dtype.element_ty), offs_m, offs_d, Nq, HEAD_DIM, BLOCK_D)
+        dq += load_tile(tile_ptrs(DQA, off_b, off_h, offs_m, offs_d, stride_dqab, stride_dqan, stride_dqah),
+                        offs_m, offs_d, Nq, True, HEAD_DIM, BLOCK_D).to(tl.float32)
+    store_tile(tile_ptrs(DQ, off_b, off_h, offs_m, offs_d, stride_dqb, stride_dqn, stride_dqh),
+               dq.to(DQ.dtype.element_ty), offs_m, offs_d, Nq, HEAD_DIM, BLOCK_D)
 
 
 def _copy_or_zero(t: torch.Tensor, src: torch.Tensor | None) -> None:

@@ -43,7 +43,16 @@ from kernels.launch_utils import (
     upcast_dots,
 )
 from kernels.masks import Visibility, batch_stride, resolve_visibility
-from kernels.tiles import block_bounds, head_base, head_rows, heaviest_first, load_tile, store_tile, visible_keys
+from kernels.tiles import (
+    block_bounds,
+    head_base,
+    head_rows,
+    heaviest_first,
+    load_tile,
+    store_tile,
+    tile_ptrs,
+    visible_keys,
+)
 from kernels.tuning import Tile, launch
 
 
@@ -187,12 +196,12 @@ def _attn_fwd_kernel(
     o = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)  # ln 2
 
-    o_ptrs = O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :]
     lse_ptrs = LSE + off_b * stride_lb + off_h * stride_lh + offs_m * stride_ln
     if MERGE:  # OA, LSE hold the running accumulator: read it, write the merge to O (OA or not), LSE
-        oa_ptrs = OA + off_b * stride_oab + off_h * stride_oah + offs_m[:, None] * stride_oan + offs_d[None, :]
+        oa_ptrs = tile_ptrs(OA, off_b, off_h, offs_m, offs_d, stride_oab, stride_oan, stride_oah)
         o, lse = _merge_into(o, lse, oa_ptrs, lse_ptrs, offs_m, offs_d, Nq, HEAD_DIM, BLOCK_D)
-    store_tile(o_ptrs, o.to(O.dtype.element_ty), offs_m, offs_d, Nq, HEAD_DIM, BLOCK_D)
+    store_tile(tile_ptrs(O, off_b, off_h, offs_m, offs_d, stride_ob, stride_on, stride_oh), o.to(O.dtype.element_ty),
+               offs_m, offs_d, Nq, HEAD_DIM, BLOCK_D)
     tl.store(lse_ptrs, lse, mask=offs_m < Nq)
 
 
