@@ -120,7 +120,7 @@ def ring_forward(q, kv, *, causal: bool, scale: float, layout: str, comm, backen
                 o, lse = o_lse
         if transfer is not None:
             transfer.wait()
-    _round_rest(out, o, _last_rows(plan, "q"), dim=1)
+    _round_rest(out, o, _last_rows(plan, "q"))
     return out, lse
 
 
@@ -167,7 +167,8 @@ def ring_backward(
         if s + 1 < world:
             sent = comm.send_recv(acc, dkv[(s + 1) % 2], _DKV_TAG)
             return
-        _round_rest(dkv_out, acc, kv_rows, dim=2)
+        for grad in range(2):  # dK, dV apart: each a contiguous block (B = 1), which copies twice as fast
+            _round_rest(dkv_out[grad], acc[grad], kv_rows)
         home = comm.buffer("home", kv.shape, kv.dtype, kv.device)
         sent = comm.send_recv(dkv_out, home, _DKV_TAG)
 
@@ -213,7 +214,7 @@ def ring_backward(
         if kv_transfer is not None:
             kv_transfer.wait()
     sent.wait()
-    _round_rest(dq_out, dq, _last_rows(plan, "q"), dim=1)
+    _round_rest(dq_out, dq, _last_rows(plan, "q"))
     return dq_out, comm.keep(home)
 
 
@@ -222,11 +223,10 @@ def _last_rows(plan, which: str) -> slice | None:
     return None if plan[-1] is None else getattr(plan[-1][0], which)
 
 
-def _round_rest(out: torch.Tensor, sums: torch.Tensor, rows: slice | None, dim: int) -> None:
-    """`out` = `sums` (float32) rounded, along `dim` outside `rows` (the last step's kernels
-    wrote those already; None: all of it)."""
-    n = out.shape[dim]
-    start, stop = (0, 0) if rows is None else rows.indices(n)[:2]
-    for lo, hi in ((0, start), (stop, n)):
+def _round_rest(out: torch.Tensor, sums: torch.Tensor, rows: slice | None) -> None:
+    """`out (B, N, H, D)` = `sums` (float32) rounded, outside `rows` (the last step's kernels wrote
+    those already; None: all of it)."""
+    start, stop = (0, 0) if rows is None else rows.indices(out.shape[1])[:2]
+    for lo, hi in ((0, start), (stop, out.shape[1])):
         if lo < hi:
-            out.narrow(dim, lo, hi - lo).copy_(sums.narrow(dim, lo, hi - lo))
+            out[:, lo:hi].copy_(sums[:, lo:hi])
