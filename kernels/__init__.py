@@ -70,7 +70,8 @@ def attn_fwd(
     `lse_acc (B, H, Nq)`, views of larger buffers allowed (e.g. `o[:, rows]`, `lse[:, :, rows]`).
     This block's result is merged into it in place, exactly (`kernels.reference.ref_merge`:
     lse = logaddexp, weights σ(∓d); −inf on either or both sides is safe), and `acc` is
-    returned. The Triton kernel does it in its epilogue: one launch, no extra pass over O.
+    returned (`(out, lse_acc)` with `out=`). The Triton kernel does it in its epilogue: one
+    launch, no extra pass over O.
     `out`: where o goes (shaped like q, in its own dtype; views fine) instead of a new tensor or,
     with `acc`, o_acc (then only read; lse_acc is still updated): the ring's last step writes its
     merged o rounded to q's dtype this way, without a separate cast.
@@ -132,7 +133,7 @@ def attn_bwd(
                 after_dkdv()
             return grads
         check_grad_out(out, accumulate, q, k, grad_dtype or q.dtype, acc)
-        base = out if accumulate else acc or (None, None, None)
+        base = out if accumulate else (acc or (None, None, None))
 
         def write(i: int) -> None:
             out[i].copy_(grads[i] if base[i] is None else base[i] + grads[i])

@@ -89,19 +89,23 @@ def check_grad_out(
     """Check the backward's optional output buffers `out = (dq, dk, dv)`: q's and k's shapes,
     `grad_dtype`, q's device, contiguous last dim (views of larger tensors are fine); and the
     running sums `acc = (dq_acc, dk_acc, dv_acc)` to add to: the same, in float32."""
-    if out is None:
-        if accumulate or acc is not None:
-            raise ValueError(f"{'acc=' if acc is not None else 'accumulate=True'} needs out=(dq, dk, dv): the buffers "
-                             "to write the sums into")
-        return
     if accumulate and acc is not None:
         raise ValueError("give accumulate=True (add to out) or acc= (add to acc, write to out), not both")
-    _check_grads("out", out, q, k, grad_dtype)
+    if out is None:
+        if accumulate:
+            raise ValueError("accumulate=True needs out=(dq, dk, dv): the buffers to add into")
+        if acc is not None:
+            raise ValueError("acc= needs out=(dq, dk, dv): the buffers to write the sums into")
+        return
+    _check_grads("out", out, q, k, grad_dtype, f"have the gradient dtype {grad_dtype}")
     if acc is not None:
-        _check_grads("acc", acc, q, k, torch.float32)
+        _check_grads("acc", acc, q, k, torch.float32, "be float32 (running sums)")
 
 
-def _check_grads(what: str, ts, q: torch.Tensor, k: torch.Tensor, dtype: torch.dtype) -> None:
+def _check_grads(
+    what: str, ts: tuple[torch.Tensor, torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor,
+    dtype: torch.dtype, dtype_rule: str,
+) -> None:
     if not isinstance(ts, (tuple, list)) or len(ts) != 3:
         raise TypeError(f"{what} must be a tuple (dq, dk, dv) of tensors, got {type(ts).__name__}")
     for name, t, like in (("dq", ts[0], q), ("dk", ts[1], k), ("dv", ts[2], k)):
@@ -110,8 +114,7 @@ def _check_grads(what: str, ts, q: torch.Tensor, k: torch.Tensor, dtype: torch.d
         if t.shape != like.shape:
             raise ValueError(f"{what} {name} must have shape {tuple(like.shape)}, got {tuple(t.shape)}")
         if t.dtype != dtype:
-            want = f"have the gradient dtype {dtype}" if what == "out" else "be float32 (running sums)"
-            raise TypeError(f"{what} {name} must {want}, got {t.dtype}")
+            raise TypeError(f"{what} {name} must {dtype_rule}, got {t.dtype}")
         if t.device != q.device:
             raise ValueError(f"{what} {name} must be on q's device ({q.device}), got {t.device}")
         if t.stride(-1) != 1:

@@ -67,7 +67,8 @@ def ref_attn_fwd(
     Returns `o (B, Nq, H, D)` in `out_dtype` (default q's dtype) and `lse (B, H, Nq)` float32 (natural log).
     Rows with no visible key give `o = 0` and `lse = -inf`. With `acc=(o_acc, lse_acc)` (float32)
     the result is merged into the accumulator in place (`ref_merge`) and `acc` is returned.
-    `out`: where o goes instead (o_acc is then only read), as in `kernels.attn_fwd`.
+    `out`: where o goes instead (o_acc is then only read; `(out, lse)` is returned), as in
+    `kernels.attn_fwd`.
     `window` / `visibility`: the masks of kernels/masks.py.
     """
     check_qkv(q, k, v, causal and visibility is None)

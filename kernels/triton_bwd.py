@@ -191,7 +191,7 @@ def _bwd_dkdv(
     # time any change on the ring's variants too (docs/PERF_NOTES.md, "Ring step kernels").
     # Each pointer tile is made where it is used, so that no two are live at once.
     dk = dk * softmax_scale
-    if ACCUMULATE:  # add to what DKA and DVA hold (the ring's float32 sums; DK and DV, or not)
+    if ACCUMULATE:  # add the sums in DKA, DVA: DK, DV themselves (accumulate=True) or others (acc=)
         dk += load_tile(tile_ptrs(DKA, off_b, off_hkv, offs_n, offs_d, stride_dkab, stride_dkan, stride_dkah),
                         offs_n, offs_d, Nk, True, HEAD_DIM, BLOCK_D).to(tl.float32)
         dv += load_tile(tile_ptrs(DVA, off_b, off_hkv, offs_n, offs_d, stride_dvab, stride_dvan, stride_dvah),
@@ -294,7 +294,7 @@ def _bwd_dq(
                        BLOCK_D, PRECISION)
 
     dq = dq * softmax_scale
-    if ACCUMULATE:  # add to what DQA holds (the ring's float32 sum over its steps; DQ, or not)
+    if ACCUMULATE:  # add the sums in DQA: DQ itself (accumulate=True) or another (acc=)
         dq += load_tile(tile_ptrs(DQA, off_b, off_h, offs_m, offs_d, stride_dqab, stride_dqan, stride_dqah),
                         offs_m, offs_d, Nq, True, HEAD_DIM, BLOCK_D).to(tl.float32)
     store_tile(tile_ptrs(DQ, off_b, off_h, offs_m, offs_d, stride_dqb, stride_dqn, stride_dqh),
@@ -349,10 +349,9 @@ def triton_attn_bwd(
     if out is None:
         out = tuple(torch.empty(t.shape, dtype=out_dtype, device=q.device) for t in (q, k, v))
     dq, dk, dv = out
-    if accumulate:
-        acc = out
+    sums = out if accumulate else acc  # what the gradients are added to (None: nothing)
     if Nq == 0 or Nk == 0 or B * H == 0:  # no (query, key) pair: zero gradients, or the sums unchanged
-        dqa, dka, dva = acc or (None, None, None)
+        dqa, dka, dva = sums or (None, None, None)
         for t, a in ((dk, dka), (dv, dva)):
             _copy_or_zero(t, a)
         if after_dkdv is not None:
@@ -376,18 +375,18 @@ def triton_attn_bwd(
         q_ranges = (vis.q_lo, vis.q_hi, batch_stride(vis.q_lo))
     strides_in = (*bhnd_strides(q), *bhnd_strides(k), *bhnd_strides(v), *bhnd_strides(do))
     tiles = tiles or {}
-    dqa, dka, dva = acc or out  # the running sums to add to; never read without acc
+    dqa, dka, dva = sums or out  # placeholders, never read, without sums
     srcs, tile, tma = kernel_inputs("dkdv", (q, k, v, do), tiles.get("dkdv"), BD)
     launch("dkdv", _bwd_dkdv, lambda meta: (triton.cdiv(Nk, meta["BLOCK_N"]), B * Hkv),
            (*srcs, lse, delta, dk, dv, dka, dva, *strides_in, *bhnd_strides(dk), *bhnd_strides(dv),
             *bhnd_strides(dka), *bhnd_strides(dva), *kv_ranges[:2], *q_ranges[:2], kv_ranges[2], q_ranges[2],
             Hkv, Nq, Nk, scale * LOG2E, scale, num_sms(q.device)),
-           dict(common, ACCUMULATE=acc is not None, TMA=tma), tile)
+           dict(common, ACCUMULATE=sums is not None, TMA=tma), tile)
     if after_dkdv is not None:
         after_dkdv()
     srcs, tile, tma = kernel_inputs("dq", (q, k, v, do), tiles.get("dq"), BD)
     launch("dq", _bwd_dq, lambda meta: (triton.cdiv(Nq, meta["BLOCK_M"]), B * H),
            (*srcs, lse, delta, dq, dqa, *strides_in, *bhnd_strides(dq), *bhnd_strides(dqa), *kv_ranges,
             H, Nq, Nk, scale * LOG2E, scale, num_sms(q.device)),
-           dict(common, ACCUMULATE=acc is not None, TMA=tma), tile)
+           dict(common, ACCUMULATE=sums is not None, TMA=tma), tile)
     return dq, dk, dv

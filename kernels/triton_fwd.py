@@ -18,8 +18,9 @@ blocks where they end. Key blocks outside every row's interval are never visited
 
 Fused merge (`acc=`): instead of writing a fresh `(o, lse)`, the epilogue reads the caller's
 running float32 accumulator `(o_acc, lse_acc)` and writes the exact merge of it with this block's
-result back into it, so a ring step costs one kernel and no extra pass over O. The math is the
-one of `kernels.reference.ref_merge` (weights as sigmoids of the LSE difference).
+result back into it (or o to `out=`, e.g. rounded to bf16 at a ring's last step), so a ring
+step costs one kernel and no extra pass over O. The math is the one of
+`kernels.reference.ref_merge` (weights as sigmoids of the LSE difference).
 
 On Hopper the kernel loads Q, K and V through tensor descriptors (TMA: one instruction per tile
 instead of per-thread address arithmetic; `kernels.launch_utils.tma_ok` says when), else through
@@ -197,7 +198,7 @@ def _attn_fwd_kernel(
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)  # ln 2
 
     lse_ptrs = LSE + off_b * stride_lb + off_h * stride_lh + offs_m * stride_ln
-    if MERGE:  # OA, LSE hold the running accumulator: read it, write the merge to O (OA or not), LSE
+    if MERGE:  # OA, LSE hold the running accumulator: merge into it; o goes to O (OA itself, or out=)
         oa_ptrs = tile_ptrs(OA, off_b, off_h, offs_m, offs_d, stride_oab, stride_oan, stride_oah)
         o, lse = _merge_into(o, lse, oa_ptrs, lse_ptrs, offs_m, offs_d, Nq, HEAD_DIM, BLOCK_D)
     store_tile(tile_ptrs(O, off_b, off_h, offs_m, offs_d, stride_ob, stride_on, stride_oh), o.to(O.dtype.element_ty),
@@ -221,7 +222,8 @@ def triton_attn_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of `q (B, Nq, H, D)` over `k, v (B, Nk, Hkv, D)` with the Triton kernel.
 
-    Returns `o (B, Nq, H, D)` (contiguous, in `out_dtype`, default q's) and `lse (B, H, Nq)` float32, natural log.
+    Returns `o (B, Nq, H, D)` (new and contiguous in `out_dtype`, default q's; or `out`) and `lse (B, H, Nq)`
+    float32, natural log.
     With `acc=(o_acc, lse_acc)` (float32 `(B, Nq, H, D)` and `(B, H, Nq)`, any strides with a
     contiguous last dim of o_acc) this block's result is merged into them in place and they are returned.
     `out`: where o goes (shaped like q, its own dtype; a view of a larger tensor is fine) instead of

@@ -95,7 +95,8 @@ def ring_forward(q, kv, *, causal: bool, scale: float, layout: str, comm, backen
     buf = _ring_buffers(kv, comm)
     last = comm.world - 1
     o = lse = None
-    out = torch.empty_like(q)  # o rounded to q's dtype: the last step's kernel writes its rows
+    # o rounded to q's dtype (contiguous, whatever q's strides): the last step's kernel writes its rows.
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     for s, entry in enumerate(plan):
         cur = buf(s)
         # Post the next block's transfer first so that it travels while this one is computed.
@@ -120,7 +121,7 @@ def ring_forward(q, kv, *, causal: bool, scale: float, layout: str, comm, backen
                 o, lse = o_lse
         if transfer is not None:
             transfer.wait()
-    _round_rest(out, o, _last_rows(plan, "q"))
+    _round_rest(out, o, _last_q_rows(plan))
     return out, lse
 
 
@@ -137,11 +138,12 @@ def ring_backward(
     """
     plan = _plan(plan, comm, q.shape[1], causal, layout)
     if comm.world == 1:
-        dq = torch.empty_like(q)
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         dkv = torch.empty((2, *kv[0].shape), dtype=kv[0].dtype, device=q.device)
         attn_bwd(do, q, kv[0], kv[1], o, lse, softmax_scale=scale, out=(dq, *dkv), backend=backend, **_mask(*plan[0]))
         return dq, dkv
     world = comm.world
+    last = world - 1
     comm.reserve(kv)
     buf = _ring_buffers(kv, comm)
     # dK/dV travel in float32: rounding each hop to bf16 would lose what the sum needs.
@@ -164,7 +166,7 @@ def ring_backward(
         """
         nonlocal sent, home
         acc = dkv[s % 2]
-        if s + 1 < world:
+        if s < last:
             sent = comm.send_recv(acc, dkv[(s + 1) % 2], _DKV_TAG)
             return
         for grad in range(2):  # dK, dV apart: each a contiguous block (B = 1), which copies twice as fast
@@ -174,15 +176,16 @@ def ring_backward(
 
     for s, entry in enumerate(plan):
         cur = buf(s)
-        kv_transfer = comm.send_recv(cur, buf(s + 1), _KV_TAG) if s + 1 < world else None
+        kv_transfer = comm.send_recv(cur, buf(s + 1), _KV_TAG) if s < last else None
         if sent is not None:
             # This block's accumulator has arrived (and the other buffer has left, so it may
             # receive again). It travelled during the previous step's dQ. (Adding in the kernel
             # needs it before this step's dK/dV, not after; that variant also runs 12% faster
             # than one writing float32 scratch: docs/PERF_NOTES.md, "Ring step kernels".)
             sent.wait()
-        if s == world - 1:
-            dq_out, dkv_out = torch.empty_like(q), torch.empty(kv.shape, dtype=kv.dtype, device=kv.device)
+        if s == last:
+            dq_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            dkv_out = torch.empty(kv.shape, dtype=kv.dtype, device=kv.device)
         if entry is None:
             pass_on(s, None)  # nothing to add, but the accumulator still travels on
         else:
@@ -190,11 +193,11 @@ def ring_backward(
             qs, ks = step.q, step.kv
             acc = dkv[s % 2]  # ours at s = 0, where step 0 (the diagonal, every row) starts it
             sums = (dq[:, qs], acc[0][:, ks], acc[1][:, ks])
-            if s + 1 < world:  # step 0 writes dq and this block's dK/dV; later steps add theirs
-                out, grad_dtype, add_to = sums, torch.float32, None
-            else:  # the last adds its share and writes the sums rounded
+            if s < last:  # step 0 writes dq and this block's dK/dV; later steps add theirs
+                out, grad_dtype, accumulate, add_to = sums, torch.float32, s > 0, None
+            else:  # the last adds its share to the sums and writes them rounded
                 out = (dq_out[:, qs], dkv_out[0][:, ks], dkv_out[1][:, ks])
-                grad_dtype, add_to = q.dtype, sums
+                grad_dtype, accumulate, add_to = q.dtype, False, sums
             attn_bwd(
                 do[:, qs],
                 q[:, qs],
@@ -205,7 +208,7 @@ def ring_backward(
                 softmax_scale=scale,
                 grad_dtype=grad_dtype,
                 out=out,
-                accumulate=0 < s < world - 1,
+                accumulate=accumulate,
                 acc=add_to,
                 after_dkdv=partial(pass_on, s, ks),
                 backend=backend,
@@ -214,18 +217,20 @@ def ring_backward(
         if kv_transfer is not None:
             kv_transfer.wait()
     sent.wait()
-    _round_rest(dq_out, dq, _last_rows(plan, "q"))
+    _round_rest(dq_out, dq, _last_q_rows(plan))
     return dq_out, comm.keep(home)
 
 
-def _last_rows(plan, which: str) -> slice | None:
-    """The local rows (`"q"` or `"kv"`) the plan's last step computes; None if it skips."""
-    return None if plan[-1] is None else getattr(plan[-1][0], which)
+def _last_q_rows(plan) -> slice | None:
+    """The local query rows the plan's last step computes; None if it skips."""
+    return None if plan[-1] is None else plan[-1][0].q
 
 
 def _round_rest(out: torch.Tensor, sums: torch.Tensor, rows: slice | None) -> None:
     """`out (B, N, H, D)` = `sums` (float32) rounded, outside `rows` (the last step's kernels wrote
     those already; None: all of it)."""
+    if rows is not None and rows.step not in (None, 1):
+        raise ValueError(f"a ring step's rows are a contiguous slice, got {rows}")
     start, stop = (0, 0) if rows is None else rows.indices(out.shape[1])[:2]
     for lo, hi in ((0, start), (stop, out.shape[1])):
         if lo < hi:

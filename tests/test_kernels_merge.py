@@ -144,9 +144,11 @@ def test_out_takes_the_merge_rounded(backend, device):
     o0, l0 = attn_fwd(q, k[:, :N], v[:, :N], causal=True, out_dtype=torch.float32, backend=backend)
     in_place = attn_fwd(q, k[:, N:], v[:, N:], acc=(o0.clone(), l0.clone()), backend=backend)
     o_acc, lse_acc = o0.clone(), l0.clone()
-    out = torch.full((B, N + 10, H, D), 7.0, dtype=dtype, device=device)[:, 5 : 5 + N]  # a view
+    big = torch.full((B, N + 10, H, D), 7.0, dtype=dtype, device=device)
+    out = big[:, 5 : 5 + N]  # a view: the rows around it must stay untouched
     ret = attn_fwd(q, k[:, N:], v[:, N:], acc=(o_acc, lse_acc), out=out, backend=backend)
     assert ret[0] is out and ret[1] is lse_acc
+    assert (big[:, :5] == 7).all() and (big[:, 5 + N :] == 7).all()
     assert torch.equal(out, in_place[0].to(dtype)) and torch.equal(lse_acc, in_place[1])
     assert torch.equal(o_acc, o0)
     # Without acc, out is simply where o goes.

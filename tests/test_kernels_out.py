@@ -59,8 +59,11 @@ def test_sums_read_from_acc_and_written_rounded(backend, device, n_keys):
     q, k, v, do = (t.to(device, dtype) for t in _inputs())
     k, v = k[:, :n_keys], v[:, :n_keys]
     o, lse = torch.randn_like(q), torch.randn(2, 4, 40, device=device)
+    # Sums and outputs with different strides (views with other batch / head strides), so that a
+    # kernel reading the sums with the outputs' strides is caught.
     gen = torch.Generator().manual_seed(2)
-    sums = (torch.randn(2, 50, 4, 32, generator=gen)[:, 5:45], *(torch.randn(k.shape, generator=gen) for _ in "kv"))
+    sums = (torch.randn(2, 50, 4, 32, generator=gen)[:, 5:45],
+            *(torch.randn(2, n_keys, 2, 64, generator=gen)[..., :32] for _ in "kv"))  # fmt: skip
     sums = tuple(t.to(device) for t in sums)
     before = tuple(t.clone() for t in sums)
     f32 = tuple(t.clone() for t in sums)

@@ -356,6 +356,22 @@ def test_null_comm_runs_the_same_schedule():
     assert o.shape == q.shape and lse.shape == (2, 4, 16) and torch.isfinite(o).all()
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_results_are_contiguous_whatever_q_strides(world):
+    # o and dq come back contiguous, as the ops' fake implementations promise torch.compile, even
+    # when q is a dense non-contiguous view (a (B, H, N, D) tensor transposed).
+    from ringflash.ring import pack_kv, ring_backward, ring_forward
+
+    c = make_case(1, n_local=16)
+    q, k, v, do = global_inputs(c)
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)
+    kw = dict(causal=True, scale=0.25, layout="zigzag", comm=ringflash.NullComm(0, world))
+    kv = pack_kv(k, v)
+    o, lse = ring_forward(q, kv, **kw)
+    dq, dkv = ring_backward(do, q, kv, o, lse, **kw)
+    assert not q.is_contiguous() and o.is_contiguous() and dq.is_contiguous() and dkv.is_contiguous()
+
+
 def test_null_comm_moves_nothing_and_keeps_its_buffers():
     # The compute-only ring times kernels alone: no copy stands in for a transfer, and the
     # receive buffers (random, finite) are made once, again only when the shape changes.
