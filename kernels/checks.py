@@ -57,16 +57,7 @@ def check_bwd(
 ) -> None:
     """Check the backward's extra inputs: `do` and `o` like `q`, `lse (B, H, Nq)` float32."""
     for name, t in (("do", do), ("o", o)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.shape != q.shape:
-            raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(t.shape)}")
-        if t.device != q.device:
-            raise ValueError(f"{name} must be on q's device ({q.device}), got {t.device}")
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must have a contiguous last dim (stride 1), got strides {t.stride()}")
+        _check_like_q(name, t, q)
     B, Nq, H, _ = q.shape
     if not isinstance(lse, torch.Tensor):
         raise TypeError(f"lse must be a torch.Tensor, got {type(lse).__name__}")
@@ -147,16 +138,20 @@ def check_acc(
 def check_fwd_out(out: torch.Tensor, q: torch.Tensor) -> None:
     """Check the forward's optional output buffer `out`: q's shape and device, a supported dtype,
     a contiguous last dim (a view of a larger tensor is fine)."""
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
-    if out.shape != q.shape:
-        raise ValueError(f"out must have q's shape {tuple(q.shape)}, got {tuple(out.shape)}")
-    if out.device != q.device:
-        raise ValueError(f"out must be on q's device ({q.device}), got {out.device}")
-    if out.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"out must have one of the dtypes {SUPPORTED_DTYPES}, got {out.dtype}")
-    if out.stride(-1) != 1:
-        raise ValueError(f"out must have a contiguous last dim (stride 1), got strides {out.stride()}")
+    _check_like_q("out", out, q)
+
+
+def _check_like_q(name: str, t: torch.Tensor, q: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.shape != q.shape:
+        raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(t.shape)}")
+    if t.device != q.device:
+        raise ValueError(f"{name} must be on q's device ({q.device}), got {t.device}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dim (stride 1), got strides {t.stride()}")
 
 
 def resolve_fwd_outputs(

@@ -174,7 +174,7 @@ def test_bad_acc_names_the_argument(backend):
         attn_fwd(q, k, v, acc=(o, lse), out=q[:, :4], backend=backend)
     with pytest.raises(ValueError, match=r"out_dtype torch\.float32 differs from out.s dtype torch\.bfloat16"):
         attn_fwd(q, k, v, out_dtype=torch.float32, out=torch.empty_like(q), backend=backend)
-    with pytest.raises(TypeError, match="out must have one of the dtypes"):
+    with pytest.raises(TypeError, match=r"out must be float16, bfloat16 or float32, got torch\.float64"):
         attn_fwd(q, k, v, out=q.to(torch.float64), backend=backend)
 
 
