@@ -192,12 +192,13 @@ def ring_backward(
             step, vis = entry
             qs, ks = step.q, step.kv
             acc = dkv[s % 2]  # ours at s = 0, where step 0 (the diagonal, every row) starts it
+            # Step 0 writes dq and this block's dK/dV; later steps add theirs to the float32 sums,
+            # in place, except the last, which writes the totals rounded.
             sums = (dq[:, qs], acc[0][:, ks], acc[1][:, ks])
-            if s < last:  # step 0 writes dq and this block's dK/dV; later steps add theirs
-                out, grad_dtype, accumulate, add_to = sums, torch.float32, s > 0, None
-            else:  # the last adds its share to the sums and writes them rounded
-                out = (dq_out[:, qs], dkv_out[0][:, ks], dkv_out[1][:, ks])
-                grad_dtype, accumulate, add_to = q.dtype, False, sums
+            if s < last:
+                out, grad_dtype = sums, torch.float32
+            else:
+                out, grad_dtype = (dq_out[:, qs], dkv_out[0][:, ks], dkv_out[1][:, ks]), q.dtype
             attn_bwd(
                 do[:, qs],
                 q[:, qs],
@@ -208,8 +209,7 @@ def ring_backward(
                 softmax_scale=scale,
                 grad_dtype=grad_dtype,
                 out=out,
-                accumulate=accumulate,
-                acc=add_to,
+                acc=sums if s > 0 else None,
                 after_dkdv=partial(pass_on, s, ks),
                 backend=backend,
                 **_mask(step, vis),
