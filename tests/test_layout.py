@@ -45,7 +45,7 @@ def test_check_splittable_messages():
         L.check_splittable(10, 4, "contiguous")
     with pytest.raises(ValueError, match="layout must be one of"):
         L.check_splittable(8, 2, "ring")
-    with pytest.raises(ValueError, match="world"):
+    with pytest.raises(ValueError, match="world must be a positive int"):
         L.check_splittable(8, 0, "zigzag")
     with pytest.raises(ValueError, match="seqlen"):
         L.check_splittable(0, 2, "zigzag")
@@ -55,6 +55,17 @@ def test_check_splittable_messages():
         L.shard(torch.zeros(6), 0, 0, 2, "zigzag")
     with pytest.raises(ValueError, match="same size"):
         L.unshard([torch.zeros(4), torch.zeros(2)], 0)
+
+
+def test_local_lengths_that_do_not_split_raise():
+    # 5 local tokens cannot be zigzag's 2 equal chunks: an error, not positions, rows or a global
+    # tensor silently cut to the wrong size.
+    with pytest.raises(ValueError, match="multiple of 4"):
+        L.global_positions(5, 0, 2, "zigzag")
+    with pytest.raises(ValueError, match="multiple of 4"):
+        L.ring_schedule(0, 2, 5, True, "zigzag")
+    with pytest.raises(ValueError, match="5 rows along dim 1, not divisible into its 2 chunks"):
+        L.unshard([torch.randn(2, 5), torch.randn(2, 5)], 1, "zigzag")
 
 
 def _visible(q_pos, k_pos, causal):

@@ -112,3 +112,13 @@ def test_rejects_low_precision_accumulators():
         )
     with pytest.raises(ValueError, match="lse"):
         merge(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1), torch.zeros(1, 2, 1, 4), torch.zeros(1, 1, 2))
+
+
+def test_rejects_blocks_of_another_shape():
+    # Shapes that would broadcast (one row, one lse column) must raise, not merge silently.
+    torch.manual_seed(3)
+    o, lse = torch.randn(1, 4, 2, 8), torch.randn(1, 2, 4)
+    with pytest.raises(ValueError, match="o_blk must have o's shape"):
+        merge(o, lse, torch.randn(1, 1, 2, 8), torch.randn(1, 2, 4))
+    with pytest.raises(ValueError, match="lse and lse_blk must have shape"):
+        merge(o, lse, torch.randn(1, 4, 2, 8), torch.randn(1, 2, 1))

@@ -177,6 +177,26 @@ def test_world_one_without_distributed_is_one_kernel_call():
     assert isinstance(ring_flash_attn_func(q, k, v), torch.Tensor)  # return_lse=False: o alone
 
 
+def test_default_is_not_causal():
+    # flash_attn_func's default: no causal argument and no mask is full attention.
+    if dist.is_initialized():
+        pytest.skip("a process group is live in this process; this test needs none")
+    c = make_case(1, causal=False, n_local=12)
+    q, k, v, _ = global_inputs(c)
+    truth = attention_f64(q, k, v, False)
+    o, lse = ring_flash_attn_func(q, k, v, return_lse=True)
+    assert rel_err(o, truth["o"]) < TOL[torch.float32] and lse_err(lse, truth["lse"]) < 10 * TOL[torch.float32]
+
+
+def test_keys_of_another_local_length_raise():
+    # Keys are sharded like queries: a shorter k is a caller's error, not cross-attention.
+    if dist.is_initialized():
+        pytest.skip("a process group is live in this process; this test needs none")
+    q, k, v, _ = global_inputs(make_case(1, n_local=8))
+    with pytest.raises(ValueError, match=r"k.shape\[1\] \(local seqlen\) must equal q.shape\[1\] = 8, got 4"):
+        ring_flash_attn_func(q, k[:, :4], v[:, :4], causal=True)
+
+
 def _subgroup_worker(rank, world):
     # Ring over global ranks 1 and 2 only: group ranks differ from global ranks.
     group = dist.new_group([1, 2])

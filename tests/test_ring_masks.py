@@ -220,6 +220,19 @@ def test_no_documents_no_window_is_the_plain_schedule():
     assert all(s is None or s.vis is None for s in m.steps) and m.tensors == ()
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("layout", ringflash.LAYOUTS)
+def test_one_document_per_row_is_the_plain_schedule(layout, causal):
+    # Every visible rectangle is then wholly visible (or causal on the diagonal): the kernels get
+    # the dense/causal flag, not a Visibility, on exactly the plain schedule's rows.
+    doc = torch.zeros(2, N, dtype=torch.long)
+    for rank in range(4):
+        m = ringflash.masks._build(doc, N, rank, 4, layout, causal, None, torch.device("cpu"))
+        steps = ringflash.layout.ring_schedule(rank, 4, N // 4, causal, layout)
+        assert [None if s is None else s.step for s in m.steps] == steps, f"rank {rank}: {m}"
+        assert m.tensors == (), f"rank {rank}: a Visibility where the dense kernels suffice"
+
+
 # ---- errors -------------------------------------------------------------------------------------
 
 
@@ -233,6 +246,7 @@ def test_no_documents_no_window_is_the_plain_schedule():
         (dict(doc_ids=None), ValueError, "seqlen"),
         (dict(doc_ids=torch.zeros(8, dtype=torch.long), seqlen=6), ValueError, "seqlen=6 disagrees"),
         (dict(doc_ids=None, seqlen=8, window=0), ValueError, "window must be a positive int"),
+        (dict(doc_ids=None, seqlen=8, window=True), ValueError, "window must be a positive int"),
         (dict(doc_ids=None, seqlen=8, window=4, causal=False), ValueError, "window needs causal=True"),
         (dict(doc_ids=None, seqlen=8, layout="ring"), ValueError, "layout must be one of"),
         (dict(doc_ids=None, seqlen=8, causal=1), TypeError, "causal must be a bool"),
@@ -260,8 +274,24 @@ def test_call_disagreeing_with_the_mask():
         ring_flash_attn_func(torch.randn(3, 8, 2, 16), torch.randn(3, 8, 2, 16), torch.randn(3, 8, 2, 16), mask=m2)
     with pytest.raises(TypeError, match=r"mask must be a ringflash\.RingMask"):
         ring_flash_attn_func(q, q, q, mask="docs")
+    with pytest.raises(ValueError, match="mask's world size is 2, the call's 1; mask's rank is 1, the call's 0"):
+        ring_flash_attn_func(q, q, q, mask=ringflash.masks._build(None, 16, 1, 2, "zigzag", True, None, q.device))
+    with pytest.raises(ValueError, match=r"mask's device is device\(type='meta'\), the call's device\(type='cpu'\)"):
+        ring_flash_attn_func(q, q, q, mask=ring_mask(torch.tensor([0, 0, 0, 1, 1, 1, 1, 1]), device="meta"))
+
+
+def test_window_arguments_are_checked():
+    if dist.is_initialized():
+        pytest.skip("a process group is live in this process; this test needs none")
+    q = torch.randn(2, 8, 2, 16)
     with pytest.raises(ValueError, match="window must be a positive int"):
         ring_flash_attn_func(q, q, q, causal=True, window=-1)
+    with pytest.raises(ValueError, match="window must be a positive int"):
+        ring_flash_attn_func(q, q, q, causal=True, window=True)
+    with pytest.raises(ValueError, match="window needs causal=True"):  # not a silently causal window
+        ring_flash_attn_func(q, q, q, causal=False, window=3)
+    with pytest.raises(ValueError, match="window needs causal=True"):
+        ringflash.RingFlashAttention(causal=False, window=3)
 
 
 def _mismatch_worker(rank, world, what):
