@@ -52,8 +52,12 @@ def _fresh_run_refuses_old_checkpoints(rank, world, tmp: Path):
     train(cfg_for(tmp, "--train.steps=2", "--parallel.cp=1"))
     with pytest.raises(ConfigError, match=r"already holds checkpoints .*pass --resume"):
         train(cfg_for(tmp, "--train.steps=2", "--parallel.cp=1"))
-    # Resuming a finished run is a no-op that leaves its checkpoint alone.
+    # Resuming a finished run is a no-op that leaves its checkpoint alone (not even saved again,
+    # which would replace the directory and so drop this marker).
+    marker = tmp / "checkpoints" / "step_00000002" / "marker"
+    marker.touch()
     assert train(cfg_for(tmp, "--train.steps=2", "--parallel.cp=1", "--checkpoint.resume=latest")).losses == {}
+    assert marker.is_file()
 
 
 def test_fresh_run_refuses_old_checkpoints(tmp_path):
@@ -66,10 +70,15 @@ def _keep_last_k_and_ignore_partial(rank, world, tmp: Path):
     model(torch.randn(2, 4)).sum().backward()
     opt.step()
     ckpt = Checkpointer(tmp, keep=2, rank=rank, device=torch.device("cpu"))
+    torch.manual_seed(100 + rank)  # each rank its own RNG stream
     for step in (1, 2, 3):
         ckpt.save(step, model, opt, {"step": step})
+    after_save = torch.rand(3)  # drawn from the RNG state saved with step 3
     if rank == 0:
         (tmp / "step_00000009.tmp").mkdir()  # a save that crashed: looks newer, is not complete
+        (tmp / "step_00000010").mkdir()  # a copy in progress: the name, but no .metadata yet
+        (tmp / "step_00000001.old").mkdir()  # a deletion that crashed
+        (tmp / "step_00000001.old" / "shard").touch()
     torch.distributed.barrier()
     assert [p.name for p in complete_checkpoints(tmp)] == ["step_00000002", "step_00000003"]
     assert ckpt.resolve("latest") == tmp / "step_00000003"
@@ -80,12 +89,15 @@ def _keep_last_k_and_ignore_partial(rank, world, tmp: Path):
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
+    torch.rand(5)
     assert ckpt.load(tmp / "step_00000003", model, opt) == {"step": 3}
     for a, b in zip(before, model.parameters(), strict=True):
         assert torch.equal(a, b)
+    assert torch.equal(torch.rand(3), after_save)  # this rank's own RNG state, restored
     ckpt.clean_partial()
     torch.distributed.barrier()
     assert not (tmp / "step_00000009.tmp").exists()
+    assert not (tmp / "step_00000001.old").exists()
 
 
 def test_keep_last_k_and_ignore_partial(tmp_path):

@@ -61,6 +61,8 @@ def test_toml_int_accepted_for_float(tmp_path):
 def test_cli_bool_parsing():
     assert load_config(None, ["--train.compile=true"]).train.compile is True
     assert load_config(None, ["--train.compile=0"]).train.compile is False
+    assert load_config(None, ["--train.compile=1"]).train.compile is True
+    assert load_config(None, ["--train.compile=FALSE"]).train.compile is False
     with pytest.raises(ConfigError, match=r"train.compile: expected bool"):
         load_config(None, ["--train.compile=yes please"])
 
@@ -126,11 +128,24 @@ def test_missing_file():
         (["--data.eod_token=-2"], r"data.eod_token: must be -1 \(auto\)"),
         (["--model.window=-1"], r"model.window: must be >= 0"),
         (["--parallel.transport=copy-engine", "--parallel.backend=gloo"], "parallel.transport: copy-engine needs"),
+        (["--checkpoint.keep=0"], r"checkpoint.keep: must be >= 1, got 0"),
+        (["--model.dim=96", "--model.n_heads=32"], r"model.dim \(96\) must be n_heads \(32\) times an even head_dim"),
+        (["--train.warmup_steps=-1"], r"train.warmup_steps: must be >= 0, got -1"),
+        (["--parallel.timeout_s=0"], r"parallel.timeout_s: must be > 0, got 0.0"),
     ],
 )
 def test_inconsistent_values(args, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, args)
+
+
+def test_limits_are_inclusive():
+    # The largest values the bounds allow are valid settings, not off-by-one errors.
+    cfg = load_config(
+        None,
+        ["--train.steps=10", "--train.stop_at=10", "--data.warmup_seq_len=128", "--data.warmup_seq_steps=10"],
+    )
+    assert (cfg.train.stop_at, cfg.data.warmup_seq_steps) == (10, 10)
 
 
 def test_cp_must_divide_world_size():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from train.config import ConfigError, DataConfig
-from train.data import FILLER, IGNORE, QUERY, DataLoader, PasskeyTask, build_source, build_sources
+from train.data import FILLER, IGNORE, QUERY, DataLoader, PasskeyTask, _holds, build_source, build_sources
 
 
 def passkey(**kw) -> PasskeyTask:
@@ -56,6 +56,10 @@ def test_passkey_eval_buckets_cover_every_depth():
             assert s.bucket == b
             assert b * 1024 / 8 <= s.key_pos < (b + 1) * 1024 / 8
             assert text(s.tokens[s.key_pos : s.key_pos + task.digits]) == text(s.tokens[-task.digits :])
+    # Every feasible key position of a bucket, its first and last included, lies in that bucket.
+    for b in range(8):
+        positions = task.key_range(b)
+        assert {p * task.buckets // task.L for p in positions} == {b}, (b, positions)
     # Fixed: the same evaluation set every time it is asked for.
     assert torch.equal(task.eval_set(2, 3)[1].tokens, task.eval_set(2, 3)[1].tokens)
 
@@ -82,9 +86,9 @@ def test_loader_splits_dp_and_resumes_exactly():
     for (xa, ya), (xb, yb) in zip(a.next(), b.next(), strict=True):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
 
-    other = DataLoader(task, 4, 2, 0, 2)
-    with pytest.raises(ConfigError, match=r"batch_size"):
-        other.load_state_dict(a.state_dict())
+    for other, key in [((4, 2, 0, 2), "batch_size"), ((2, 1, 0, 2), "grad_accum"), ((2, 2, 0, 4), "dp_size")]:
+        with pytest.raises(ConfigError, match=rf"checkpoint has data {key} = "):
+            DataLoader(task, *other).load_state_dict(a.state_dict())
 
 
 def test_text_file_and_directory(tmp_path):
@@ -111,6 +115,23 @@ def test_bin_tokens(tmp_path):
     # Raised when the source is built (on every rank alike), not when the bad window is drawn.
     with pytest.raises(ConfigError, match=r"holds token 299 but model.vocab_size is 256"):
         build_source(DataConfig(kind="bin", path=str(tmp_path / "big.bin"), seq_len=32), 256)
+    # Ids run from 0 to vocab_size - 1: vocab_size itself is already out of range.
+    with pytest.raises(ConfigError, match=r"holds token 299 but model.vocab_size is 299"):
+        build_source(DataConfig(kind="bin", path=str(tmp_path / "big.bin"), seq_len=32), 299)
+    assert build_source(DataConfig(kind="bin", path=str(tmp_path / "big.bin"), seq_len=32), 300)(0)[0].max() == 299
+
+
+def test_shortest_usable_file(tmp_path):
+    # seq_len + 1 tokens make exactly one window, which every index draws; seq_len tokens make none.
+    tokens = np.arange(65, dtype=np.uint16)
+    tokens.tofile(tmp_path / "train.bin")
+    src = build_source(DataConfig(kind="bin", path=str(tmp_path), seq_len=64), 256)
+    for i in range(20):
+        x, y = src(i)
+        assert x.tolist() == list(range(64)) and y.tolist() == list(range(1, 65))
+    tokens[:64].tofile(tmp_path / "train.bin")
+    with pytest.raises(ConfigError, match=r"holds 64 tokens, fewer than data.seq_len \+ 1 = 65"):
+        build_source(DataConfig(kind="bin", path=str(tmp_path), seq_len=64), 256)
 
 
 @pytest.mark.parametrize(
@@ -233,6 +254,13 @@ def test_packed_bin_uses_gpt2_end_of_text(tmp_path):
     resumed = DataLoader(src, 3, 2, 0, 1)
     resumed.load_state_dict(loader.state_dict())
     assert all(torch.equal(a, b) for a, b in zip(loader.next()[1], resumed.next()[1], strict=True))
+
+
+def test_eod_found_in_any_chunk():
+    # The corpus is searched chunk by chunk (a memory map is never compared whole): the first EOD
+    # may sit in any chunk, the last one included.
+    tokens = np.array([5, 6, 7, 8, 9, 1, 2], dtype=np.uint16)
+    assert [_holds(tokens, v, chunk=2) for v in (5, 8, 2, 3)] == [True, True, True, False]
 
 
 def test_packed_text_without_any_eod_is_an_error(tmp_path):

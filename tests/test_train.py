@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import os
 import subprocess
 import sys
@@ -79,6 +80,68 @@ def test_parallel_step_matches_one_process(world, overrides):
     assert len(set(losses)) == 1, losses
 
 
+def test_lr_schedule():
+    from train.trainer import lr_lambda
+
+    # Linear warm-up to the peak over 4 steps, then cosine from 1 down to min_lr_ratio at `steps`.
+    f = lr_lambda(tiny(None, "--train.steps=10", "--train.warmup_steps=4", "--train.min_lr_ratio=0.1"))
+    assert [f(s) for s in (0, 1, 3, 4)] == [0.25, 0.5, 1.0, 1.0]
+    assert f(7) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 3 / 6)))
+    assert f(10) == pytest.approx(0.1)
+    assert lr_lambda(tiny(None, "--train.warmup_steps=0"))(0) == 1.0  # no warm-up: the first step at the peak
+
+
+def _steps_vs_plain_pytorch(rank, world, cfg, multipliers):
+    """The loop's parameter updates equal a plain PyTorch loop: global-mean loss, clipped gradient,
+    AdamW with decay on matrices only, and the lr of each step."""
+    from train.model import Transformer
+    from train.trainer import train
+
+    torch.manual_seed(cfg.train.seed)
+    reference = Transformer(cfg.model)  # the loop's init: the same seed
+    start = {name: p.detach().clone() for name, p in reference.named_parameters()}
+    result = train(cfg)
+
+    t = cfg.train
+    params = list(reference.parameters())
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": t.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},  # norm weights: no decay
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2))
+    loader = DataLoader(build_source(cfg.data, cfg.model.vocab_size), cfg.data.batch_size, 1, 0, 1)
+    for step, multiplier in enumerate(multipliers, 1):
+        ((x, y),) = loader.next()
+        loss = F.cross_entropy(reference(x).flatten(0, 1), y.flatten(), ignore_index=IGNORE)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
+        for group in optimizer.param_groups:
+            group["lr"] = t.lr * multiplier
+        optimizer.step()
+        optimizer.zero_grad()
+        torch.testing.assert_close(result.losses[step], loss.item(), rtol=1e-5, atol=0)
+    for name, p in result.model.named_parameters():
+        torch.testing.assert_close(
+            p - start[name], reference.get_parameter(name) - start[name], rtol=1e-3, atol=1e-7, msg=name
+        )
+
+
+def test_steps_match_plain_pytorch():
+    # A gradient norm clipped to 1e-7 leaves every element far below AdamW's eps (1e-8): the update
+    # is then lr · g / eps, linear in the clipped gradient, so the loop's and the reference's
+    # rounding differences stay relative, and an unclipped gradient (updates near ±lr) is far off.
+    cfg = tiny(
+        None,
+        "--data.passkey_loss=all",
+        "--data.eval_samples=0",
+        "--train.steps=3",
+        "--train.stop_at=2",
+        "--train.warmup_steps=2",
+        "--train.grad_clip=1e-7",
+    )
+    run_ranks(_steps_vs_plain_pytorch, 1, args=(cfg, [0.5, 1.0]))
+
+
 def _train_in_ranks(rank, world, cfg):
     from train.trainer import train
 
@@ -103,6 +166,30 @@ def test_non_finite_loss_stops_cleanly(tmp_path):
 
     saved = complete_checkpoints(tmp_path / "checkpoints")
     assert saved and not list((tmp_path / "checkpoints").glob("*.tmp"))
+
+
+def _gradient_norm_overflows_at_step_2(rank, world, cfg):
+    from train.trainer import train
+
+    clip, calls = torch.nn.utils.clip_grad_norm_, []
+
+    def overflowing(params, max_norm):  # as if one gradient overflowed while the loss stayed finite
+        calls.append(max_norm)
+        norm = clip(params, max_norm)
+        return norm if len(calls) < 2 else torch.tensor(float("inf"))
+
+    torch.nn.utils.clip_grad_norm_ = overflowing  # in this forked rank only
+    return train(cfg).losses
+
+
+def test_non_finite_gradient_norm_stops_cleanly(tmp_path):
+    cfg = tiny(tmp_path, "--checkpoint.enabled=true", "--checkpoint.interval=1", "--data.eval_samples=0")
+    with pytest.raises(Exception, match=r"non-finite gradient norm at step 2 \(loss [0-9.]+, grad norm inf\)"):
+        run_ranks(_gradient_norm_overflows_at_step_2, 1, args=(cfg,))
+    from train.checkpoint import complete_checkpoints
+
+    # Stopped before that step's update and save: the last checkpoint is the last good step.
+    assert [p.name for p in complete_checkpoints(tmp_path / "checkpoints")] == ["step_00000001"]
 
 
 def test_bad_data_path_fails_before_training(tmp_path):
@@ -140,7 +227,8 @@ def test_torchrun_two_ranks_loss_falls(tmp_path):
         f"--logging.dir={tmp_path / 'run'}",
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "dp 1 × cp 2 on cpu (gloo)" in out.stdout
+    # 8 sequences of 512 tokens per step, sharded into halves of 256 tokens.
+    assert "dp 1 × cp 2 on cpu (gloo) | 4096 tokens/step, 256 per rank per seq" in out.stdout
     assert out.stdout.count("dp 1 × cp 2") == 1  # only rank 0 prints
     done = next(line for line in out.stdout.splitlines() if line.startswith("done:"))
     first, last = (float(v) for v in done.split("loss ")[1].split(" -> "))
@@ -160,6 +248,18 @@ def test_torchrun_rejects_cp_not_dividing_world(tmp_path):
     )
     assert out.returncode != 0
     assert "parallel.cp (3) must divide the world size (2)" in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("name", "peak"),
+    [("NVIDIA H100 PCIe", 756.0), ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H200", 989.0), ("Tesla T4", 0.0)],
+)
+def test_peak_tflops_by_gpu_name(monkeypatch, name, peak):
+    from train.metrics import peak_tflops
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert peak_tflops(torch.device("cuda", 0), 0.0) == peak  # the most specific name fragment wins
+    assert peak_tflops(torch.device("cuda", 0), 400.0) == 400.0  # a configured peak beats the guess
 
 
 def test_config_error_has_no_traceback():
