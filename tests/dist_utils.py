@@ -26,6 +26,10 @@ Why it is built this way (each point cost someone a slow or hung CI run):
 - Autograd imports `torch.fx.experimental.symbolic_shapes` (and sympy) lazily, on the first
   backward of some ops: ~0.4 s in *every* child. Importing it here, once, in the parent lets
   every fork inherit it.
+- Every rank meets the others in a barrier right after `init_process_group`: a rank that
+  raised at once used to tear its group down while another was still connecting ("Gloo
+  connectFullMesh failed ... Connection closed by peer" in 2 of 60 runs), and under load that
+  other rank then failed too, reported as an error of its own.
 - Results come back over one pipe per rank; keep them small (numbers, strings), compare
   tensors inside the ranks.
 """
@@ -67,6 +71,7 @@ def _child(fn, rank, world, store_path, backend, timeout_s, args, kwargs, conn) 
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
         )
+        dist.barrier()  # the group is up everywhere before any rank may fail and tear its end down
         result = ("ok", fn(rank, world, *args, **kwargs))
     except BaseException:  # report everything, including pytest's Failed and KeyboardInterrupt
         result = ("err", traceback.format_exc())
