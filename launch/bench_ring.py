@@ -16,6 +16,8 @@ Per tokens-per-rank N (global sequence W·N), bf16, causal, D = 128, H = 16 (H·
 - single/W: one GPU's fwd+bwd on the whole sequence with the same kernels, divided by W (for
   torch CP: SDPA with the same backend, so its efficiency measures its ring, not its kernels).
 - efficiency = (single/W) ÷ ring fwd+bwd (the definition of ring-flash-attn's README).
+- hop: one K/V transfer alone per transport, ms and GB/s (in the notes under the table): the
+  bandwidth the overlap has to work with.
 - torch CP: `torch.distributed.tensor.experimental.context_parallel` (head-tail load balancing,
   torch's default rotate method unless --cp-rotate) with the SDPA flash and cuDNN backends;
   'n/a' with the reason where unavailable.
@@ -51,7 +53,7 @@ from benchlib import REPO, attn_flops, markdown_table, parse_tokens, plot_lines,
 
 from kernels import attn_bwd, attn_fwd
 from ringflash import NullComm, nccl_options, ring_flash_attn_func, ring_mask
-from ringflash.comm import TRANSPORTS
+from ringflash.comm import TRANSPORTS, ring_comm
 from ringflash.ring import pack_kv, ring_backward, ring_forward
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -167,6 +169,18 @@ def bench_ring(args, n_local, layout, dev, dtype, mask=None, transport="nccl", c
     if rank == 0:
         print(f"{n_local} tokens/rank {layout}: compute only per rank " + ", ".join(f"{t:.3g}" for t in compute_ms))
     return fwd_ms, fwd_bwd_ms, max(compute_ms)
+
+
+def bench_hop(args, n_local, dev, dtype, transport) -> tuple[float, int]:
+    """(ms, bytes) of one K/V hop alone, as the ring posts it (`RingComm.send_recv`): this rank's K
+    and V to the next rank while the previous rank's arrive, with no compute to hide behind. The
+    bandwidth the ring's overlap has to work with."""
+    comm = ring_comm(None, transport)
+    kv = torch.randn(2, args.batch, n_local, args.kv_heads, args.head_dim, device=dev).to(dtype)
+    comm.reserve(kv)
+    recv = comm.buffer("kv0", kv.shape, kv.dtype, kv.device)
+    ms = time_collective(lambda: comm.send_recv(kv, recv).wait(), args.iters, args.warmup)
+    return ms, kv.numel() * kv.element_size()
 
 
 def _profile(fn, title: str, iters: int = 3) -> None:
@@ -421,10 +435,14 @@ def main() -> None:
         if args.masks:
             _main_masks(args, dev, dtype, layouts if "--layouts" in sys.argv else ["zigzag"])
             return
-        rows = []
+        rows, hops = [], []
         for n in args.tokens_per_rank:
             n_global = n * world
             single = bench_single(args, n_global, dev, dtype) / world
+            for transport in transports:
+                ms, nbytes = bench_hop(args, n, dev, dtype, transport)
+                hops.append(f"{n} tokens/rank, {transport}: {ms:.3g} ms for {nbytes / 2**20:.3g} MiB "
+                            f"({nbytes / ms / 1e6:.3g} GB/s)")
             flops = attn_flops(args.batch, args.heads, n_global, n_global, args.head_dim, True, "fwd_bwd") / world
             for layout, transport in itertools.product(layouts, transports):
                 first = transport == transports[0]  # compute-only does not depend on the transport
@@ -474,6 +492,8 @@ def main() -> None:
                 "impl says copy-engine (transport='copy-engine'); ring and torch CP times: "
                 + (f"steady state, {PRIMING_CALLS} untimed calls queued before each timed run." if cuda else
                    "host wall clock.")
+                + " One K/V hop alone (sent to the next rank while the previous rank's arrives, nothing else "
+                "running, the slowest rank's): " + "; ".join(hops) + "."
             )
             if args.quick or args.no_record:
                 print(f"## {title}\n\n{table}\n\n{notes}")
