@@ -7,8 +7,9 @@
 bf16, B·N = 32k tokens, H·D = 2048, causal and not. FLOPs in FlashAttention's convention
 (forward 4·B·H·N²·D, halved when causal; backward 2.5× forward). Each implementation is timed in
 its native layout (SDPA and Flex take (B, H, N, D); ours (B, N, H, D)), the backward without the
-forward, through `torch.autograd.grad` for the peers. Also measures a dense bf16 matmul, the
-ceiling every attention kernel here is chasing, in the same run. Needs a CUDA GPU.
+forward, through `torch.autograd.grad` for the peers. Also measures the device's ceilings in the
+same run: a dense bf16 matmul, the rate every attention kernel here is chasing, and a plain
+device copy's bandwidth. Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -77,6 +78,13 @@ def matmul_tflops(n: int = 8192) -> float:
     return 2 * n**3 / time_ms(lambda: a @ b) * 1e-9
 
 
+def copy_tbps(nbytes: int = 1 << 30) -> float:
+    """Device memory bandwidth of a plain copy, bytes read plus written, TB/s."""
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * nbytes / time_ms(lambda: dst.copy_(src)) * 1e-9
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
@@ -119,12 +127,13 @@ def main() -> None:
                     points.append((name, D, causal, N, tfb))
                 print(markdown_table(["impl", "D", "N", "B", "H", "causal", "fwd", "bwd", "fwd+bwd", "vs flash"],
                                      rows[-len(measured):]), flush=True)
-    ceiling = matmul_tflops()
+    ceiling, copy = matmul_tflops(), copy_tbps()
     table = markdown_table(
         ["impl", "D", "N", "B", "H", "causal", "fwd TFLOP/s", "bwd TFLOP/s", "fwd+bwd TFLOP/s",
          "fwd+bwd ÷ sdpa-flash"], rows)
     record(f"Kernels: bf16 attention, B·N = {args.tokens}, H·D = {args.hidden}", table,
-           notes=f"Dense bf16 matmul (8192³) in the same run: {ceiling:.0f} TFLOP/s.")
+           notes=f"Ceilings in the same run: dense bf16 matmul (8192³) {ceiling:.0f} TFLOP/s; device copy "
+                 f"(1 GiB, read + written) {copy:.2f} TB/s.")
     panels = {}
     for name, D, causal, N, tfb in points:
         panels.setdefault(f"D={D}, {'causal' if causal else 'full'}", []).append((name, N, tfb))
