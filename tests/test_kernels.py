@@ -228,8 +228,13 @@ def test_dispatcher(monkeypatch):
         (lambda q, k, v: (q, k[:1], v[:1]), ValueError, "batch"),
         (lambda q, k, v: (q, k[:, :5], v[:, :5]), ValueError, "causal=True needs as many queries"),
         (lambda q, k, v: (q.transpose(2, 3), k, v), ValueError, "contiguous last dim|4 dims|head_dim"),
-        (lambda q, k, v: tuple(torch.randn(2, 8, h, 300) for h in (4, 2, 2)),
-         ValueError, "head_dim must be in"),
+        # q's shape, but a last-dim stride of 4: the kernels would read the wrong elements
+        (lambda q, k, v: (torch.randn(2, 8, 32, 4).transpose(2, 3), k, v), ValueError,
+         r"q must have a contiguous last dim \(stride 1\), got strides \(1024, 128, 1, 4\)"),
+        (lambda q, k, v: (q, k.to("meta"), v.to("meta")), ValueError, "k must be on q's device"),
+        # one past the largest head dim
+        (lambda q, k, v: tuple(torch.randn(2, 8, h, 257) for h in (4, 2, 2)),
+         ValueError, r"head_dim must be in \[1, 256\], got 257"),
     ],
 )
 def test_bad_input_names_the_argument(make, exc, match, backend):
@@ -248,8 +253,25 @@ def test_bad_backward_input():
         attn_bwd(do, q, k, v, o, lse[:, :1])
     with pytest.raises(ValueError, match="do must have q's shape"):
         attn_bwd(do[:, :4], q, k, v, o, lse)
-    with pytest.raises(ValueError, match="softmax_scale must be a positive"):
-        attn_fwd(q, k, v, softmax_scale=-1.0)
+    with pytest.raises(ValueError, match="o must have q's shape"):
+        attn_bwd(do, q, k, v, o[:, :4], lse)
+    with pytest.raises(ValueError, match="do must have a contiguous last dim"):
+        attn_bwd(torch.randn(1, 8, 32, 2).transpose(2, 3), q, k, v, o, lse)
+    for scale in (-1.0, 0.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="softmax_scale must be a positive finite number"):
+            attn_fwd(q, k, v, softmax_scale=scale)
+
+
+def test_reference_backward_takes_o_as_given():
+    """delta = rowsum(do·o) from the o passed in (here float32, unrounded, next to bf16 inputs),
+    as the Triton preprocess does: not from o rounded to q's dtype first. (Reference only: the
+    Triton kernels round P to bf16, which hides a rounding of o at this size.)"""
+    q, k, v, do = _inputs((1, 40, 40, 4, 2, 32), torch.bfloat16, seed=10)
+    truth = attention_f64(q, k, v, True, do=do)
+    o, lse = truth["o"].float(), truth["lse"].float()
+    grads = attn_bwd(do, q, k, v, o, lse, causal=True, grad_dtype=torch.float32, backend="reference")
+    errs = [rel_err(g, truth[n]) for g, n in zip(grads, ("dq", "dk", "dv"))]
+    assert all(e < TOL[torch.float32] for e in errs), errs
 
 
 # ---------------------------------------------------------------------------------------------

@@ -176,6 +176,14 @@ def test_bad_acc_names_the_argument(backend):
         attn_fwd(q, k, v, out_dtype=torch.float32, out=torch.empty_like(q), backend=backend)
     with pytest.raises(TypeError, match=r"out must be float16, bfloat16 or float32, got torch\.float64"):
         attn_fwd(q, k, v, out=q.to(torch.float64), backend=backend)
+    with pytest.raises(ValueError, match=r"out must have a contiguous last dim \(stride 1\)"):
+        attn_fwd(q, k, v, out=torch.empty(1, 8, 2, 64, dtype=q.dtype)[..., ::2], backend=backend)
+    # With out=, out_dtype may name out's own dtype: o_acc is then only read, so it need not be float32.
+    g = torch.Generator().manual_seed(7)
+    o, lse = torch.randn(1, 8, 2, 32, generator=g), torch.randn(1, 2, 8, generator=g)
+    want = attn_fwd(q, k, v, acc=(o.clone(), lse.clone()), out=torch.empty_like(q), backend=backend)
+    got = attn_fwd(q, k, v, acc=(o.clone(), lse.clone()), out=torch.empty_like(q), out_dtype=q.dtype, backend=backend)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def _masked_f64(q, k, v, mask):

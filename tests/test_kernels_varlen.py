@@ -44,11 +44,11 @@ def _packed(lens, H, Hkv, D, dtype, seed=0, device="cpu"):
     return q, k, v, do, cu
 
 
-def _per_document_truth(q, k, v, do, cu, causal):
+def _per_document_truth(q, k, v, do, cu, causal, scale=None):
     """float64 attention of each document on its own, concatenated: o, lse (H, total), grads."""
     outs = {"o": [], "lse": [], "dq": [], "dk": [], "dv": []}
     for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        t = attention_f64(q[None, a:b], k[None, a:b], v[None, a:b], causal, do=do[None, a:b])
+        t = attention_f64(q[None, a:b], k[None, a:b], v[None, a:b], causal, scale, do=do[None, a:b])
         for name in outs:
             outs[name].append(t[name][0])
     return {n: torch.cat(x, dim=1 if n == "lse" else 0) for n, x in outs.items()}
@@ -135,6 +135,19 @@ def test_varlen_window(window, dtype, backend):
     truth = masked_f64(q[None], k[None], v[None], _mask(pos, pos, True, window, doc, doc)[None], do=do[None])
     truth = {n: t[0] for n, t in truth.items()}
     _assert_close(dict(o=o, lse=lse, dq=dq, dk=dk, dv=dv), truth, dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_varlen_passes_scale_and_output_dtypes(backend):
+    """softmax_scale, out_dtype and grad_dtype reach the kernels: bf16 inputs, float32 outputs."""
+    lens = (5, 30, 12)
+    q, k, v, do, cu = _packed(lens, 2, 1, 32, torch.bfloat16, seed=8)
+    o, lse = attn_varlen_fwd(q, k, v, cu, causal=True, softmax_scale=0.3, out_dtype=torch.float32, backend=backend)
+    dq, dk, dv = attn_varlen_bwd(do, q, k, v, o, lse, cu, causal=True, softmax_scale=0.3,
+                                 grad_dtype=torch.float32, backend=backend)
+    assert all(t.dtype == torch.float32 for t in (o, dq, dk, dv))
+    truth = _per_document_truth(q, k, v, do, cu, True, scale=0.3)
+    _assert_close(dict(o=o, lse=lse, dq=dq, dk=dk, dv=dv), truth, torch.bfloat16)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,17 +345,33 @@ def test_bad_mask_arguments_name_the_argument(backend):
         attn_fwd(q[:, :5], k, v, visibility=vis, backend=backend)
     with pytest.raises(TypeError, match=r"visibility\.q_hi must be int32"):
         attn_fwd(q, k, v, visibility=vis._replace(q_hi=vis.q_hi.long()), backend=backend)
+    with pytest.raises(ValueError, match=r"visibility\.kv_lo must have shape \(1, 8\), got \(3, 8\)"):
+        attn_fwd(q, k, v, visibility=vis._replace(kv_lo=vis.kv_lo.expand(3, -1).contiguous()), backend=backend)
+    strided = torch.stack([vis.kv_hi, vis.kv_hi], dim=-1)[..., 0]  # (1, 8), row stride 2
+    with pytest.raises(ValueError, match=r"visibility\.kv_hi must be contiguous"):
+        attn_fwd(q, k, v, visibility=vis._replace(kv_hi=strided), backend=backend)
+    with pytest.raises(ValueError, match="visibility= already says"):  # a window would be ignored
+        attn_fwd(q, k, v, window=2, visibility=vis, backend=backend)
     cu = torch.tensor([0, 3, 8], dtype=torch.int32)
     with pytest.raises(ValueError, match="cu_seqlens must start at 0 and end"):
         attn_varlen_fwd(q[0], k[0], v[0], cu[:2], backend=backend)
     with pytest.raises(TypeError, match="cu_seqlens must be int32 or int64"):
         attn_varlen_fwd(q[0], k[0], v[0], cu.float(), backend=backend)
+    with pytest.raises(ValueError, match=r"cu_seqlens must start at 0 .*got 1 \.\.\. 8"):
+        attn_varlen_fwd(q[0], k[0], v[0], torch.tensor([1, 3, 8], dtype=torch.int32), backend=backend)
+    with pytest.raises(ValueError, match="cu_seqlens must be non-decreasing"):
+        attn_varlen_fwd(q[0], k[0], v[0], torch.tensor([0, 5, 3, 8], dtype=torch.int32), backend=backend)
     with pytest.raises(ValueError, match="q must have 3 dims"):
         attn_varlen_fwd(q, k[0], v[0], cu, backend=backend)
     with pytest.raises(ValueError, match="k_pos must be increasing"):
         visibility(torch.arange(4), torch.tensor([0, 2, 1, 3]), causal=True)
     with pytest.raises(ValueError, match="q_doc and k_doc must be given together"):
         visibility(torch.arange(4), torch.arange(4), causal=True, q_doc=torch.zeros(4))
+    with pytest.raises(ValueError, match="window needs causal=True"):
+        visibility(torch.arange(4), torch.arange(4), causal=False, window=2)
+    with pytest.raises(ValueError, match=r"one batch size \(or 1\), got \[2, 3\]"):
+        visibility(torch.arange(4), torch.arange(4), causal=True, q_doc=torch.zeros(2, 4, dtype=torch.long),
+                   k_doc=torch.zeros(3, 4, dtype=torch.long))
     assert varlen_visibility(cu, 8).kv_lo.shape == (1, 8)
 
 
