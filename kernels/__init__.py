@@ -125,7 +125,8 @@ def attn_bwd(
     if resolve_backend(backend, q.device) == "reference":
         grads = ref_attn_bwd(
             do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale,
-            grad_dtype=torch.float32 if acc is not None else grad_dtype,  # rounded after the sum, as on chip
+            # Added to a sum (acc= or accumulate=): rounded after the sum, once, as on chip.
+            grad_dtype=torch.float32 if acc is not None or accumulate else grad_dtype,
             window=window, visibility=visibility,
         )
         if out is None and not accumulate and acc is None:

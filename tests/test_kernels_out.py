@@ -76,6 +76,25 @@ def test_sums_read_from_acc_and_written_rounded(backend, device, n_keys):
         assert torch.equal(s, b)  # acc is read, never written
 
 
+@pytest.mark.parametrize(
+    ("backend", "device"),
+    [("reference", "cpu"), ("triton", "cpu"), pytest.param("triton", "cuda", marks=pytest.mark.gpu)],
+)
+def test_accumulate_adds_in_float32_then_rounds(backend, device):
+    # `accumulate=True` into half-precision out: what out holds plus this block's float32
+    # gradients, rounded once, on both backends (the reference used to round the block first).
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    q, k, v, do = (t.to(device, dtype) for t in _inputs())
+    o, lse = torch.randn_like(q), torch.randn(2, 4, 40, device=device)
+    grads = attn_bwd(do, q, k, v, o, lse, grad_dtype=torch.float32, backend=backend)
+    gen = torch.Generator().manual_seed(3)
+    out = tuple(torch.randn(g.shape, generator=gen).to(device, dtype) for g in grads)
+    want = tuple((t.float() + g).to(dtype) for t, g in zip(out, grads))
+    attn_bwd(do, q, k, v, o, lse, out=out, accumulate=True, backend=backend)
+    for name, got, w in zip(("dq", "dk", "dv"), out, want):
+        assert torch.equal(got, w), name
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_no_keys_writes_zeros_or_adds_nothing(backend, accumulate):
@@ -106,6 +125,13 @@ def test_bad_out_names_the_buffer(backend):
         attn_bwd(do, q, k, v, o, lse, out=good, accumulate=True, acc=good, backend=backend)
     with pytest.raises(TypeError, match=r"acc dv must be float32 \(running sums\), got torch\.float16"):
         attn_bwd(do, q, k, v, o, lse, out=good, acc=(*good[:2], good[2].half()), backend=backend)
+    every_other = torch.empty(2, 40, 4, 64)[..., ::2]  # dq's shape, last-dim stride 2
+    with pytest.raises(ValueError, match=r"out dq must have a contiguous last dim \(stride 1\)"):
+        attn_bwd(do, q, k, v, o, lse, out=(every_other, *good[1:]), backend=backend)
+    with pytest.raises(ValueError, match=r"acc dq must have a contiguous last dim \(stride 1\)"):
+        attn_bwd(do, q, k, v, o, lse, out=good, acc=(every_other, *good[1:]), backend=backend)
+    with pytest.raises(ValueError, match="out dv must be on q's device"):
+        attn_bwd(do, q, k, v, o, lse, out=(*good[:2], good[2].to("meta")), backend=backend)
 
 
 @pytest.mark.parametrize(
