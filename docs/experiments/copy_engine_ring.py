@@ -5,6 +5,10 @@ Push model: each rank writes its block straight into the next rank's receive buf
 a symmetric heap, same offset on every rank) with cudaMemcpyAsync on a side stream; stream-ordered
 signals say "my receive slot is free" (receiver -> sender) and "written" (sender -> receiver).
 ring.py's buffers come from the heap through a proxy for its `torch` (experiment only).
+
+A record of the experiment as it ran, against ring.py at 59fc910 (`git checkout 59fc910` to run
+it again): the ring has since asked its comm for `reserve`/`buffer` and sends K and V otherwise,
+so it does not run against the current tree. ringflash/peer.py is the transport it became.
 """
 import math
 import os
