@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from train.config import ModelConfig, load_config
-from train.model import DocumentMask, Transformer, apply_rope, rope_angles
+from train.model import DocumentMask, LocalCausalAttention, Transformer, apply_rope, rope_angles
 
 TINY = ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2)
 
@@ -136,3 +136,45 @@ def test_sliding_window():
     assert not torch.allclose(a[:, 10 : 10 + 2 * (w - 1)], b[:, 10 : 10 + 2 * (w - 1)])
     full = model()  # the same weights (same seed) without a window see everything
     assert not torch.allclose(full(idx)[:, 20:], full(changed)[:, 20:])
+
+
+def test_rope_angles_are_position_times_standard_frequencies():
+    # theta^(-2i/D) for D = 8, theta = 1e4: 1, 0.1, 0.01, 0.001 (the standard RoPE frequencies,
+    # which checkpoints and the ring's global positions assume). At positions ~1e6 the product
+    # must be taken in float64: float32 angles would be off by ~1e-2 rad in the second pair.
+    pos = torch.tensor([0, 1, 7, 1_000_003, 3_000_017])
+    cos, sin = rope_angles(pos, 8, 10000.0)
+    angles = pos.double()[:, None] * torch.tensor([1.0, 0.1, 0.01, 0.001], dtype=torch.float64)
+    assert cos.dtype == sin.dtype == torch.float32 and cos.shape == (5, 4)
+    torch.testing.assert_close(cos, angles.cos().float(), atol=1e-6, rtol=0)
+    torch.testing.assert_close(sin, angles.sin().float(), atol=1e-6, rtol=0)
+
+
+def local_attention_f64(q, k, v, window, doc):
+    """Float64 softmax attention, query head h on key/value head h // (H/Hkv) (the kernels' GQA
+    grouping), key j visible to query i iff j <= i, i - j < window (0: no window), same document."""
+    H, Hkv, N = q.shape[2], k.shape[2], q.shape[1]
+    kr, vr = (t.double().repeat_interleave(H // Hkv, dim=2) for t in (k, v))
+    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), kr) / q.shape[-1] ** 0.5
+    i = torch.arange(N)
+    allowed = (i[:, None] >= i[None, :])[None]
+    if window:
+        allowed = allowed & (i[:, None] - i[None, :] < window)
+    if doc is not None:
+        allowed = allowed & (doc[:, :, None] == doc[:, None, :])
+    s = s.masked_fill(~allowed[:, None], float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), vr)
+
+
+@pytest.mark.parametrize("n_kv_heads", [1, 2, 4])
+@pytest.mark.parametrize("window, docs", [(0, False), (5, False), (0, True), (5, True)])
+def test_local_attention_matches_float64(n_kv_heads, window, docs):
+    # The default core against explicit float64 attention: GQA heads grouped as the ring's kernels
+    # group them (so cp = 1 and cp > 1 run the same model), window and documents combined.
+    g = torch.Generator().manual_seed(0)
+    B, N, H, D = 2, 20, 4, 8
+    q = torch.randn(B, N, H, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(B, N, n_kv_heads, D, generator=g, dtype=torch.float64) for _ in range(2))
+    doc = torch.tensor([[0] * 7 + [1] * 3 + [2] * 10, [0] * 13 + [1] * 7]) if docs else None
+    got = LocalCausalAttention(window)(q, k, v, mask=DocumentMask(doc) if docs else None)
+    torch.testing.assert_close(got, local_attention_f64(q, k, v, window, doc))

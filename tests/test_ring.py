@@ -446,3 +446,67 @@ def test_ring_nccl_two_gpus():
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
+
+
+# ---- RingComm's own contract, below the ring loop ----------------------------------------------------
+
+
+def _comm_contract_worker(rank, world):
+    comm = ring_comm()
+    x = torch.arange(6.0).reshape(2, 3) + 100 * rank
+    # Buffers gloo would misread (or wait on forever) are refused before anything is posted.
+    for send, recv, match in (
+        (x.t(), torch.empty(3, 2), "must be contiguous"),
+        (x, torch.empty(3, 2), "must match"),
+        (x, torch.empty(2, 3, dtype=torch.float64), "must match"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            comm.send_recv(send, recv)
+    # Two transfers in flight, posted in opposite orders by neighbouring ranks: the tags pair each
+    # receive with its own send (same sizes, so a mix-up would pass unnoticed by gloo).
+    ra, rb = torch.empty_like(x), torch.empty_like(x)
+    posts = [(x, ra, 0), (-x, rb, 1)]
+    for transfer in [comm.send_recv(*p) for p in (posts if rank % 2 == 0 else posts[::-1])]:
+        transfer.wait()
+    prev = torch.arange(6.0).reshape(2, 3) + 100 * ((rank - 1) % world)
+    assert torch.equal(ra, prev) and torch.equal(rb, -prev), "received from the previous rank, by tag"
+    # An NCCL group's small collective runs on its gloo twin (an NCCL one would wait for the GPU).
+    nccl_like = RingComm()
+    nccl_like._names = {"nccl"}  # as an NCCL group reports itself (this one is gloo, so it can run here)
+    used, all_gather = [], dist.all_gather
+    dist.all_gather = lambda out, t, group=None: used.append(group) or all_gather(out, t, group=group)
+    try:
+        rows = nccl_like.all_gather_ints([rank, -rank])
+    finally:
+        dist.all_gather = all_gather
+    assert rows == [[r, -r] for r in range(world)] and used == [host_group(None)]
+    # The cache is per transport: a cached NCCL-transport comm is not handed out for copy-engine.
+    with pytest.raises(ValueError, match="copy-engine needs an NCCL group"):
+        ring_comm(None, "copy-engine")
+    # A list of ranks (not hashable) gets RingComm's error, not the cache's.
+    with pytest.raises(TypeError, match=r"group must be a torch\.distributed\.ProcessGroup or None, got list"):
+        ring_comm([0, 1, 2])
+    dist.barrier()
+    return True
+
+
+def test_ring_comm_contract():
+    assert run_ranks(_comm_contract_worker, 3) == [True] * 3
+
+
+def test_ring_plan_must_have_every_step_and_compute_step_0():
+    # A plan (e.g. a RingMask's) of the wrong length, or one skipping step 0 (which starts the
+    # accumulators), is refused by name instead of failing inside the loop.
+    from ringflash.layout import ring_schedule
+    from ringflash.ring import pack_kv, ring_backward, ring_forward
+
+    q, k, v, do = global_inputs(make_case(1, n_local=8))
+    kv = pack_kv(k, v)
+    kw = dict(causal=False, scale=0.25, layout="contiguous", comm=ringflash.NullComm(0, 2))
+    steps = [(st, None) for st in ring_schedule(0, 2, 8, False, "contiguous")]
+    o, lse = ring_forward(q, kv, plan=steps, **kw)
+    for plan in ([None, steps[1]], steps[:1], steps * 2):
+        with pytest.raises(ValueError, match="a ring plan needs 2 steps, step 0 computed"):
+            ring_forward(q, kv, plan=plan, **kw)
+        with pytest.raises(ValueError, match="a ring plan needs 2 steps, step 0 computed"):
+            ring_backward(do, q, kv, o, lse, plan=plan, **kw)
