@@ -1,6 +1,7 @@
 """Run a function on N local ranks of a gloo process group: the multi-process test harness.
 
     results = run_ranks(fn, world=4, args=(q, k, v))   # fn(rank, world, *args) on every rank
+    out = torchrun(REPO / "launch" / "train.py", "--config", ...)   # a launch script, as users run it
 
 Every rank is a child process with `torch.distributed` initialised on the default group
 (gloo, `rank`, `world`), `torch.set_num_threads(1)` (4 ranks share 2 CI cores, and a forked
@@ -41,17 +42,22 @@ import datetime
 import multiprocessing as mp
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.fx.experimental.symbolic_shapes  # (see above: inherited by forked ranks)
 
-__all__ = ["RankFailure", "run_ranks"]
+__all__ = ["REPO", "RankFailure", "run_ranks", "torchrun"]
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 class RankFailure(AssertionError):
@@ -151,3 +157,14 @@ def run_ranks(
         for c in conns:
             c.close()
         shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def torchrun(
+    script: Path, *args: str, nproc: int = 2, cwd: Path | None = None, timeout: float = 150
+) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node=nproc script *args` in a subprocess, with this repository
+    importable and one OpenMP thread per rank; stdout and stderr captured as text."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script),
+           *args]  # fmt: skip
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)

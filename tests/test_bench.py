@@ -7,21 +7,14 @@ efficiency, and one K/V hop alone.
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from dist_utils import REPO, torchrun
 
 
 def test_bench_ring_quick_runs_over_gloo(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     record = (REPO / "BENCHMARKS.md").read_bytes()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
-           str(REPO / "launch" / "bench_ring.py"), "--quick"]  # fmt: skip
-    out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150)
+    out = torchrun(REPO / "launch" / "bench_ring.py", "--quick", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("| 256 | ringflash |")]
     assert len(rows) == 2, out.stdout  # zigzag and contiguous

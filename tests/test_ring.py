@@ -14,15 +14,12 @@ spawn-started gloo ranks sharing one GPU with CUDA tensors and the Triton kernel
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch._dynamo  # the ring op imports it on its first call: once here, not in every forked rank
 import torch.distributed as dist
-from dist_utils import RankFailure, run_ranks
+from dist_utils import REPO, RankFailure, run_ranks, torchrun
 from truth import TOL, attention_f64, lse_err, rel_err
 
 import ringflash
@@ -30,8 +27,6 @@ from kernels import attn_bwd, attn_fwd, interpreting
 from ringflash import RingFlashAttention, ring_flash_attn_func, shard
 from ringflash.comm import TRANSPORTS, RingComm, host_group, ring_comm
 from ringflash.ops import _check_across_ranks, _signature
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def make_case(
@@ -435,16 +430,7 @@ def test_ring_gpu_shared_by_gloo_ranks(case):
 @pytest.mark.multigpu
 def test_ring_nccl_two_gpus():
     # Two NCCL ranks, bf16, 64k tokens per rank, Triton kernels: launch/check_ring_nccl.py.
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        str(REPO / "launch" / "check_ring_nccl.py"),
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    proc = torchrun(REPO / "launch" / "check_ring_nccl.py", timeout=900)
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
 
 

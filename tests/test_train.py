@@ -5,21 +5,16 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from dist_utils import run_ranks
+from dist_utils import REPO, run_ranks, torchrun
 from tiny_config import assert_matches_reference, tiny_config
 
 from train.config import ConfigError
 from train.data import IGNORE, DataLoader, build_source
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def tiny(tmp_path: Path | None = None, *overrides: str):
@@ -198,33 +193,16 @@ def test_bad_data_path_fails_before_training(tmp_path):
         run_ranks(_train_in_ranks, 1, args=(cfg,))
 
 
-def torchrun(tmp_path: Path, *args: str, timeout: float = 150) -> subprocess.CompletedProcess:
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    }
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        "--standalone",
-        str(REPO / "launch" / "train.py"),
-        *args,
-    ]
-    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
-
-
 def test_torchrun_two_ranks_loss_falls(tmp_path):
     out = torchrun(
-        tmp_path,
+        REPO / "launch" / "train.py",
         "--config",
         str(REPO / "configs" / "tiny_cpu.toml"),
         "--train.steps=20",
         "--train.eval_every=0",
         "--logging.progress_bar=false",
         f"--logging.dir={tmp_path / 'run'}",
+        cwd=tmp_path,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     # 8 sequences of 512 tokens per step, sharded into halves of 256 tokens.
@@ -238,13 +216,14 @@ def test_torchrun_two_ranks_loss_falls(tmp_path):
 
 def test_torchrun_rejects_cp_not_dividing_world(tmp_path):
     out = torchrun(
-        tmp_path,
+        REPO / "launch" / "train.py",
         "--config",
         str(REPO / "configs" / "tiny_cpu.toml"),
         "--parallel.cp=3",
         "--parallel.layout=contiguous",
         "--data.seq_len=768",
         "--logging.tensorboard=false",
+        cwd=tmp_path,
     )
     assert out.returncode != 0
     assert "parallel.cp (3) must divide the world size (2)" in out.stderr
