@@ -6,7 +6,7 @@ variable `RINGFLASH_KERNEL_BACKEND` (`auto`, `triton`, `reference`). On CPU the 
 kernels run only under the interpreter (`TRITON_INTERPRET=1`, set before Triton is imported);
 that is how the test suite checks them without a GPU.
 
-Conventions (DESIGN.md, layer 1): q `(B, Nq, H, D)`, k and v `(B, Nk, Hkv, D)` with H % Hkv == 0,
+Conventions: q `(B, Nq, H, D)`, k and v `(B, Nk, Hkv, D)` with H % Hkv == 0,
 any strides with a contiguous last dim; lse `(B, H, Nq)` float32, natural log.
 """
 
@@ -35,9 +35,11 @@ def interpreting() -> bool:
 
 def resolve_backend(backend: str | None, device: torch.device) -> str:
     """The backend that will run for tensors on `device`: `"triton"` or `"reference"`."""
-    choice = backend or os.environ.get("RINGFLASH_KERNEL_BACKEND", "auto")
+    choice, source = backend, "backend"
+    if choice is None:
+        choice, source = os.environ.get("RINGFLASH_KERNEL_BACKEND", "auto"), "RINGFLASH_KERNEL_BACKEND"
     if choice not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {choice!r}")
+        raise ValueError(f"{source} must be one of {BACKENDS}, got {choice!r}")
     if choice == "auto":
         return "triton" if device.type == "cuda" else "reference"
     if choice == "triton" and device.type != "cuda" and not interpreting():
@@ -153,4 +155,5 @@ def attn_bwd(
     )
 
 
+import kernels.ops  # noqa: E402, F401  (registers torch.ops.ringflash.attn_fwd / attn_bwd)
 from kernels.varlen import attn_varlen_bwd, attn_varlen_fwd  # noqa: E402  (uses attn_fwd/attn_bwd above)

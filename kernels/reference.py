@@ -1,6 +1,6 @@
 """The kernel contract in plain PyTorch: the CPU path for training and the oracle for tests.
 
-Same signatures and conventions as the Triton kernels (DESIGN.md, layer 1):
+Same signatures and conventions as the Triton kernels (kernels/__init__.py):
 layout `(B, N, H, D)`, GQA by grouping query heads over shared key/value heads (never
 materialising repeated K/V), float32 math, LSE float32 in natural log with shape `(B, H, Nq)`.
 Memory is O(Nq·Nk) per head, so this is for CPU and for tests, not for long sequences on GPU.
@@ -49,6 +49,7 @@ def _probabilities(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return torch.where(finite.unsqueeze(-1), p, 0.0)
 
 
+@torch.no_grad()  # plain tensors out, as from the Triton kernels: no autograd graph
 def ref_attn_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -125,6 +126,7 @@ def ref_merge(o: torch.Tensor, lse: torch.Tensor, o_blk: torch.Tensor, lse_blk: 
     lse.copy_(new)
 
 
+@torch.no_grad()  # plain tensors out, as from the Triton kernels: no autograd graph
 def ref_attn_bwd(
     do: torch.Tensor,
     q: torch.Tensor,

@@ -42,6 +42,11 @@ def check_layout(layout: str) -> None:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
 
 
+def _check_dim(x: torch.Tensor, dim: int) -> None:
+    if not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim must be an int in [-{x.dim()}, {x.dim()}) for a {x.dim()}-d tensor, got {dim!r}")
+
+
 def _check_rank(rank: int, world: int) -> None:
     if not isinstance(world, int) or world < 1:
         raise ValueError(f"world must be a positive int, got {world!r}")
@@ -84,6 +89,7 @@ def shard(x: torch.Tensor, dim: int, rank: int, world: int, layout: str = "zigza
     rank), a new tensor for `zigzag`. Inputs, labels and position ids must be sharded alike.
     """
     _check_rank(rank, world)
+    _check_dim(x, dim)
     check_splittable(x.shape[dim], world, layout)
     chunks = x.chunk(_num_chunks(world, layout), dim)
     ids = chunk_ids(rank, world, layout)
@@ -96,6 +102,8 @@ def unshard(shards: list[torch.Tensor], dim: int, layout: str = "zigzag") -> tor
     world = len(shards)
     if world < 1:
         raise ValueError("shards must hold one tensor per rank, got an empty list")
+    for s in shards:
+        _check_dim(s, dim)
     sizes = {s.shape[dim] for s in shards}
     if len(sizes) != 1:
         raise ValueError(f"every shard must have the same size along dim {dim}, got {sorted(sizes)}")
@@ -152,9 +160,9 @@ def ring_schedule(rank: int, world: int, n_local: int, causal: bool, layout: str
     At step s the visiting key/value block is the one that started on rank (rank − s) mod world.
     Non-causal: every step is the full block pair. Causal: step 0 is the diagonal (full, masked);
     later steps keep only the query chunks that come after some key chunk, against the key
-    chunks that some query chunk comes after. For zigzag that is exactly DESIGN.md's schedule
-    (kv source j < rank: all queries vs the first key chunk; j > rank: the second query chunk
-    vs all keys), half a block pair at every step after the first.
+    chunks that some query chunk comes after. For zigzag (rank r holds chunks r and 2W − 1 − r)
+    that is: kv source j < rank, all queries vs the first key chunk; j > rank, the second query
+    chunk vs all keys; half a block pair at every step after the first.
     """
     check_splittable(n_local * world, world, layout)
     mine = chunk_ids(rank, world, layout)

@@ -111,6 +111,8 @@ def _check_across_ranks(comm: RingComm, rows_of_self: list[int]) -> None:
                 vals = [LAYOUTS[v[0]] for v in vals]
             elif name == "softmax_scale":
                 vals = [struct.unpack("<d", struct.pack("<q", v[0]))[0] for v in vals]
+            elif name == "causal":
+                vals = [bool(v[0]) for v in vals]
             elif name == "window":
                 vals = [v[0] or None for v in vals]
             elif name == "transport":

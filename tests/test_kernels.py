@@ -201,14 +201,29 @@ def test_float32_outputs_for_accumulation(backend):
     assert all(g.dtype == torch.float32 for g in grads)
 
 
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_kernels_build_no_autograd_graph(backend):
+    """Plain tensors out on either backend: code that works on CPU must not rely on a graph the
+    Triton path never builds (autograd goes through the ops, kernels/ops.py)."""
+    q, k, v, do = (torch.randn(1, 32, 2, 16, dtype=torch.float16, requires_grad=True) for _ in range(4))
+    o, lse = attn_fwd(q, k, v, causal=True, backend=backend)
+    grads = attn_bwd(do, q, k, v, o, lse, causal=True, backend=backend)
+    assert not any(t.requires_grad for t in (o, lse, *grads))
+    assert torch.ops.ringflash.attn_fwd.default is not None  # registered by `import kernels`
+
+
 def test_dispatcher(monkeypatch):
     cpu = torch.device("cpu")
     assert resolve_backend(None, cpu) == "reference"
     assert resolve_backend("triton", cpu) == "triton"  # allowed: the interpreter is on in tests
     monkeypatch.setenv("RINGFLASH_KERNEL_BACKEND", "triton")
     assert resolve_backend(None, cpu) == "triton"
-    with pytest.raises(ValueError, match="backend must be one of"):
+    with pytest.raises(ValueError, match=r"^backend must be one of"):
         resolve_backend("cudnn", cpu)
+    monkeypatch.setenv("RINGFLASH_KERNEL_BACKEND", "cudnn")  # the variable is named, not `backend`
+    with pytest.raises(ValueError, match=r"^RINGFLASH_KERNEL_BACKEND must be one of"):
+        resolve_backend(None, cpu)
+    monkeypatch.setenv("RINGFLASH_KERNEL_BACKEND", "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         resolve_backend("triton", cpu)

@@ -30,7 +30,7 @@ def test_global_positions_match_shard_of_arange(world, name):
 
 
 def test_zigzag_chunks():
-    # 2W chunks; rank r holds r and 2W-1-r (DESIGN.md).
+    # 2W chunks; rank r holds r and 2W-1-r.
     assert [L.chunk_ids(r, 4, "zigzag") for r in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
     assert L.global_positions(4, 1, 2, "zigzag").tolist() == [2, 3, 4, 5]
     assert L.global_positions(4, 0, 2, "zigzag").tolist() == [0, 1, 6, 7]
@@ -55,6 +55,11 @@ def test_check_splittable_messages():
         L.shard(torch.zeros(6), 0, 0, 2, "zigzag")
     with pytest.raises(ValueError, match="same size"):
         L.unshard([torch.zeros(4), torch.zeros(2)], 0)
+    with pytest.raises(ValueError, match=r"dim must be an int in \[-3, 3\) for a 3-d tensor, got 5"):
+        L.shard(torch.zeros(2, 8, 3), 5, 0, 2)
+    with pytest.raises(ValueError, match=r"dim must be an int in \[-1, 1\)"):
+        L.unshard([torch.zeros(4), torch.zeros(4)], 1)
+    assert L.shard(torch.arange(8.0).view(1, 8), -1, 1, 2, "contiguous").tolist() == [[4, 5, 6, 7]]
 
 
 def test_local_lengths_that_do_not_split_raise():
@@ -94,7 +99,7 @@ def test_schedule_covers_exactly_the_visible_pairs(world, name, causal):
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_zigzag_causal_is_balanced_half_blocks(world):
-    # DESIGN.md: j < r -> all Q vs first KV chunk; j > r -> second Q chunk vs all KV; every step
+    # The zigzag schedule: j < r -> all Q vs first KV chunk; j > r -> second Q chunk vs all KV; every step
     # after the first is half a block pair on every rank.
     n, h = 8, 4
     for r in range(world):

@@ -47,7 +47,7 @@ def _row(ok=True, dtype=torch.float32, hkv=2, **changes):
         (dict(dtype=torch.bfloat16), "dtype is torch.float32 on rank 0, torch.float32 on rank 1, "
                                      "torch.bfloat16 on rank 2"),
         (dict(layout="contiguous"), "layout is zigzag on rank 0, zigzag on rank 1, contiguous on rank 2"),
-        (dict(causal=False), "causal is 1 on rank 0, 1 on rank 1, 0 on rank 2"),
+        (dict(causal=False), "causal is True on rank 0, True on rank 1, False on rank 2"),
         # the last bit of a float64: the scale travels exactly, and is reported as a number
         (dict(scale=math.nextafter(0.125, 1.0)),
          "softmax_scale is 0.125 on rank 0, 0.125 on rank 1, 0.12500000000000003 on rank 2"),

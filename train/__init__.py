@@ -1,4 +1,4 @@
-"""Layer 3: a small decoder-only LM trained with ring attention (see DESIGN.md).
+"""Layer 3: a small decoder-only LM trained with ring attention.
 
 from train.config import load_config
 from train.trainer import train
