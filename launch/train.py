@@ -73,6 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0 and result.losses:
         first, last = result.losses[min(result.losses)], result.losses[max(result.losses)]
         print(f"done: step {result.final_step}, loss {first:.4f} -> {last:.4f}")
+    elif rank == 0:
+        # Resumed at (or past) where it stops: the trainer ran no step, evaluation or save.
+        t = cfg.train
+        key, value = ("train.steps", t.steps) if result.final_step >= t.steps else ("train.stop_at", t.stop_at)
+        print(f"done: step {result.final_step}, the run is already at {key} = {value}: nothing to do")
     return 0
 
 

@@ -139,6 +139,69 @@ def test_inconsistent_values(args, match):
         load_config(None, args)
 
 
+@pytest.mark.parametrize(
+    "arg, match",
+    [
+        # Each would otherwise fail later, inside torch or the loop, with a traceback (or not at all).
+        ("--train.lr=-1", r"train.lr: must be > 0, got -1.0"),
+        ("--train.lr=0", r"train.lr: must be > 0, got 0.0"),
+        ("--train.lr=nan", r"train.lr: must be finite and > 0, got nan"),
+        ("--train.lr=inf", r"train.lr: must be finite and > 0, got inf"),
+        ("--train.beta1=-0.1", r"train.beta1: must be in \[0, 1\), got -0.1"),
+        ("--train.beta2=1", r"train.beta2: must be in \[0, 1\), got 1.0"),
+        ("--train.min_lr_ratio=1.5", r"train.min_lr_ratio: must be in \[0, 1\], got 1.5"),
+        ("--train.min_lr_ratio=-0.1", r"train.min_lr_ratio: must be in \[0, 1\], got -0.1"),
+        ("--train.weight_decay=-0.1", r"train.weight_decay: must be >= 0, got -0.1"),
+        ("--train.grad_clip=-1", r"train.grad_clip: must be >= 0, got -1.0"),
+        ("--train.grad_clip=nan", r"train.grad_clip: must be finite and >= 0, got nan"),
+        ("--train.eval_every=-1", r"train.eval_every: must be >= 0, got -1"),
+        ("--train.max_minutes=-1", r"train.max_minutes: must be >= 0, got -1.0"),
+        ("--checkpoint.interval=-1", r"checkpoint.interval: must be >= 0, got -1"),
+        ("--data.eval_samples=-1", r"data.eval_samples: must be >= 0, got -1"),
+        ("--data.passkey_digits=0", r"data.passkey_digits: must be >= 1, got 0"),
+        ("--data.passkey_gap=-1", r"data.passkey_gap: must be >= 0, got -1"),
+        ("--data.passkey_repeats=-1", r"data.passkey_repeats: must be >= 0, got -1"),
+        ("--data.warmup_seq_steps=-1", r"data.warmup_seq_steps: must be >= 0, got -1"),
+        ("--model.ffn_dim=-1", r"model.ffn_dim: must be >= 0, got -1"),
+        ("--model.rope_theta=0", r"model.rope_theta: must be > 0, got 0.0"),
+        ("--model.norm_eps=-1e-5", r"model.norm_eps: must be > 0, got -1e-05"),
+        ("--model.init_std=0", r"model.init_std: must be > 0, got 0.0"),
+        ("--parallel.timeout_s=inf", r"parallel.timeout_s: must be finite and > 0, got inf"),
+        ("--logging.peak_tflops=-1", r"logging.peak_tflops: must be >= 0, got -1.0"),
+    ],
+)
+def test_out_of_range_values_name_the_field_and_range(arg, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, [arg])
+
+
+def test_nan_from_toml_is_refused(tmp_path):
+    # TOML spells it too, and NaN passes any `value < 0` test.
+    with pytest.raises(ConfigError, match=r"train.grad_clip: must be finite and >= 0, got nan"):
+        load_config(write(tmp_path, "[train]\ngrad_clip = nan\n"))
+
+
+def test_range_ends_and_offs_are_valid():
+    # 0 keeps meaning off / only at the end; the closed ends of the ranges are valid settings.
+    cfg = load_config(
+        None,
+        [
+            "--train.min_lr_ratio=0", "--train.beta1=0", "--train.weight_decay=0", "--train.grad_clip=0",
+            "--checkpoint.interval=0", "--data.eval_samples=0", "--data.passkey_gap=0", "--data.passkey_repeats=0",
+        ],
+    )  # fmt: skip
+    assert (cfg.train.grad_clip, cfg.checkpoint.interval, cfg.data.eval_samples) == (0.0, 0, 0)
+    assert load_config(None, ["--train.min_lr_ratio=1", "--train.lr=1e-30"]).train.min_lr_ratio == 1.0
+    # The passkey fields are checked only where the passkey task reads them.
+    assert load_config(None, ["--data.kind=text", "--data.path=x", "--data.passkey_digits=0"]).data.kind == "text"
+
+
+def test_gpu_configs_ask_for_cuda():
+    # "auto" would quietly train these ~100M-parameter models on the CPU of a machine without a GPU.
+    gpu = [p for p in CONFIGS if p.name.startswith("gpu")]
+    assert gpu and {p.name: load_config(p).train.device for p in gpu} == {p.name: "cuda" for p in gpu}
+
+
 def test_limits_are_inclusive():
     # The largest values the bounds allow are valid settings, not off-by-one errors.
     cfg = load_config(

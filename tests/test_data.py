@@ -69,6 +69,13 @@ def test_passkey_too_short_for_buckets():
         passkey(seq_len=512, eval_buckets=8)
 
 
+def test_passkey_too_short_names_every_knob():
+    # A long key alone can make the sequence too short: the message must offer passkey_digits too.
+    with pytest.raises(ConfigError, match=r"too short for passkey .* or data.passkey_digits \(200\)"):
+        passkey(seq_len=512, eval_buckets=1, passkey_digits=200)
+    assert passkey(seq_len=512, eval_buckets=1, passkey_digits=100).digits == 100
+
+
 def test_loader_splits_dp_and_resumes_exactly():
     task = passkey()
     ranks = [DataLoader(task, batch_size=2, grad_accum=2, dp_rank=r, dp_size=2) for r in range(2)]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
+import io
 import math
 from pathlib import Path
 
@@ -11,10 +13,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dist_utils import REPO, run_ranks, torchrun
-from tiny_config import assert_matches_reference, tiny_config
+from tiny_config import TINY, assert_matches_reference, tiny_config
 
 from train.config import ConfigError
 from train.data import IGNORE, DataLoader, build_source
+
+
+def launch_script():
+    """launch/train.py as a module (launch/ is not a package), to call its main() in-process."""
+    spec = importlib.util.spec_from_file_location("launch_train", REPO / "launch" / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def tiny(tmp_path: Path | None = None, *overrides: str):
@@ -244,3 +254,69 @@ def test_peak_tflops_by_gpu_name(monkeypatch, name, peak):
 def test_config_error_has_no_traceback():
     with pytest.raises(ConfigError):
         tiny(None, "--parallel.cp=2", "--data.seq_len=250")
+
+
+@pytest.mark.parametrize(
+    ("arg", "message"),
+    [("--train.lr=-1", "train.lr: must be > 0, got -1.0"), ("--train.lr=nan", "train.lr: must be finite and > 0")],
+)
+def test_cli_bad_lr_is_one_line_not_a_traceback(capsys, arg, message):
+    # Before the range check, torch's AdamW raised it from inside the run: exit 1 and a traceback.
+    assert launch_script().main([arg]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}") and len(err.strip().splitlines()) == 1, err
+
+
+def test_gpu_config_without_a_gpu_stops_before_anything(tmp_path, monkeypatch, capsys):
+    # device = "cuda" in configs/gpu*.toml: no silent ~100M-parameter run on the CPU.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    # Were it to start, it would fill the CPU's memory: fail at once instead.
+    monkeypatch.setattr("train.trainer._loop", lambda *args: pytest.fail("gpu1.toml started training on the CPU"))
+    argv = ["--config", str(REPO / "configs" / "gpu1.toml"), f"--logging.dir={tmp_path / 'run'}"]
+    assert launch_script().main(argv) == 2
+    assert capsys.readouterr().err == "error: train.device: cuda requested but no CUDA device is available\n"
+    assert not (tmp_path / "run").exists()
+
+
+def _rejected_runs(rank, world, tmp: Path):
+    from train.trainer import train
+
+    tb = "--logging.tensorboard=true"
+    with pytest.raises(ConfigError, match=r"data.path: .*does not exist"):  # the first check
+        train(tiny(tmp, tb, "--data.kind=text", f"--data.path={tmp / 'nope.txt'}"))
+    train(tiny(tmp, "--checkpoint.enabled=true"))  # TensorBoard off
+    with pytest.raises(ConfigError, match=r"already holds checkpoints"):  # the last check
+        train(tiny(tmp, tb, "--checkpoint.enabled=true"))
+    return sorted(p.name for p in tmp.iterdir())
+
+
+def test_rejected_run_leaves_no_tensorboard_dir(tmp_path):
+    assert run_ranks(_rejected_runs, 1, args=(tmp_path,)) == [["checkpoints"]]
+
+
+def _launch_twice(rank, world, first: list[str], again: list[str]) -> list[tuple[int, str]]:
+    """launch/train.py's main() on `first`, then on `again`: exit code and stdout of each."""
+    cli, runs = launch_script(), []
+    for argv in (first, again):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = cli.main(argv)
+        runs.append((code, out.getvalue()))
+    return runs
+
+
+@pytest.mark.parametrize(
+    ("stop", "at"),
+    [((), "train.steps = 2"), (("--train.steps=4", "--train.stop_at=2"), "train.stop_at = 2")],
+    ids=["steps", "stop_at"],
+)
+def test_resume_at_the_end_says_nothing_to_do(tmp_path, stop, at):
+    argv = [*TINY, f"--logging.dir={tmp_path}", "--logging.tensorboard=true", "--train.steps=2", *stop]
+    [[(code, out), (again_code, again)]] = run_ranks(_launch_twice, 1, args=(argv, [*argv, "--resume"]))
+    assert code == again_code == 0
+    assert "passkey accuracy" in out and "done: step 2, loss" in out, out
+    # Nothing evaluated, saved or logged again: one line for the resume, one for the end.
+    resumed, done = again.splitlines()
+    assert resumed.startswith("resumed from ") and resumed.endswith("step_00000002 at step 2"), again
+    assert done == f"done: step 2, the run is already at {at}: nothing to do"
+    assert len(list(tmp_path.glob("tb/*/events.out.tfevents.*"))) == 1  # the first run's only

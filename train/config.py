@@ -15,6 +15,7 @@ unknown sections or keys and values of the wrong type raise `ConfigError` naming
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -286,27 +287,69 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return cfg
 
 
+def _check_range(key: str, value: float, interval: str) -> None:
+    """Raise ConfigError naming `key` unless `value` lies in `interval`, written "[0, 1)", "(0, inf)", ...
+
+    NaN and infinities never pass: NaN compares False with everything, so a plain `value < 0` test
+    lets it through, to fail much later inside torch (an lr of nan, say) with a traceback.
+    """
+    lo, hi = (float(bound) for bound in interval[1:-1].split(","))
+    above = lo < value if interval[0] == "(" else lo <= value
+    below = value < hi if interval[-1] == ")" else value <= hi
+    finite = isinstance(value, int) or math.isfinite(value)  # (isfinite overflows on a huge int)
+    if not (finite and above and below):
+        lo_text = interval[1:].split(",")[0]
+        expected = f"{'>' if interval[0] == '(' else '>='} {lo_text}" if hi == math.inf else f"in {interval}"
+        raise ConfigError(f"{key}: must be {'' if finite else 'finite and '}{expected}, got {value}")
+
+
 def validate(cfg: Config) -> None:
-    """Checks that need more than one field; the world size is checked later, by ParallelDims."""
-    m, d, p, t = cfg.model, cfg.data, cfg.parallel, cfg.train
-    positive = {
-        "model.vocab_size": m.vocab_size,
-        "model.dim": m.dim,
-        "model.n_layers": m.n_layers,
-        "model.n_heads": m.n_heads,
-        "model.n_kv_heads": m.n_kv_heads,
-        "data.seq_len": d.seq_len,
-        "data.batch_size": d.batch_size,
-        "parallel.cp": p.cp,
-        "train.steps": t.steps,
-        "train.grad_accum": t.grad_accum,
-        "data.eval_buckets": d.eval_buckets,
-        "checkpoint.keep": cfg.checkpoint.keep,
-        "logging.log_every": cfg.logging.log_every,
+    """Each numeric field's range, then the checks that need more than one field; the world size is
+    checked later, by ParallelDims."""
+    m, d, p, t, c = cfg.model, cfg.data, cfg.parallel, cfg.train, cfg.checkpoint
+    # Where 0 means off, auto or "only at the end" (see each field's help), the range starts at 0.
+    ranges = {
+        "model.vocab_size": (m.vocab_size, "[1, inf)"),
+        "model.dim": (m.dim, "[1, inf)"),
+        "model.n_layers": (m.n_layers, "[1, inf)"),
+        "model.n_heads": (m.n_heads, "[1, inf)"),
+        "model.n_kv_heads": (m.n_kv_heads, "[1, inf)"),
+        "model.ffn_dim": (m.ffn_dim, "[0, inf)"),
+        "model.rope_theta": (m.rope_theta, "(0, inf)"),
+        "model.norm_eps": (m.norm_eps, "(0, inf)"),
+        "model.init_std": (m.init_std, "(0, inf)"),
+        "model.window": (m.window, "[0, inf)"),
+        "data.seq_len": (d.seq_len, "[1, inf)"),
+        "data.batch_size": (d.batch_size, "[1, inf)"),
+        "data.warmup_seq_steps": (d.warmup_seq_steps, "[0, inf)"),
+        "data.eval_buckets": (d.eval_buckets, "[1, inf)"),
+        "data.eval_samples": (d.eval_samples, "[0, inf)"),
+        "parallel.cp": (p.cp, "[1, inf)"),
+        "parallel.timeout_s": (p.timeout_s, "(0, inf)"),
+        "train.steps": (t.steps, "[1, inf)"),
+        "train.grad_accum": (t.grad_accum, "[1, inf)"),
+        "train.lr": (t.lr, "(0, inf)"),
+        "train.min_lr_ratio": (t.min_lr_ratio, "[0, 1]"),
+        "train.warmup_steps": (t.warmup_steps, "[0, inf)"),
+        "train.weight_decay": (t.weight_decay, "[0, inf)"),
+        "train.beta1": (t.beta1, "[0, 1)"),  # AdamW's own bounds, checked here to fail before the run
+        "train.beta2": (t.beta2, "[0, 1)"),
+        "train.grad_clip": (t.grad_clip, "[0, inf)"),
+        "train.eval_every": (t.eval_every, "[0, inf)"),
+        "train.max_minutes": (t.max_minutes, "[0, inf)"),
+        "checkpoint.interval": (c.interval, "[0, inf)"),
+        "checkpoint.keep": (c.keep, "[1, inf)"),
+        "logging.log_every": (cfg.logging.log_every, "[1, inf)"),
+        "logging.peak_tflops": (cfg.logging.peak_tflops, "[0, inf)"),
     }
-    for key, value in positive.items():
-        if value < 1:
-            raise ConfigError(f"{key}: must be >= 1, got {value}")
+    if d.kind == "passkey":  # unused by text and bin
+        ranges |= {
+            "data.passkey_digits": (d.passkey_digits, "[1, inf)"),
+            "data.passkey_gap": (d.passkey_gap, "[0, inf)"),
+            "data.passkey_repeats": (d.passkey_repeats, "[0, inf)"),
+        }
+    for key, (value, interval) in ranges.items():
+        _check_range(key, value, interval)
     if m.dim % m.n_heads or (m.dim // m.n_heads) % 2:
         raise ConfigError(f"model.dim ({m.dim}) must be n_heads ({m.n_heads}) times an even head_dim")
     if m.n_heads % m.n_kv_heads:
@@ -330,8 +373,6 @@ def validate(cfg: Config) -> None:
             )
     if p.transport == "copy-engine" and p.backend == "gloo":
         raise ConfigError("parallel.transport: copy-engine needs GPUs and NCCL, not parallel.backend = gloo")
-    if m.window < 0:
-        raise ConfigError(f"model.window: must be >= 0 (0: full causal attention), got {m.window}")
     if d.eod_token < -1:
         raise ConfigError(f"data.eod_token: must be -1 (auto) or a token id >= 0, got {d.eod_token}")
     if d.pack_documents:
@@ -349,10 +390,6 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"data.path: required for data.kind = {d.kind!r}")
     if not 0 <= t.stop_at <= t.steps:
         raise ConfigError(f"train.stop_at ({t.stop_at}) must be in [0, train.steps = {t.steps}]")
-    if not p.timeout_s > 0:
-        raise ConfigError(f"parallel.timeout_s: must be > 0, got {p.timeout_s}")
-    if t.warmup_steps < 0:
-        raise ConfigError(f"train.warmup_steps: must be >= 0, got {t.warmup_steps}")
 
 
 def resolve_eod_token(d: DataConfig) -> int:

@@ -71,7 +71,8 @@ class PasskeyTask:
             raise ConfigError(
                 f"data.seq_len ({self.L}) too short for passkey with {self.buckets} buckets: each bucket "
                 f"({self.L // self.buckets} tokens) must hold the key, its gaps and repetitions and the "
-                f"query ({need} tokens); raise seq_len or lower data.eval_buckets, passkey_gap or passkey_repeats"
+                f"query ({need} tokens); raise data.seq_len or lower data.eval_buckets, data.passkey_gap "
+                f"({self.gap}), data.passkey_repeats ({self.repeats}) or data.passkey_digits ({self.digits})"
             )
         reps = math.ceil((self.filler_len + len(FILLER)) / len(FILLER))
         self.filler = _bytes(FILLER * reps)

@@ -127,19 +127,13 @@ def _out_of_time(t_start: float, max_minutes: float, device: torch.device) -> bo
 
 
 def train(cfg: Config) -> TrainResult:
-    with distributed(cfg.parallel, cfg.train.device) as pc:
-        return _train(cfg, pc)
+    # The loop makes its Logger only once every check has passed (a rejected run must not leave an
+    # empty runs/<dir>/tb/<stamp>/ behind) and registers its close in `on_exit`.
+    with distributed(cfg.parallel, cfg.train.device) as pc, contextlib.ExitStack() as on_exit:
+        return _loop(cfg, pc, on_exit)
 
 
-def _train(cfg: Config, pc: ParallelContext) -> TrainResult:
-    log = Logger(cfg.logging.dir, pc.is_main, cfg.logging.tensorboard, cfg.logging.progress_bar)
-    try:
-        return _loop(cfg, pc, log)
-    finally:
-        log.close()
-
-
-def _loop(cfg: Config, pc: ParallelContext, log: Logger) -> TrainResult:
+def _loop(cfg: Config, pc: ParallelContext, on_exit: contextlib.ExitStack) -> TrainResult:
     t, dev = cfg.train, pc.device
     # Before anything that can fail on one rank only: a rank with another config is named here.
     check_same_config(cfg)
@@ -162,16 +156,16 @@ def _loop(cfg: Config, pc: ParallelContext, log: Logger) -> TrainResult:
     ckpt_dir = Path(cfg.checkpoint.dir or Path(cfg.logging.dir) / "checkpoints")
     ckpt = Checkpointer(ckpt_dir, cfg.checkpoint.keep, pc.rank, dev)
     ckpt.clean_partial()
-    step = 0
+    step, resume_note = 0, ""
     path = ckpt.resolve(cfg.checkpoint.resume)
     if path is not None:
         state = ckpt.load(path, model, optimizer)
         scheduler.load_state_dict(state["scheduler"])
         loader.load_state_dict(state["data"])
         step = state["step"]
-        log.print(f"resumed from {path} at step {step}")
+        resume_note = f"resumed from {path} at step {step}"
     elif cfg.checkpoint.resume:
-        log.print(f"no complete checkpoint in {ckpt_dir}: starting fresh")
+        resume_note = f"no complete checkpoint in {ckpt_dir}: starting fresh"
     elif cfg.checkpoint.enabled and complete_checkpoints(ckpt_dir):
         # Starting over here would interleave two runs' checkpoints; make the user choose.
         raise ConfigError(
@@ -179,6 +173,18 @@ def _loop(cfg: Config, pc: ParallelContext, log: Logger) -> TrainResult:
             f"({complete_checkpoints(ckpt_dir)[-1].name}): pass --resume to continue "
             f"that run, or set --checkpoint.dir / --logging.dir for a new one"
         )
+
+    stop = t.stop_at or t.steps
+    # A run resumed at its end has nothing to log: no TensorBoard directory for it either.
+    tensorboard = cfg.logging.tensorboard and step < stop
+    log = Logger(cfg.logging.dir, pc.is_main, tensorboard, cfg.logging.progress_bar)
+    on_exit.callback(log.close)
+    if resume_note:
+        log.print(resume_note)
+    if step >= stop:
+        # Resumed where it stops: its evaluation and save at that step were done when it got there.
+        # Empty losses tell the caller that nothing ran.
+        return TrainResult(final_step=step, model=raw)
 
     last_saved = step if path is not None else -1
 
@@ -245,7 +251,6 @@ def _loop(cfg: Config, pc: ParallelContext, log: Logger) -> TrainResult:
 
     # ---- the loop
     result = TrainResult(final_step=step)
-    stop = t.stop_at or t.steps
     log.start_progress(step, t.steps)
     t_start = time.perf_counter()
     window_s, window_tokens, window_flops = 0.0, 0, 0.0  # since the last summary line (evals excluded)
