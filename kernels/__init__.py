@@ -2,9 +2,11 @@
 
 `attn_fwd` / `attn_bwd` dispatch to the Triton FlashAttention-2 kernels on CUDA and to the
 PyTorch reference on CPU. Force either with the `backend=` argument or the environment
-variable `RINGFLASH_KERNEL_BACKEND` (`auto`, `triton`, `reference`). On CPU the Triton
+variable `RINGFLASH_KERNEL_BACKEND` (`auto`, `triton`, `reference`, `cudnn`). On CPU the Triton
 kernels run only under the interpreter (`TRITON_INTERPRET=1`, set before Triton is imported);
-that is how the test suite checks them without a GPU.
+that is how the test suite checks them without a GPU. `cudnn` (CUDA only, never chosen by
+`auto`) runs NVIDIA's cuDNN attention through PyTorch for causal and full attention:
+faster kernels on Hopper, with the differences kernels/cudnn.py lists.
 
 Conventions: q `(B, Nq, H, D)`, k and v `(B, Nk, Hkv, D)` with H % Hkv == 0,
 any strides with a contiguous last dim; lse `(B, H, Nq)` float32, natural log.
@@ -21,7 +23,7 @@ from kernels.checks import check_grad_out
 from kernels.masks import Visibility, dense_visibility, varlen_visibility, visibility
 from kernels.reference import ref_attn_bwd, ref_attn_fwd, ref_merge
 
-BACKENDS = ("auto", "triton", "reference")
+BACKENDS = ("auto", "triton", "reference", "cudnn")
 
 __all__ = ["BACKENDS", "Visibility", "attn_bwd", "attn_fwd", "attn_varlen_bwd", "attn_varlen_fwd",
            "dense_visibility", "interpreting", "ref_attn_bwd", "ref_attn_fwd", "ref_merge", "resolve_backend",
@@ -42,6 +44,8 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
         raise ValueError(f"{source} must be one of {BACKENDS}, got {choice!r}")
     if choice == "auto":
         return "triton" if device.type == "cuda" else "reference"
+    if choice == "cudnn" and device.type != "cuda":
+        raise ValueError(f"{source}='cudnn' needs CUDA tensors, got {device.type} ones: use 'reference' or 'triton'")
     if choice == "triton" and device.type != "cuda" and not interpreting():
         raise ValueError(
             f"backend='triton' on a {device.type} tensor needs the Triton interpreter: "
@@ -84,8 +88,13 @@ def attn_fwd(
     """
     kw = dict(causal=causal, softmax_scale=softmax_scale, out_dtype=out_dtype, acc=acc, out=out, window=window,
               visibility=visibility)
-    if resolve_backend(backend, q.device) == "reference":
+    which = resolve_backend(backend, q.device)
+    if which == "reference":
         return ref_attn_fwd(q, k, v, **kw)
+    if which == "cudnn":
+        from kernels.cudnn import cudnn_attn_fwd
+
+        return cudnn_attn_fwd(q, k, v, **kw)
     from kernels.triton_fwd import triton_attn_fwd
 
     return triton_attn_fwd(q, k, v, **kw)
@@ -124,35 +133,48 @@ def attn_bwd(
     kernel is queued on the current stream), and before dq is; the ring sends the finished dK/dV
     on from there, so that the transfer travels while dQ is computed.
     """
-    if resolve_backend(backend, q.device) == "reference":
+    which = resolve_backend(backend, q.device)
+    if which == "triton":
+        from kernels.triton_bwd import triton_attn_bwd
+
+        return triton_attn_bwd(
+            do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale, grad_dtype=grad_dtype,
+            out=out, accumulate=accumulate, acc=acc, window=window, visibility=visibility, after_dkdv=after_dkdv,
+        )
+    summed = acc is not None or accumulate
+    if which == "reference":
         grads = ref_attn_bwd(
             do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale,
             # Added to a sum (acc= or accumulate=): rounded after the sum, once, as on chip.
-            grad_dtype=torch.float32 if acc is not None or accumulate else grad_dtype,
-            window=window, visibility=visibility,
+            grad_dtype=torch.float32 if summed else grad_dtype, window=window, visibility=visibility,
         )
-        if out is None and not accumulate and acc is None:
-            if after_dkdv is not None:
-                after_dkdv()
-            return grads
-        check_grad_out(out, accumulate, q, k, grad_dtype or q.dtype, acc)
-        base = out if accumulate else (acc or (None, None, None))
+    else:
+        from kernels.cudnn import cudnn_attn_bwd
 
-        def write(i: int) -> None:
-            out[i].copy_(grads[i] if base[i] is None else base[i] + grads[i])
-
-        write(1)
-        write(2)
+        grads = cudnn_attn_bwd(
+            do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale, window=window, visibility=visibility
+        )
+    if out is None and not summed:
         if after_dkdv is not None:
             after_dkdv()
-        write(0)
-        return tuple(out)
-    from kernels.triton_bwd import triton_attn_bwd
+        return tuple(g.to(grad_dtype or q.dtype) for g in grads)
+    check_grad_out(out, accumulate, q, k, grad_dtype or q.dtype, acc)
+    base = out if accumulate else (acc or (None, None, None))
 
-    return triton_attn_bwd(
-        do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale, grad_dtype=grad_dtype,
-        out=out, accumulate=accumulate, acc=acc, window=window, visibility=visibility, after_dkdv=after_dkdv,
-    )
+    def write(i: int) -> None:
+        if base[i] is None:
+            out[i].copy_(grads[i])
+        elif base[i] is out[i]:  # the ring's running sums: added in place
+            out[i].add_(grads[i])
+        else:
+            out[i].copy_(base[i] + grads[i])
+
+    write(1)
+    write(2)
+    if after_dkdv is not None:
+        after_dkdv()
+    write(0)
+    return tuple(out)
 
 
 import kernels.ops  # noqa: E402, F401  (registers torch.ops.ringflash.attn_fwd / attn_bwd)

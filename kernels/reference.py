@@ -82,17 +82,17 @@ def ref_attn_fwd(
     p = _probabilities(s, lse)
     o = _ungrouped(torch.einsum("bhgqk,bhkd->bhgqd", p, v.float().permute(0, 2, 1, 3)))
     lse = lse.reshape(B, H, Nq)
-    if acc is not None:
-        merged = acc[0] if out is None else acc[0].clone()  # with out, o_acc is only read
-        ref_merge(merged, lse_out, o, lse)
-        o = merged
-    else:
+    if acc is None:
         lse_out.copy_(lse)
-    return o_out.copy_(o) if o_out is not o else o_out, lse_out
+        return o_out.copy_(o), lse_out
+    ref_merge(acc[0], lse_out, o, lse, out=out)
+    return o_out, lse_out
 
 
 @torch.no_grad()
-def ref_merge(o: torch.Tensor, lse: torch.Tensor, o_blk: torch.Tensor, lse_blk: torch.Tensor) -> None:
+def ref_merge(
+    o: torch.Tensor, lse: torch.Tensor, o_blk: torch.Tensor, lse_blk: torch.Tensor, *, out: torch.Tensor | None = None
+) -> None:
     """Merge a block result `(o_blk, lse_blk)` into the running float32 `(o, lse)`, in place.
 
     If `(o, lse)` is attention over keys A and `(o_blk, lse_blk)` over keys B (A ∩ B = ∅), the
@@ -107,6 +107,8 @@ def ref_merge(o: torch.Tensor, lse: torch.Tensor, o_blk: torch.Tensor, lse_blk: 
 
     o: `(B, N, H, D)` float32 (a view, e.g. some rows of a larger one, is fine); lse: `(B, H, N)`
     float32, natural log; o_blk: like o in any float dtype; lse_blk: `(B, H, N)` float32.
+    `out`: where the merged o goes instead (o's shape, any float dtype, e.g. the inputs' to round
+    a ring's last step); o is then only read. lse is updated either way.
     """
     if o.dtype != torch.float32 or lse.dtype != torch.float32 or lse_blk.dtype != torch.float32:
         raise TypeError(f"merge accumulates in float32: got o {o.dtype}, lse {lse.dtype}, lse_blk {lse_blk.dtype}")
@@ -122,7 +124,12 @@ def ref_merge(o: torch.Tensor, lse: torch.Tensor, o_blk: torch.Tensor, lse_blk: 
     d = lse_blk - lse
     # Both sides empty: d is NaN; any finite weight works because o and o_blk are 0 there.
     d = torch.where(torch.isnan(d), 0.0, d).transpose(1, 2).unsqueeze(-1)  # (B, N, H, 1)
-    o.mul_(torch.sigmoid(-d)).addcmul_(o_blk, torch.sigmoid(d))
+    if out is None or out is o:
+        o.mul_(torch.sigmoid(-d)).addcmul_(o_blk, torch.sigmoid(d))
+    else:
+        if out.shape != o.shape:
+            raise ValueError(f"out must have o's shape {tuple(o.shape)}, got {tuple(out.shape)}")
+        out.copy_(torch.addcmul(o * torch.sigmoid(-d), o_blk, torch.sigmoid(d)))
     lse.copy_(new)
 
 

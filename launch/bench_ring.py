@@ -15,6 +15,9 @@ Per tokens-per-rank N (global sequence W·N), bf16, causal, D = 128, H = 16 (H·
   the work into per-step blocks costs.
 - single/W: one GPU's fwd+bwd on the whole sequence with the same kernels, divided by W (for
   torch CP: SDPA with the same backend, so its efficiency measures its ring, not its kernels).
+- kernels (--kernel-backends, default `triton,cudnn` on CUDA): every ringflash row is run with
+  each kernel backend (`kernels.attn_fwd`'s `backend=`); "ringflash [cudnn]" is our ring on
+  cuDNN's attention kernels (kernels/cudnn.py), its efficiency relative to cuDNN on one GPU.
 - efficiency = (single/W) ÷ ring fwd+bwd (the definition of ring-flash-attn's README).
 - hop: one K/V transfer alone per transport, ms and GB/s (in the notes under the table): the
   bandwidth the overlap has to work with.
@@ -51,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 from benchlib import REPO, attn_flops, markdown_table, parse_tokens, plot_lines, record, time_ms
 
+import kernels
 from kernels import attn_bwd, attn_fwd
 from ringflash import NullComm, nccl_options, ring_flash_attn_func, ring_mask
 from ringflash.comm import TRANSPORTS, ring_comm
@@ -127,16 +131,18 @@ def time_local(fn, iters: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-def bench_ring(args, n_local, layout, dev, dtype, mask=None, transport="nccl", compute=True):
+def bench_ring(args, n_local, layout, dev, dtype, mask=None, transport="nccl", compute=True, backend=None):
     """(fwd ms, fwd+bwd ms, compute-only fwd+bwd ms or None) of this layout (under `mask`, a
-    RingMask), the blocks moved by `transport`; compute-only (no transfers) only if `compute`."""
+    RingMask), the blocks moved by `transport`, on the kernel `backend` (None: the default);
+    compute-only (no transfers) only if `compute`."""
     rank, world = dist.get_rank(), dist.get_world_size()
     B, H, Hkv, D = args.batch, args.heads, args.kv_heads, args.head_dim
     q = torch.randn(B, n_local, H, D, device=dev, dtype=dtype, requires_grad=True)
     k, v = (torch.randn(B, n_local, Hkv, D, device=dev, dtype=dtype, requires_grad=True) for _ in range(2))
     do = torch.randn_like(q)
 
-    opts = dict(causal=True, layout=layout, check_ranks=args.check_ranks, mask=mask, transport=transport)
+    opts = dict(causal=True, layout=layout, check_ranks=args.check_ranks, mask=mask, transport=transport,
+                backend=backend)
 
     def fwd():
         with torch.no_grad():
@@ -148,7 +154,7 @@ def bench_ring(args, n_local, layout, dev, dtype, mask=None, transport="nccl", c
 
     null = NullComm(rank, world)
     plan = None if mask is None else mask.schedule()
-    step_opts = dict(causal=True, scale=D**-0.5, layout=layout, comm=null, plan=plan)
+    step_opts = dict(causal=True, scale=D**-0.5, layout=layout, comm=null, plan=plan, backend=backend)
 
     def compute_only():
         kv = pack_kv(k.detach(), v.detach())  # as the autograd function does
@@ -300,7 +306,7 @@ def bench_masks(args, n_local, layout, dev, dtype) -> list[list]:
     return rows
 
 
-def bench_single(args, n_global, dev, dtype):
+def bench_single(args, n_global, dev, dtype, backend=None):
     """One device's fwd+bwd ms on the whole sequence with the same kernels (no autograd)."""
     B, H, Hkv, D = args.batch, args.heads, args.kv_heads, args.head_dim
     q = torch.randn(B, n_global, H, D, device=dev, dtype=dtype)
@@ -308,8 +314,8 @@ def bench_single(args, n_global, dev, dtype):
     do = torch.randn_like(q)
 
     def fwd_bwd():
-        o, lse = attn_fwd(q, k, v, causal=True)
-        attn_bwd(do, q, k, v, o, lse, causal=True)
+        o, lse = attn_fwd(q, k, v, causal=True, backend=backend)
+        attn_bwd(do, q, k, v, o, lse, causal=True, backend=backend)
 
     if args.profile:  # the per-kernel baseline the ring's compute-only table is compared with
         _profile(fwd_bwd, f"single device, {n_global} tokens (divide by the ranks)")
@@ -388,6 +394,8 @@ def main() -> None:
         help="skip the per-call cross-rank input check (a host round trip per call)",
     )
     p.add_argument("--no-torch-cp", action="store_true", help="skip torch's context_parallel")
+    p.add_argument("--kernel-backends", default=None,
+                   help="comma-separated kernel backends for the ringflash rows (default: triton,cudnn on CUDA)")
     p.add_argument(
         "--transports",
         default=None,
@@ -420,6 +428,10 @@ def main() -> None:
     for t in transports:
         if t not in TRANSPORTS or (t == "copy-engine" and not cuda):
             p.error(f"--transports: each must be one of {TRANSPORTS} (copy-engine needs CUDA), got {t!r}")
+    backends = (args.kernel_backends or ("triton,cudnn" if cuda else "auto")).split(",")
+    for b in backends:
+        if b not in kernels.BACKENDS or (b in ("triton", "cudnn") and not cuda):
+            p.error(f"--kernel-backends: each must be one of {kernels.BACKENDS} (triton, cudnn need CUDA), got {b!r}")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if cuda:
         torch.cuda.set_device(local_rank)
@@ -438,22 +450,26 @@ def main() -> None:
         rows, hops = [], []
         for n in args.tokens_per_rank:
             n_global = n * world
-            single = bench_single(args, n_global, dev, dtype) / world
             for transport in transports:
                 ms, nbytes = bench_hop(args, n, dev, dtype, transport)
                 hops.append(f"{n} tokens/rank, {transport}: {ms:.3g} ms for {nbytes / 2**20:.3g} MiB "
                             f"({nbytes / ms / 1e6:.3g} GB/s)")
             flops = attn_flops(args.batch, args.heads, n_global, n_global, args.head_dim, True, "fwd_bwd") / world
-            for layout, transport in itertools.product(layouts, transports):
-                first = transport == transports[0]  # compute-only does not depend on the transport
-                fwd, fwd_bwd, compute = bench_ring(args, n, layout, dev, dtype, transport=transport, compute=first)
-                tflops = flops / fwd_bwd / 1e9
-                impl = "ringflash" if transport == "nccl" else f"ringflash ({transport})"
-                row = [n, impl, layout, fwd, fwd_bwd, "" if compute is None else compute, single, single / fwd_bwd]
-                rows.append([*row, tflops])
-                if rank == 0:
-                    print(f"{n} tokens/rank {layout} {transport}: fwd+bwd {fwd_bwd:.3g} ms, "
-                          f"efficiency {single / fwd_bwd:.3f}")
+            for backend in backends:
+                single = bench_single(args, n_global, dev, dtype, backend) / world
+                for layout, transport in itertools.product(layouts, transports):
+                    first = transport == transports[0]  # compute-only does not depend on the transport
+                    fwd, fwd_bwd, compute = bench_ring(
+                        args, n, layout, dev, dtype, transport=transport, compute=first, backend=backend
+                    )
+                    tflops = flops / fwd_bwd / 1e9
+                    impl = "ringflash" + (f" [{backend}]" if backend == "cudnn" else "")
+                    impl += "" if transport == "nccl" else f" ({transport})"
+                    row = [n, impl, layout, fwd, fwd_bwd, "" if compute is None else compute, single, single / fwd_bwd]
+                    rows.append([*row, tflops])
+                    if rank == 0:
+                        print(f"{n} tokens/rank {impl} {layout}: fwd+bwd {fwd_bwd:.3g} ms, "
+                              f"efficiency {single / fwd_bwd:.3f}")
             for sdpa in () if args.no_torch_cp else ("flash", "cudnn"):
                 ms, why = bench_torch_cp(args, n_global, dev, dtype, sdpa)
                 if ms is None:
@@ -484,7 +500,8 @@ def main() -> None:
             )
             notes = (
                 "efficiency = (single-GPU fwd+bwd of the whole sequence ÷ W, with the same implementation's "
-                "kernels: ours for ringflash, SDPA's flash/cuDNN for torch CP) ÷ ring fwd+bwd; compute-only = "
+                "kernels: ours for ringflash, cuDNN's for ringflash [cudnn], SDPA's flash/cuDNN for torch CP) ÷ "
+                "ring fwd+bwd; compute-only = "
                 "the slowest rank's per-step kernels without communication; cross-rank input check: "
                 f"{'on' if args.check_ranks else 'off'}; torch CP rotate method: {args.cp_rotate or 'torch default'}; "
                 f"NCCL stream priority: {args.nccl_priority if cuda else 'n/a (gloo)'}; ringflash rows: "

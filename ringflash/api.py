@@ -36,7 +36,10 @@ def _check_local(q, k, v, causal, softmax_scale, layout, backend, world) -> floa
         check_splittable(q.shape[1] * world, world, layout)
     except ValueError as e:
         raise ValueError(f"q.shape[1] = {q.shape[1]} local tokens on each of {world} ranks: {e}") from None
-    kernels.resolve_backend(backend, q.device)
+    if kernels.resolve_backend(backend, q.device) == "cudnn":  # here, not mid-ring with transfers posted
+        from kernels.cudnn import check_cudnn
+
+        check_cudnn(q, None, None)
     return resolve_scale(softmax_scale, q.shape[-1])
 
 
@@ -114,7 +117,8 @@ def ring_flash_attn_func(
             layout the inputs were sharded with.
         return_lse: also return `lse (B, H, N_local)` float32, natural log, over the whole sequence
             (not differentiable).
-        backend: kernel backend for `kernels.attn_fwd/attn_bwd` (None: Triton on CUDA, reference on CPU).
+        backend: kernel backend for `kernels.attn_fwd/attn_bwd` (None: Triton on CUDA, reference on
+            CPU; `"cudnn"`: cuDNN's kernels, causal/full attention without window or mask).
         check_ranks: see below.
         window: causal sliding window, w keys counting the diagonal (global query i sees keys
             i − w < j <= i); needs causal. Without `mask`, the window-only mask is built here,
@@ -180,6 +184,9 @@ def ring_flash_attn_func(
                 )
             rank = 0 if world == 1 else dist.get_rank(group)
             mask = window_mask(q.shape[1], window, rank, world, layout, q.device)
+        if mask is not None and kernels.resolve_backend(backend, q.device) == "cudnn":
+            raise ValueError("backend='cudnn' runs causal or full attention only; mask= and window= need "
+                             "backend='triton'")
         error = None
     except (TypeError, ValueError) as e:
         scale, error = None, e

@@ -128,6 +128,8 @@ def test_missing_file():
         (["--data.eod_token=-2"], r"data.eod_token: must be -1 \(auto\)"),
         (["--model.window=-1"], r"model.window: must be >= 0"),
         (["--parallel.transport=copy-engine", "--parallel.backend=gloo"], "parallel.transport: copy-engine needs"),
+        (["--parallel.kernels=cudnn", "--model.window=64"], "parallel.kernels: cudnn runs plain causal attention"),
+        (["--parallel.kernels=cudnn", "--train.device=cpu"], "parallel.kernels: cudnn needs train.device = cuda"),
         (["--checkpoint.keep=0"], r"checkpoint.keep: must be >= 1, got 0"),
         (["--model.dim=96", "--model.n_heads=32"], r"model.dim \(96\) must be n_heads \(32\) times an even head_dim"),
         (["--train.warmup_steps=-1"], r"train.warmup_steps: must be >= 0, got -1"),
@@ -261,7 +263,8 @@ def test_parse_overrides_forms():
 @pytest.mark.parametrize(
     "cfg, match",
     [(ParallelConfig(backend="nccl"), "parallel.backend: nccl needs train.device = cuda"),
-     (ParallelConfig(transport="copy-engine"), "parallel.transport: copy-engine needs GPUs and NCCL; .* gloo")],
+     (ParallelConfig(transport="copy-engine"), "parallel.transport: copy-engine needs GPUs and NCCL; .* gloo"),
+     (ParallelConfig(kernels="cudnn"), "parallel.kernels: cudnn needs train.device = cuda")],
 )
 def test_cpu_run_refuses_gpu_only_settings(cfg, match):
     # Checked before any process group is made: nothing to tear down, nothing hangs.

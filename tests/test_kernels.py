@@ -219,9 +219,14 @@ def test_dispatcher(monkeypatch):
     monkeypatch.setenv("RINGFLASH_KERNEL_BACKEND", "triton")
     assert resolve_backend(None, cpu) == "triton"
     with pytest.raises(ValueError, match=r"^backend must be one of"):
+        resolve_backend("flash", cpu)
+    with pytest.raises(ValueError, match=r"^backend='cudnn' needs CUDA tensors"):
         resolve_backend("cudnn", cpu)
-    monkeypatch.setenv("RINGFLASH_KERNEL_BACKEND", "cudnn")  # the variable is named, not `backend`
+    monkeypatch.setenv("RINGFLASH_KERNEL_BACKEND", "flash")  # the variable is named, not `backend`
     with pytest.raises(ValueError, match=r"^RINGFLASH_KERNEL_BACKEND must be one of"):
+        resolve_backend(None, cpu)
+    monkeypatch.setenv("RINGFLASH_KERNEL_BACKEND", "cudnn")
+    with pytest.raises(ValueError, match=r"^RINGFLASH_KERNEL_BACKEND='cudnn' needs CUDA tensors"):
         resolve_backend(None, cpu)
     monkeypatch.setenv("RINGFLASH_KERNEL_BACKEND", "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "0")

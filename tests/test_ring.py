@@ -417,6 +417,10 @@ GPU_CASES = [
         ("contiguous", True, torch.bfloat16),
         ("zigzag", False, torch.float16),
     )
+] + [  # the ring on cuDNN's kernels (kernels/cudnn.py)
+    make_case(2, "zigzag", True, B=1, n_local=2000, H=8, Hkv=hkv, D=128, dtype=torch.bfloat16, backend="cudnn",
+              device="cuda")
+    for hkv in (8, 2)
 ]
 
 

@@ -134,6 +134,13 @@ class ParallelConfig:
         "RINGFLASH_TRANSPORT.",
         ("nccl", "copy-engine"),
     )
+    kernels: str = opt(
+        "auto",
+        "Attention kernels: auto (Triton on CUDA, the PyTorch reference on CPU), triton, reference, or cudnn "
+        "(cuDNN's, through PyTorch: faster on Hopper; CUDA only, causal attention without model.window or "
+        "data.pack_documents). Overrides RINGFLASH_KERNEL_BACKEND unless auto.",
+        ("auto", "triton", "reference", "cudnn"),
+    )
 
 
 @dataclass
@@ -371,6 +378,13 @@ def validate(cfg: Config) -> None:
                 f"data.warmup_seq_steps ({d.warmup_seq_steps}) must be in [1, train.steps = {t.steps}] "
                 "when data.warmup_seq_len is set"
             )
+    if p.kernels == "cudnn" and (m.window or d.pack_documents):
+        raise ConfigError(
+            "parallel.kernels: cudnn runs plain causal attention; model.window and data.pack_documents need "
+            "triton (or auto)"
+        )
+    if p.kernels == "cudnn" and t.device == "cpu":
+        raise ConfigError("parallel.kernels: cudnn needs train.device = cuda")
     if p.transport == "copy-engine" and p.backend == "gloo":
         raise ConfigError("parallel.transport: copy-engine needs GPUs and NCCL, not parallel.backend = gloo")
     if d.eod_token < -1:

@@ -141,6 +141,8 @@ def distributed(cfg: ParallelConfig, device: str = "auto", timeout_s: float | No
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if dev.type == "cuda" else "gloo")
     if backend == "nccl" and dev.type != "cuda":
         raise ConfigError("parallel.backend: nccl needs train.device = cuda")
+    if cfg.kernels == "cudnn" and dev.type != "cuda":
+        raise ConfigError("parallel.kernels: cudnn needs train.device = cuda")
     if cfg.transport == "copy-engine" and backend != "nccl":
         raise ConfigError(f"parallel.transport: copy-engine needs GPUs and NCCL; this run uses {backend}")
     started = not dist.is_initialized()
@@ -215,6 +217,7 @@ def parallelize(model: nn.Module, pc: ParallelContext, cfg: Config) -> nn.Module
             causal=True,
             window=cfg.model.window or None,
             transport=cfg.parallel.transport,
+            backend=None if cfg.parallel.kernels == "auto" else cfg.parallel.kernels,
         )
         if cfg.train.compile:
             # Only the parts without communication: norms and SwiGLU are memory-bound chains of

@@ -1,0 +1,136 @@
+"""cuDNN's fused attention behind the kernel contract: the opt-in `backend="cudnn"`.
+
+NVIDIA's cuDNN kernels, which PyTorch ships and calls for SDPA, run attention faster than our
+Triton kernels on Hopper (causal D = 128, N = 16k on an H100: about 580 / 514 TFLOP/s forward /
+backward against our 525 / 390; BENCHMARKS.md). This backend calls the same cuDNN op as SDPA
+(`aten._scaled_dot_product_cudnn_attention` and its backward) on views of our `(B, N, H, D)`
+tensors, with `(o, lse)` in and out as the contract wants, so the ring can run its steps on them.
+
+What differs from the Triton backend:
+- Causal and full attention only: the op takes no per-row key intervals, so `window=` and
+  `visibility=` (document masks) raise. float16 and bfloat16 only, on CUDA, with cuDNN ≥ 9.
+- A block's gradients come out of cuDNN rounded to the input dtype. With `acc=` or `accumulate=`
+  they are then added to the float32 sums (an elementwise pass, where the Triton kernels add on
+  chip), so a ring sums per-step gradients that were each rounded once, as torch's
+  `context_parallel` does. Likewise the forward's `acc=` merge is `ref_merge`, a separate pass.
+- Not promised bit-deterministic (the Triton backward is).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kernels.checks import check_bwd, check_qkv, resolve_fwd_outputs, resolve_scale
+from kernels.reference import ref_merge
+
+__all__ = ["check_cudnn", "cudnn_attn_bwd", "cudnn_attn_fwd"]
+
+_aten = torch.ops.aten
+
+
+def check_cudnn(q: torch.Tensor, window: int | None, visibility) -> None:
+    """Reject what the cuDNN backend cannot run, naming the argument."""
+    if window is not None or visibility is not None:
+        raise ValueError(
+            "backend='cudnn' runs causal or full attention only; window= and visibility= (document "
+            "masks) need backend='triton'"
+        )
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"backend='cudnn' takes float16 or bfloat16 inputs, got {q.dtype}")
+    if q.device.type != "cuda":
+        raise ValueError(f"backend='cudnn' needs CUDA tensors, got q on {q.device}")
+    version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    if version is None or version < 90000:
+        raise RuntimeError(f"backend='cudnn' needs cuDNN 9 or newer; this PyTorch has {version}")
+
+
+@functools.cache
+def _lse_dims() -> int:
+    """How this PyTorch's cuDNN op shapes lse: `(B, H, N, 1)` (4) or `(B, H, N)` (3), from its meta
+    kernel (shapes only, no GPU work); the backward must be given the same."""
+    m = torch.empty(1, 1, 8, 64, device="meta", dtype=torch.bfloat16)
+    return _aten._scaled_dot_product_cudnn_attention(m, m, m, None, True, 0.0, False, False)[1].dim()
+
+
+def _heads_first(t: torch.Tensor) -> torch.Tensor:
+    # (B, N, H, D) -> (B, H, N, D) as a view: cuDNN takes any strides, so nothing is copied.
+    return t.transpose(1, 2)
+
+
+def _empty_block(q, k):
+    B, Nq, H, _ = q.shape
+    return q.new_zeros(q.shape), torch.full((B, H, Nq), float("-inf"), device=q.device)
+
+
+def cudnn_attn_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    out_dtype: torch.dtype | None = None,
+    acc: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out: torch.Tensor | None = None,
+    window: int | None = None,
+    visibility=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kernels.attn_fwd` on cuDNN: same arguments and results (see the module docstring)."""
+    check_qkv(q, k, v, causal)
+    check_cudnn(q, window, visibility)
+    o_out, lse_out = resolve_fwd_outputs(q, out_dtype, acc, out)
+    scale = resolve_scale(softmax_scale, q.shape[-1])
+    if q.shape[1] == 0 or k.shape[1] == 0 or q.shape[0] * q.shape[2] == 0:
+        o, lse = _empty_block(q, k)
+    else:
+        o, lse = _aten._scaled_dot_product_cudnn_attention(
+            _heads_first(q), _heads_first(k), _heads_first(v), None, True, 0.0, causal, False, scale=scale
+        )[:2]
+        o, lse = _heads_first(o), lse.view(lse_out.shape)  # lse comes as (B, H, Nq) or (B, H, Nq, 1)
+    if acc is None:
+        lse_out.copy_(lse)
+        return o_out.copy_(o), lse_out
+    ref_merge(acc[0], lse_out, o, lse, out=out)
+    return o_out, lse_out
+
+
+def cudnn_attn_bwd(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window: int | None = None,
+    visibility=None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients `(dq, dk, dv)` in the input dtype, from cuDNN, shaped like q, k, v (views).
+
+    `o`, `lse` may be global (a ring's merged ones): cuDNN recomputes P from lse and
+    rowsum(do·o) from o, as the Triton kernels do, so per-block gradients sum to the full ones.
+    """
+    check_qkv(q, k, v, causal)
+    check_cudnn(q, window, visibility)
+    check_bwd(do, q, o, lse)
+    scale = resolve_scale(softmax_scale, q.shape[-1])
+    if q.shape[1] == 0 or k.shape[1] == 0 or q.shape[0] * q.shape[2] == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if o.dtype != q.dtype:  # cuDNN reads o in the inputs' dtype (only rowsum(do·o) needs it)
+        o = o.to(q.dtype)
+    if do.dtype != q.dtype:
+        do = do.to(q.dtype)
+    # cuDNN wants do laid out like o.
+    if do.stride() != o.stride():
+        do, o = do.contiguous(), o.contiguous()
+    none = torch.empty((), dtype=torch.long, device=q.device)  # dropout's RNG state: unused at p = 0
+    lse = lse.contiguous().view(*lse.shape, *(1,) * (_lse_dims() - 3))
+    grads = _aten._scaled_dot_product_cudnn_attention_backward(
+        *map(_heads_first, (do, q, k, v, o)), lse, none, none, None, None, None, q.shape[1], k.shape[1], 0.0, causal,
+        scale=scale,
+    )
+    return tuple(_heads_first(g) for g in grads)

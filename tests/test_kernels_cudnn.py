@@ -1,0 +1,149 @@
+"""`backend="cudnn"`: cuDNN's attention behind the kernel contract (kernels/cudnn.py).
+
+On a GPU (`-m gpu`): results against float64 attention, the ring-step arguments (`acc=`, `out=`,
+`accumulate=`, global `o`/`lse`), strided views and GQA. On CPU: the arguments it refuses, each
+error naming what is wrong.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from truth import TOL, attention_f64, lse_err, rel_err
+
+from kernels import attn_bwd, attn_fwd, dense_visibility
+from kernels.cudnn import cudnn_attn_bwd, cudnn_attn_fwd
+
+gpu = pytest.mark.gpu
+
+
+def _inputs(B, Nq, Nk, H, Hkv, D, dtype, device="cuda", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Nq, H, D, generator=g).to(device, dtype)
+    k = torch.randn(B, Nk, Hkv, D, generator=g).to(device, dtype)
+    v = torch.randn(B, Nk, Hkv, D, generator=g).to(device, dtype)
+    do = torch.randn(B, Nq, H, D, generator=g).to(device, dtype)
+    return q, k, v, do
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    ("B", "Nq", "Nk", "H", "Hkv", "D", "causal"),
+    [
+        (2, 300, 300, 4, 4, 128, True),
+        (1, 256, 700, 4, 4, 64, False),  # a ring step's rectangle: more keys than queries
+        (2, 200, 200, 8, 2, 128, True),  # GQA
+    ],
+)
+def test_matches_float64(B, Nq, Nk, H, Hkv, D, causal, dtype):
+    q, k, v, do = _inputs(B, Nq, Nk, H, Hkv, D, dtype)
+    truth = attention_f64(q, k, v, causal, do=do)
+    o, lse = attn_fwd(q, k, v, causal=causal, backend="cudnn")
+    assert o.dtype == dtype and o.shape == q.shape and lse.shape == (B, H, Nq)
+    assert rel_err(o, truth["o"]) < TOL[dtype]
+    assert lse_err(lse, truth["lse"]) < 1e-2  # natural log, as the contract says
+    dq, dk, dv = attn_bwd(do, q, k, v, o, lse, causal=causal, backend="cudnn")
+    for name, got in (("dq", dq), ("dk", dk), ("dv", dv)):
+        assert got.dtype == dtype
+        assert rel_err(got, truth[name]) < TOL[dtype], name
+
+
+@gpu
+def test_views_of_a_packed_qkv_and_a_scale():
+    # q, k, v as views of one (B, N, 3, H, D) buffer, as a fused QKV projection gives them.
+    B, N, H, D = 2, 333, 4, 64
+    qkv = torch.randn(B, N, 3, H, D, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv.unbind(2)
+    do = torch.randn_like(q)
+    truth = attention_f64(q, k, v, True, scale=0.2, do=do)
+    o, lse = attn_fwd(q, k, v, causal=True, softmax_scale=0.2, backend="cudnn")
+    grads = attn_bwd(do, q, k, v, o, lse, causal=True, softmax_scale=0.2, backend="cudnn")
+    assert rel_err(o, truth["o"]) < TOL[torch.bfloat16]
+    for name, got in zip(("dq", "dk", "dv"), grads):
+        assert rel_err(got, truth[name]) < TOL[torch.bfloat16], name
+
+
+@gpu
+def test_ring_steps_merge_and_sum_exactly():
+    # Keys in three disjoint parts, as three ring steps: the first causal (the diagonal, starting
+    # float32 accumulators), the others merged in (`acc=`), the last written rounded (`out=`).
+    # Backward with the global o and lse: step 0 writes float32 sums, later steps add to them,
+    # the last writes the totals rounded. Both must equal attention over all keys.
+    B, N, H, D, dt = 1, 256, 4, 128, torch.bfloat16
+    q, k, v, do = _inputs(B, N, 3 * N, H, H, D, dt, seed=3)
+    parts = [slice(0, N), slice(N, 2 * N), slice(2 * N, 3 * N)]
+    mask = torch.ones(N, 3 * N, dtype=torch.bool).tril(diagonal=0)
+    mask[:, N:] = True
+    truth = _masked_f64(q, k, v, do, mask.cuda())
+
+    o, lse = attn_fwd(q, k[:, parts[0]], v[:, parts[0]], causal=True, out_dtype=torch.float32, backend="cudnn")
+    attn_fwd(q, k[:, parts[1]], v[:, parts[1]], acc=(o, lse), backend="cudnn")
+    out = torch.empty_like(q)
+    ret = attn_fwd(q, k[:, parts[2]], v[:, parts[2]], acc=(o, lse), out=out, backend="cudnn")
+    assert ret[0] is out and ret[1] is lse
+    assert rel_err(out, truth["o"]) < TOL[dt]
+    assert lse_err(lse, truth["lse"]) < 1e-2
+
+    dq = torch.empty(q.shape, device="cuda")
+    dkv = torch.zeros((2, *k.shape), device="cuda")  # each part's keys: nothing summed yet
+    final = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+    for i, p in enumerate(parts):
+        sums = (dq, dkv[0][:, p], dkv[1][:, p])
+        last = i == len(parts) - 1
+        attn_bwd(do, q, k[:, p], v[:, p], out, lse, causal=i == 0, grad_dtype=dt if last else torch.float32,
+                 out=(final[0], final[1][:, p], final[2][:, p]) if last else sums,
+                 acc=None if i == 0 else sums, backend="cudnn")
+    # the last step wrote only its own keys' dK/dV rounded; the others are the float32 sums
+    final[1][:, :2 * N].copy_(dkv[0][:, :2 * N])
+    final[2][:, :2 * N].copy_(dkv[1][:, :2 * N])
+    for name, got in zip(("dq", "dk", "dv"), final):
+        assert got.dtype == dt
+        assert rel_err(got, truth[name]) < TOL[dt], name
+
+
+def _masked_f64(q, k, v, do, mask):
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    s = torch.einsum("bqhd,bkhd->bhqk", q64, k64) * q.shape[-1] ** -0.5
+    s = s.masked_fill(~mask, float("-inf"))
+    o = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), v64)
+    o.backward(do.double())
+    return dict(o=o.detach(), lse=torch.logsumexp(s, -1).detach(), dq=q64.grad, dk=k64.grad, dv=v64.grad)
+
+
+@gpu
+def test_accumulate_adds_to_out():
+    q, k, v, do = _inputs(1, 128, 128, 2, 2, 64, torch.float16, seed=5)
+    o, lse = attn_fwd(q, k, v, causal=True, backend="cudnn")
+    grads = attn_bwd(do, q, k, v, o, lse, causal=True, grad_dtype=torch.float32, backend="cudnn")
+    start = tuple(torch.randn_like(g) for g in grads)
+    out = tuple(s.clone() for s in start)
+    attn_bwd(do, q, k, v, o, lse, causal=True, grad_dtype=torch.float32, out=out, accumulate=True, backend="cudnn")
+    for got, s, g in zip(out, start, grads):
+        torch.testing.assert_close(got, s + g)
+
+
+def test_refuses_masks_and_float32_naming_them():
+    q, k, v, do = _inputs(1, 16, 16, 2, 2, 32, torch.bfloat16, device="cpu")
+    with pytest.raises(ValueError, match="window= and visibility="):
+        cudnn_attn_fwd(q, k, v, causal=True, window=4)
+    with pytest.raises(ValueError, match="window= and visibility="):
+        cudnn_attn_bwd(do, q, k, v, q, torch.zeros(1, 2, 16), visibility=dense_visibility(16, window=4))
+    with pytest.raises(TypeError, match=r"float16 or bfloat16 inputs, got torch\.float32"):
+        cudnn_attn_fwd(q.float(), k.float(), v.float())
+    with pytest.raises(ValueError, match="needs CUDA tensors, got q on cpu"):
+        cudnn_attn_fwd(q, k, v)
+
+
+@gpu
+def test_ring_refuses_masks_before_any_transfer():
+    # Checked in the API with the other arguments, not by the kernel in the middle of a ring.
+    from ringflash import ring_flash_attn_func
+
+    q, k, v, _ = _inputs(1, 64, 64, 2, 2, 64, torch.bfloat16)
+    with pytest.raises(ValueError, match="backend='cudnn' runs causal or full attention only; mask= and window="):
+        ring_flash_attn_func(q, k, v, causal=True, window=16, backend="cudnn")
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        ring_flash_attn_func(q.float(), k.float(), v.float(), causal=True, backend="cudnn")
+    o = ring_flash_attn_func(q, k, v, causal=True, backend="cudnn")  # one rank: a single cuDNN call
+    torch.testing.assert_close(o, attn_fwd(q, k, v, causal=True, backend="cudnn")[0], atol=0, rtol=0)
