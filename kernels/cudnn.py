@@ -12,7 +12,8 @@ What differs from the Triton backend:
 - A block's gradients come out of cuDNN rounded to the input dtype. With `acc=` or `accumulate=`
   they are then added to the float32 sums (an elementwise pass, where the Triton kernels add on
   chip), so a ring sums per-step gradients that were each rounded once, as torch's
-  `context_parallel` does. Likewise the forward's `acc=` merge is `ref_merge`, a separate pass.
+  `context_parallel` does. Likewise the forward's `acc=` merge is a separate pass (both passes are
+  one Triton kernel each, kernels/triton_passes.py).
 - Not promised bit-deterministic (the Triton backward is).
 """
 
@@ -23,7 +24,7 @@ import functools
 import torch
 
 from kernels.checks import check_bwd, check_qkv, resolve_fwd_outputs, resolve_scale
-from kernels.reference import ref_merge
+from kernels.triton_passes import merge_into
 
 __all__ = ["check_cudnn", "cudnn_attn_bwd", "cudnn_attn_fwd"]
 
@@ -92,7 +93,7 @@ def cudnn_attn_fwd(
     if acc is None:
         lse_out.copy_(lse)
         return o_out.copy_(o), lse_out
-    ref_merge(acc[0], lse_out, o, lse, out=out)
+    merge_into(acc[0], lse_out, o, lse, o_out)
     return o_out, lse_out
 
 
