@@ -36,7 +36,7 @@ def interpreting() -> bool:
 
 
 def resolve_backend(backend: str | None, device: torch.device) -> str:
-    """The backend that will run for tensors on `device`: `"triton"` or `"reference"`."""
+    """The backend that will run for tensors on `device`: `"triton"`, `"reference"` or `"cudnn"`."""
     choice, source = backend, "backend"
     if choice is None:
         choice, source = os.environ.get("RINGFLASH_KERNEL_BACKEND", "auto"), "RINGFLASH_KERNEL_BACKEND"
@@ -71,7 +71,8 @@ def attn_fwd(
     """Attention forward: returns `o` shaped like q in `out_dtype` (default q's) and
     `lse (B, H, Nq)` float32 (natural log). Rows with no visible key give `o = 0`, `lse = -inf`.
 
-    `out_dtype=torch.float32` keeps a partial result unrounded for a caller that merges several.
+    `out_dtype=torch.float32` keeps a partial result unrounded for a caller that merges several
+    (on the Triton and reference backends; cuDNN's is rounded to q's dtype first: kernels/cudnn.py).
     `acc=(o_acc, lse_acc)`: a running float32 accumulator, `o_acc (B, Nq, H, D)` and
     `lse_acc (B, H, Nq)`, views of larger buffers allowed (e.g. `o[:, rows]`, `lse[:, :, rows]`).
     This block's result is merged into it in place, exactly (`kernels.reference.ref_merge`:
@@ -124,7 +125,8 @@ def attn_bwd(
     `o` and `lse` may be global (from a ring merge); P and delta are recomputed from them.
     `out=(dq, dk, dv)`: write into these (views of larger buffers are fine) instead of new
     tensors; with `accumulate=True` the gradients are added to what `out` holds (in float32 on
-    chip), which is how the ring sums its steps' dq and dK/dV without a separate pass.
+    chip), which is how the ring sums its steps' dq and dK/dV without a separate pass. (cuDNN's
+    gradients are rounded to q's dtype before they are added, in a separate pass: kernels/cudnn.py.)
     `acc=(dq_acc, dk_acc, dv_acc)` (float32, shaped like out): the gradients are added to what
     these hold and the sums written to `out`, in `grad_dtype`: the ring's last step rounds its
     float32 sums to the input dtype this way, without a separate cast.
@@ -142,6 +144,8 @@ def attn_bwd(
             out=out, accumulate=accumulate, acc=acc, window=window, visibility=visibility, after_dkdv=after_dkdv,
         )
     summed = acc is not None or accumulate
+    if out is not None or summed:  # before the work, as the Triton path checks
+        check_grad_out(out, accumulate, q, k, grad_dtype or q.dtype, acc)
     if which == "reference":
         grads = ref_attn_bwd(
             do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale,
@@ -150,6 +154,7 @@ def attn_bwd(
         )
     else:
         from kernels.cudnn import cudnn_attn_bwd
+        from kernels.triton_passes import add_into
 
         grads = cudnn_attn_bwd(
             do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale, window=window, visibility=visibility
@@ -158,15 +163,12 @@ def attn_bwd(
         if after_dkdv is not None:
             after_dkdv()
         return tuple(g.to(grad_dtype or q.dtype) for g in grads)
-    check_grad_out(out, accumulate, q, k, grad_dtype or q.dtype, acc)
     base = out if accumulate else (acc or (None, None, None))
 
     def write(i: int) -> None:
         if base[i] is None:
             out[i].copy_(grads[i])
         elif which == "cudnn":  # on CUDA: one pass, summed in float32 and rounded once
-            from kernels.triton_passes import add_into
-
             add_into(base[i], grads[i], out[i])
         elif base[i] is out[i]:  # the ring's running sums: added in place
             out[i].add_(grads[i])

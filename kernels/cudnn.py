@@ -7,14 +7,17 @@ backward against our 525 / 390; BENCHMARKS.md). This backend calls the same cuDN
 tensors, with `(o, lse)` in and out as the contract wants, so the ring can run its steps on them.
 
 What differs from the Triton backend:
-- Causal and full attention only: the op takes no per-row key intervals, so `window=` and
-  `visibility=` (document masks) raise. float16 and bfloat16 only, on CUDA, with cuDNN ≥ 9.
-- A block's gradients come out of cuDNN rounded to the input dtype. With `acc=` or `accumulate=`
-  they are then added to the float32 sums (an elementwise pass, where the Triton kernels add on
-  chip), so a ring sums per-step gradients that were each rounded once, as torch's
-  `context_parallel` does. Likewise the forward's `acc=` merge is a separate pass (both passes are
-  one Triton kernel each, kernels/triton_passes.py).
-- Not promised bit-deterministic (the Triton backward is).
+- Causal and full attention only: the op takes no per-row key intervals, so windows and document
+  masks raise. float16 and bfloat16 only, on an sm80+ GPU, with cuDNN ≥ 9, head dims that are
+  multiples of 8 up to 128 (256 on Hopper with cuDNN ≥ 9.10): checked here (`check_cudnn`), with
+  errors that name the argument, rather than left to fail inside cuDNN.
+- A block's o and gradients come out of cuDNN rounded to the input dtype, whatever `out_dtype` or
+  `grad_dtype` asks for. With `acc=` or `accumulate=` they are then merged into the float32
+  accumulator or added to the float32 sums in a separate pass (where the Triton kernels do it on
+  chip, unrounded), so a ring combines per-step results that were each rounded once, as torch's
+  `context_parallel` does. (Both passes are one Triton kernel each, kernels/triton_passes.py.)
+- Not deterministic: refused under `torch.use_deterministic_algorithms(True)`, as SDPA's own
+  dispatcher avoids cuDNN there (the Triton backward is bit-deterministic).
 """
 
 from __future__ import annotations
@@ -31,20 +34,39 @@ __all__ = ["check_cudnn", "cudnn_attn_bwd", "cudnn_attn_fwd"]
 _aten = torch.ops.aten
 
 
-def check_cudnn(q: torch.Tensor, window: int | None, visibility) -> None:
-    """Reject what the cuDNN backend cannot run, naming the argument."""
-    if window is not None or visibility is not None:
-        raise ValueError(
-            "backend='cudnn' runs causal or full attention only; window= and visibility= (document "
-            "masks) need backend='triton'"
-        )
+MASKS_NEED_TRITON = (
+    "backend='cudnn' runs causal or full attention only: windows and document masks (window=, "
+    "visibility=, mask=, cu_seqlens) need backend='triton'"
+)
+
+
+def check_cudnn(q: torch.Tensor, k: torch.Tensor, masked: bool = False) -> None:
+    """Reject what the cuDNN backend cannot run, before any work, naming the argument: cuDNN's own
+    limits as PyTorch's SDPA checks them (`sdp_utils.cpp`), since this calls the op directly."""
+    if masked:
+        raise ValueError(MASKS_NEED_TRITON)
     if q.dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"backend='cudnn' takes float16 or bfloat16 inputs, got {q.dtype}")
     if q.device.type != "cuda":
         raise ValueError(f"backend='cudnn' needs CUDA tensors, got q on {q.device}")
     version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     if version is None or version < 90000:
-        raise RuntimeError(f"backend='cudnn' needs cuDNN 9 or newer; this PyTorch has {version}")
+        raise ValueError(f"backend='cudnn' needs cuDNN 9 or newer; this PyTorch has {version}")
+    capability = torch.cuda.get_device_capability(q.device)
+    if capability < (8, 0):
+        raise ValueError(f"backend='cudnn' needs an sm80+ GPU (Ampere or newer), got sm{capability[0]}{capability[1]}")
+    head_dim, max_d = q.shape[-1], 256 if capability[0] == 9 and version >= 91000 else 128
+    if head_dim % 8 or head_dim > max_d:
+        raise ValueError(
+            f"backend='cudnn' needs q.shape[3] (head_dim) a multiple of 8 up to {max_d} on this GPU, got {head_dim}"
+        )
+    if q.shape[0] > 65535 or max(q.shape[2], k.shape[2]) > 65535:
+        raise ValueError(f"backend='cudnn' takes at most 65535 batches and heads, got q {tuple(q.shape)}")
+    if torch.are_deterministic_algorithms_enabled():
+        raise ValueError(
+            "backend='cudnn' is not deterministic and torch.use_deterministic_algorithms(True) is on: use "
+            "backend='triton', whose gradients are bit-deterministic"
+        )
 
 
 @functools.cache
@@ -60,9 +82,9 @@ def _heads_first(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2)
 
 
-def _empty_block(q, k):
-    B, Nq, H, _ = q.shape
-    return q.new_zeros(q.shape), torch.full((B, H, Nq), float("-inf"), device=q.device)
+def _empty(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """No (query, key) pair: cuDNN is not called (o = 0, lse = -inf; zero gradients)."""
+    return q.shape[1] == 0 or k.shape[1] == 0 or q.shape[0] * q.shape[2] == 0
 
 
 def cudnn_attn_fwd(
@@ -80,11 +102,11 @@ def cudnn_attn_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`kernels.attn_fwd` on cuDNN: same arguments and results (see the module docstring)."""
     check_qkv(q, k, v, causal)
-    check_cudnn(q, window, visibility)
+    check_cudnn(q, k, masked=window is not None or visibility is not None)
     o_out, lse_out = resolve_fwd_outputs(q, out_dtype, acc, out)
     scale = resolve_scale(softmax_scale, q.shape[-1])
-    if q.shape[1] == 0 or k.shape[1] == 0 or q.shape[0] * q.shape[2] == 0:
-        o, lse = _empty_block(q, k)
+    if _empty(q, k):
+        o, lse = q.new_zeros(q.shape), torch.full(lse_out.shape, float("-inf"), device=q.device)
     else:
         o, lse = _aten._scaled_dot_product_cudnn_attention(
             _heads_first(q), _heads_first(k), _heads_first(v), None, True, 0.0, causal, False, scale=scale
@@ -116,10 +138,10 @@ def cudnn_attn_bwd(
     rowsum(do·o) from o, as the Triton kernels do, so per-block gradients sum to the full ones.
     """
     check_qkv(q, k, v, causal)
-    check_cudnn(q, window, visibility)
+    check_cudnn(q, k, masked=window is not None or visibility is not None)
     check_bwd(do, q, o, lse)
     scale = resolve_scale(softmax_scale, q.shape[-1])
-    if q.shape[1] == 0 or k.shape[1] == 0 or q.shape[0] * q.shape[2] == 0:
+    if _empty(q, k):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     if o.dtype != q.dtype:  # cuDNN reads o in the inputs' dtype (only rowsum(do·o) needs it)
         o = o.to(q.dtype)

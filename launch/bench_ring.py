@@ -463,7 +463,7 @@ def main() -> None:
                         args, n, layout, dev, dtype, transport=transport, compute=first, backend=backend
                     )
                     tflops = flops / fwd_bwd / 1e9
-                    impl = "ringflash" + (f" [{backend}]" if backend == "cudnn" else "")
+                    impl = "ringflash" + ("" if backend in ("auto", "triton") else f" [{backend}]")
                     impl += "" if transport == "nccl" else f" ({transport})"
                     row = [n, impl, layout, fwd, fwd_bwd, "" if compute is None else compute, single, single / fwd_bwd]
                     rows.append([*row, tflops])

@@ -36,10 +36,7 @@ def _check_local(q, k, v, causal, softmax_scale, layout, backend, world) -> floa
         check_splittable(q.shape[1] * world, world, layout)
     except ValueError as e:
         raise ValueError(f"q.shape[1] = {q.shape[1]} local tokens on each of {world} ranks: {e}") from None
-    if kernels.resolve_backend(backend, q.device) == "cudnn":  # here, not mid-ring with transfers posted
-        from kernels.cudnn import check_cudnn
-
-        check_cudnn(q, None, None)
+    kernels.resolve_backend(backend, q.device)
     return resolve_scale(softmax_scale, q.shape[-1])
 
 
@@ -173,6 +170,10 @@ def ring_flash_attn_func(
     try:
         scale = _check_local(q, k, v, causal, softmax_scale, layout, backend, world)
         _check_window(window, causal)
+        if kernels.resolve_backend(backend, q.device) == "cudnn":  # here, not mid-ring with transfers posted
+            from kernels.cudnn import check_cudnn
+
+            check_cudnn(q, k, masked=mask is not None or window is not None)
         if mask is not None:
             _check_mask(mask, q, causal, window, layout, world, None if compiling else comm.rank)
         elif window is not None:
@@ -184,9 +185,6 @@ def ring_flash_attn_func(
                 )
             rank = 0 if world == 1 else dist.get_rank(group)
             mask = window_mask(q.shape[1], window, rank, world, layout, q.device)
-        if mask is not None and kernels.resolve_backend(backend, q.device) == "cudnn":
-            raise ValueError("backend='cudnn' runs causal or full attention only; mask= and window= need "
-                             "backend='triton'")
         error = None
     except (TypeError, ValueError) as e:
         scale, error = None, e
@@ -246,6 +244,10 @@ class RingFlashAttention(nn.Module):
             resolve_transport(transport)
         if backend is not None and backend not in kernels.BACKENDS:
             raise ValueError(f"backend must be one of {kernels.BACKENDS} or None, got {backend!r}")
+        if backend == "cudnn" and window is not None:
+            from kernels.cudnn import MASKS_NEED_TRITON
+
+            raise ValueError(MASKS_NEED_TRITON)
         self.group, self.layout, self.causal = group, layout, causal
         self.softmax_scale, self.backend, self.check_ranks = softmax_scale, backend, check_ranks
         self.window, self.transport = window, transport

@@ -105,7 +105,8 @@ def ring_forward(q, kv, *, causal: bool, scale: float, layout: str, comm, backen
             step, vis = entry
             # Step 0 (the diagonal, every query row) starts the float32 accumulators; later steps
             # merge into their rows inside the kernel (`acc=`): one launch, no extra pass over o.
-            # Partial results stay unrounded; the last merge writes its rows rounded (`out=`).
+            # Partial results stay unrounded (but for cuDNN's, kernels/cudnn.py); the last merge
+            # writes its rows rounded (`out=`).
             o_lse = attn_fwd(
                 q[:, step.q],
                 cur[0][:, step.kv],

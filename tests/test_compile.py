@@ -38,13 +38,14 @@ START = "spawn" if torch.cuda.is_available() else "fork"
 
 def _kernel_opcheck_worker(rank, world, backend, device):
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 12, 4, 32, generator=g).to(device).requires_grad_()
-    k, v = (torch.randn(1, 12, 2, 32, generator=g).to(device).requires_grad_() for _ in range(2))
+    dt = torch.bfloat16 if backend == "cudnn" else torch.float32  # cuDNN takes no float32
+    q = torch.randn(1, 12, 4, 32, generator=g).to(device, dt).requires_grad_()
+    k, v = (torch.randn(1, 12, 2, 32, generator=g).to(device, dt).requires_grad_() for _ in range(2))
     opts = dict(causal=True, softmax_scale=0.3, backend=backend)
     torch.library.opcheck(torch.ops.ringflash.attn_fwd.default, (q, k, v), opts)
     o, lse = torch.ops.ringflash.attn_fwd(q, k, v, **opts)
     assert not lse.requires_grad
-    do = torch.randn(o.shape, generator=g).to(device)
+    do = torch.randn(o.shape, generator=g).to(device, dt)
     args = (do, q.detach(), k.detach(), v.detach(), o.detach(), lse)
     torch.library.opcheck(torch.ops.ringflash.attn_bwd.default, args, dict(opts, grad_dtype=torch.float32))
     # The op's autograd is the kernel pair's: gradients equal attn_bwd's.
@@ -54,10 +55,10 @@ def _kernel_opcheck_worker(rank, world, backend, device):
         torch.testing.assert_close(got, want)
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", ["reference", "triton", pytest.param("cudnn", marks=pytest.mark.gpu)])
 def test_kernel_ops_opcheck(backend):
     # Triton in the interpreter in the CPU suite, else on the GPU (tests/conftest.py).
-    device = "cuda" if backend == "triton" and not interpreting() else "cpu"
+    device = "cuda" if backend == "cudnn" or (backend == "triton" and not interpreting()) else "cpu"
     run_ranks(_kernel_opcheck_worker, 1, args=(backend, device), start_method=START, timeout_s=120)
 
 

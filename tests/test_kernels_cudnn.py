@@ -65,7 +65,7 @@ def test_views_of_a_packed_qkv_and_a_scale():
 
 
 @gpu
-def test_ring_steps_merge_and_sum_exactly():
+def test_ring_steps_merge_and_sum_to_attention_over_all_keys():
     # Keys in three disjoint parts, as three ring steps: the first causal (the diagonal, starting
     # float32 accumulators), the others merged in (`acc=`), the last written rounded (`out=`).
     # Backward with the global o and lse: step 0 writes float32 sums, later steps add to them,
@@ -123,11 +123,45 @@ def test_accumulate_adds_to_out():
         torch.testing.assert_close(got, s + g)
 
 
+@gpu
+@pytest.mark.parametrize("n_keys", [96, 0])
+def test_the_ring_step_contract(n_keys):
+    # What tests/test_kernels_out.py checks of the Triton kernels, with cuDNN's rounded block
+    # gradients (so tolerances, not bit-equality): `acc=` is only read and the totals written to
+    # `out` rounded; `after_dkdv` runs once, with dK/dV final and dQ not yet written; no keys
+    # means zero gradients, or sums unchanged.
+    q, k, v, do = _inputs(2, 80, 96, 4, 2, 64, torch.bfloat16, seed=7)
+    k, v = k[:, :n_keys], v[:, :n_keys]
+    if n_keys:
+        o, lse = attn_fwd(q, k, v, backend="cudnn")
+        grads = attn_bwd(do, q, k, v, o, lse, grad_dtype=torch.float32, backend="cudnn")
+    else:
+        o, lse = torch.zeros_like(q), torch.full((2, 4, 80), float("-inf"), device="cuda")
+        grads = (torch.zeros(q.shape, device="cuda"), torch.zeros(k.shape, device="cuda"),
+                 torch.zeros(v.shape, device="cuda"))
+    gen = torch.Generator().manual_seed(8)
+    sums = tuple(torch.randn(g.shape, generator=gen).cuda() for g in grads)
+    before = tuple(t.clone() for t in sums)
+    out = (torch.full_like(q, 7.0), torch.full_like(k, 7.0), torch.full_like(v, 7.0))
+    seen = []
+
+    def hook():
+        torch.cuda.synchronize()
+        seen.append((all(rel_err(out[i], sums[i] + grads[i]) < 1e-2 for i in (1, 2)), bool((out[0] == 7.0).all())))
+
+    ret = attn_bwd(do, q, k, v, o, lse, out=out, acc=sums, after_dkdv=hook, backend="cudnn")
+    assert all(r is t for r, t in zip(ret, out))
+    assert seen == [(True, True)]
+    for got, s, b, g in zip(out, sums, before, grads):
+        assert torch.equal(s, b)  # acc is read, never written
+        assert rel_err(got, b + g) < 1e-2
+
+
 def test_refuses_masks_and_float32_naming_them():
     q, k, v, do = _inputs(1, 16, 16, 2, 2, 32, torch.bfloat16, device="cpu")
-    with pytest.raises(ValueError, match="window= and visibility="):
+    with pytest.raises(ValueError, match="windows and document masks"):
         cudnn_attn_fwd(q, k, v, causal=True, window=4)
-    with pytest.raises(ValueError, match="window= and visibility="):
+    with pytest.raises(ValueError, match="windows and document masks"):
         cudnn_attn_bwd(do, q, k, v, q, torch.zeros(1, 2, 16), visibility=dense_visibility(16, window=4))
     with pytest.raises(TypeError, match=r"float16 or bfloat16 inputs, got torch\.float32"):
         cudnn_attn_fwd(q.float(), k.float(), v.float())
@@ -136,14 +170,29 @@ def test_refuses_masks_and_float32_naming_them():
 
 
 @gpu
-def test_ring_refuses_masks_before_any_transfer():
-    # Checked in the API with the other arguments, not by the kernel in the middle of a ring.
-    from ringflash import ring_flash_attn_func
+def test_ring_refuses_what_cudnn_cannot_run_before_the_ring_starts(monkeypatch):
+    # Checked in the API with the other arguments, not by cuDNN in the middle of a ring: the op that
+    # runs the ring must not even be called.
+    import ringflash
+    from ringflash import api, ring_flash_attn_func
 
     q, k, v, _ = _inputs(1, 64, 64, 2, 2, 64, torch.bfloat16)
-    with pytest.raises(ValueError, match="backend='cudnn' runs causal or full attention only; mask= and window="):
+    o = ring_flash_attn_func(q, k, v, causal=True, backend="cudnn")  # one rank: a single cuDNN call
+    torch.testing.assert_close(o, attn_fwd(q, k, v, causal=True, backend="cudnn")[0], atol=0, rtol=0)
+
+    def started(*args, **kwargs):
+        raise AssertionError("the ring started")
+
+    monkeypatch.setattr(api.ops, "ring_attn_eager", started)
+    with pytest.raises(ValueError, match="backend='cudnn' runs causal or full attention only"):
         ring_flash_attn_func(q, k, v, causal=True, window=16, backend="cudnn")
     with pytest.raises(TypeError, match="float16 or bfloat16"):
         ring_flash_attn_func(q.float(), k.float(), v.float(), causal=True, backend="cudnn")
-    o = ring_flash_attn_func(q, k, v, causal=True, backend="cudnn")  # one rank: a single cuDNN call
-    torch.testing.assert_close(o, attn_fwd(q, k, v, causal=True, backend="cudnn")[0], atol=0, rtol=0)
+    q60, k60, v60 = (t[..., :60] for t in (q, k, v))
+    with pytest.raises(ValueError, match=r"q.shape\[3\] \(head_dim\) a multiple of 8"):
+        ring_flash_attn_func(q60, k60, v60, causal=True, backend="cudnn")
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    with pytest.raises(ValueError, match="not deterministic"):
+        ring_flash_attn_func(q, k, v, causal=True, backend="cudnn")
+    with pytest.raises(ValueError, match="backend='cudnn' runs causal or full attention only"):
+        ringflash.RingFlashAttention(backend="cudnn", window=16)

@@ -383,8 +383,17 @@ def validate(cfg: Config) -> None:
             "parallel.kernels: cudnn runs plain causal attention; model.window and data.pack_documents need "
             "triton (or auto)"
         )
-    if p.kernels == "cudnn" and t.device == "cpu":
-        raise ConfigError("parallel.kernels: cudnn needs train.device = cuda")
+    if p.kernels == "cudnn":
+        if t.device == "cpu":
+            raise ConfigError("parallel.kernels: cudnn needs train.device = cuda")
+        if t.dtype == "float32":
+            raise ConfigError("parallel.kernels: cudnn takes bfloat16 or float16 attention, not train.dtype = float32")
+        head_dim = m.dim // m.n_heads
+        if head_dim % 8 or head_dim > 256:
+            raise ConfigError(
+                f"parallel.kernels: cudnn needs a head dim (model.dim / model.n_heads = {head_dim}) that is a "
+                "multiple of 8, at most 256 (128 before Hopper)"
+            )
     if p.transport == "copy-engine" and p.backend == "gloo":
         raise ConfigError("parallel.transport: copy-engine needs GPUs and NCCL, not parallel.backend = gloo")
     if d.eod_token < -1:
