@@ -1,0 +1,105 @@
+"""Experiment: the ring's compute on each kernel backend, on one GPU, against that backend's single/W.
+
+    python docs/experiments/compute_by_backend.py 8192 32768        # tokens per rank; W = 2
+    python docs/experiments/compute_by_backend.py 8192 --world 4 --backends triton
+
+For each tokens-per-rank N: every rank r of W runs `ring_forward` + `ring_backward` with
+`NullComm(r, W)` (all of the ring's kernels and passes, no transfers: what `bench_ring` calls
+compute-only, as whole calls here, casts and merges included), and one GPU runs the causal
+forward + backward of the whole W·N sequence, divided by W (single/W, the efficiency's
+numerator), each with `kernels.attn_fwd/attn_bwd`'s `backend=` (zigzag, causal, bf16, B = 1,
+H = 16, D = 128). Calls are queued back to back between CUDA events (median of 5 runs); the
+backends alternate for three rounds, because the GPU's clock drifts under sustained load. The
+2×H200 numbers that count come from `launch/bench_ring.py`; this is what one GPU can say about
+them (docs/PERF_NOTES.md, "Fourteenth session").
+"""
+
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.getcwd())
+from kernels import attn_bwd, attn_fwd
+from ringflash import NullComm
+from ringflash.ring import pack_kv, ring_backward, ring_forward
+
+H, D = 16, 128
+
+
+def timed(call, calls: int, repeats: int = 5) -> float:
+    """Median ms per call over `repeats` runs of `calls` queued calls."""
+    for _ in range(2):
+        call()
+    torch.cuda.synchronize()
+    runs = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            call()
+        end.record()
+        end.synchronize()
+        runs.append(start.elapsed_time(end) / calls)
+    return statistics.median(runs)
+
+
+def _inputs(n: int):
+    return (torch.randn(1, n, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+
+
+def ring_call(n: int, rank: int, world: int, backend: str):
+    q, k, v, do = _inputs(n)
+    kv = pack_kv(k, v)
+    opts = dict(causal=True, scale=D**-0.5, layout="zigzag", comm=NullComm(rank, world), backend=backend)
+
+    def call():
+        o, lse = ring_forward(q, kv, **opts)
+        ring_backward(do, q, kv, o, lse, **opts)
+
+    return call
+
+
+def single_call(n_global: int, backend: str):
+    q, k, v, do = _inputs(n_global)
+
+    def call():
+        o, lse = attn_fwd(q, k, v, causal=True, backend=backend)
+        attn_bwd(do, q, k, v, o, lse, causal=True, backend=backend)
+
+    return call
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("tokens_per_rank", type=int, nargs="+")
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--backends", default="triton,cudnn")
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    backends, W = args.backends.split(","), args.world
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, W = {W}; ms per fwd+bwd call")
+    ranks = " | ".join(f"rank {r}" for r in range(W))
+    print(f"| tokens/rank | backend | single/W | {ranks} | single/W ÷ slowest |")
+    print("|---" * (W + 4) + "|")
+    for n in args.tokens_per_rank:
+        calls = max(4, 160_000 // n)
+        times: dict[tuple[str, str], list[float]] = {}
+        for _ in range(args.rounds):
+            for backend in backends:
+                times.setdefault((backend, "single"), []).append(timed(single_call(W * n, backend), calls) / W)
+                for r in range(W):
+                    times.setdefault((backend, f"r{r}"), []).append(timed(ring_call(n, r, W, backend), calls))
+                torch.cuda.empty_cache()
+        for backend in backends:
+            med = {key: statistics.median(t) for (b, key), t in times.items() if b == backend}
+            spread = {key: f"{min(t):.3f}–{max(t):.3f}" for (b, key), t in times.items() if b == backend}
+            slowest = max(med[f"r{r}"] for r in range(W))
+            cells = [spread["single"]] + [spread[f"r{r}"] for r in range(W)]
+            print(f"| {n} | {backend} | " + " | ".join(cells) + f" | {med['single'] / slowest:.3f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
