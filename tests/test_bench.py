@@ -24,3 +24,13 @@ def test_bench_ring_quick_runs_over_gloo(tmp_path):
     assert re.search(r"One K/V hop alone .*: 256 tokens/rank, nccl: [0-9.e+-]+ ms for 0\.0625 MiB", out.stdout)
     assert "## Ring attention" in out.stdout  # printed,
     assert (REPO / "BENCHMARKS.md").read_bytes() == record  # not recorded
+
+
+def test_bench_ring_rows_per_kernel_backend(tmp_path):
+    out = torchrun(REPO / "launch" / "bench_ring.py", "--quick", "--layouts", "zigzag", "--no-torch-cp",
+                   "--kernel-backends", "auto,reference", cwd=tmp_path)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    impls = [line.split("|")[2].strip() for line in out.stdout.splitlines() if line.startswith("| 256 | ringflash")]
+    assert impls == ["ringflash", "ringflash [reference]"], out.stdout
+    bad = torchrun(REPO / "launch" / "bench_ring.py", "--quick", "--kernel-backends", "cudnn", cwd=tmp_path)
+    assert bad.returncode != 0 and "--kernel-backends: each must be one of" in bad.stderr, bad.stderr[-3000:]
