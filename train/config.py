@@ -378,12 +378,12 @@ def validate(cfg: Config) -> None:
                 f"data.warmup_seq_steps ({d.warmup_seq_steps}) must be in [1, train.steps = {t.steps}] "
                 "when data.warmup_seq_len is set"
             )
-    if p.kernels == "cudnn" and (m.window or d.pack_documents):
-        raise ConfigError(
-            "parallel.kernels: cudnn runs plain causal attention; model.window and data.pack_documents need "
-            "triton (or auto)"
-        )
     if p.kernels == "cudnn":
+        if m.window or d.pack_documents:
+            raise ConfigError(
+                "parallel.kernels: cudnn runs plain causal attention; model.window and data.pack_documents need "
+                "triton (or auto)"
+            )
         if t.device == "cpu":
             raise ConfigError("parallel.kernels: cudnn needs train.device = cuda")
         if t.dtype == "float32":
