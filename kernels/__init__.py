@@ -45,7 +45,7 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
     if choice == "auto":
         return "triton" if device.type == "cuda" else "reference"
     if choice == "cudnn" and device.type != "cuda":
-        raise ValueError(f"{source}='cudnn' needs CUDA tensors, got {device.type} ones: use 'reference' or 'triton'")
+        raise ValueError(f"{source}='cudnn' needs CUDA tensors, got {device.type} ones: use 'auto' or 'reference'")
     if choice == "triton" and device.type != "cuda" and not interpreting():
         raise ValueError(
             f"backend='triton' on a {device.type} tensor needs the Triton interpreter: "

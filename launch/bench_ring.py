@@ -173,7 +173,9 @@ def bench_ring(args, n_local, layout, dev, dtype, mask=None, transport="nccl", c
     compute_ms = [None] * world
     dist.all_gather_object(compute_ms, time_local(compute_only, args.iters, args.warmup))
     if rank == 0:
-        print(f"{n_local} tokens/rank {layout}: compute only per rank " + ", ".join(f"{t:.3g}" for t in compute_ms))
+        kernels_used = f" ({backend} kernels)" if backend else ""
+        print(f"{n_local} tokens/rank {layout}{kernels_used}: compute only per rank "
+              + ", ".join(f"{t:.3g}" for t in compute_ms))
     return fwd_ms, fwd_bwd_ms, max(compute_ms)
 
 

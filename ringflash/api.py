@@ -114,8 +114,12 @@ def ring_flash_attn_func(
             layout the inputs were sharded with.
         return_lse: also return `lse (B, H, N_local)` float32, natural log, over the whole sequence
             (not differentiable).
-        backend: kernel backend for `kernels.attn_fwd/attn_bwd` (None: Triton on CUDA, reference on
-            CPU; `"cudnn"`: cuDNN's kernels, causal/full attention without window or mask).
+        backend: kernel backend for `kernels.attn_fwd/attn_bwd`: `"auto"` (Triton on CUDA, the
+            reference on CPU), `"triton"`, `"reference"` or `"cudnn"` (cuDNN's kernels: CUDA,
+            fp16/bf16, causal or full attention without window or mask; kernels/cudnn.py); None
+            reads `RINGFLASH_KERNEL_BACKEND` (default auto). Every rank should use the same one:
+            the cross-rank check does not compare it (mixed backends still compute the same
+            attention, to rounding).
         check_ranks: see below.
         window: causal sliding window, w keys counting the diagonal (global query i sees keys
             i − w < j <= i); needs causal. Without `mask`, the window-only mask is built here,
@@ -223,7 +227,8 @@ class RingFlashAttention(nn.Module):
     model can hold it unconditionally. `window`: a causal sliding window in every call (see
     `ring_flash_attn_func`); `forward(..., mask=)`: this batch's `RingMask` (packed documents),
     whose causal flag must be the module's and whose window must be the module's if it has one.
-    `transport`: as in `ring_flash_attn_func` (None: `RINGFLASH_TRANSPORT`, read at each call).
+    `transport`: as in `ring_flash_attn_func` (None: `RINGFLASH_TRANSPORT`, read at each call);
+    `backend`: the kernels, as in `ring_flash_attn_func` (None: `RINGFLASH_KERNEL_BACKEND`).
     """
 
     def __init__(

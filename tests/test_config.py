@@ -132,7 +132,8 @@ def test_missing_file():
         (["--parallel.kernels=cudnn", "--train.device=cpu"], "parallel.kernels: cudnn needs train.device = cuda"),
         (["--parallel.kernels=cudnn", "--data.kind=text", "--data.path=x", "--data.pack_documents=true"],
          "parallel.kernels: cudnn runs plain causal attention"),
-        (["--parallel.kernels=cudnn", "--train.device=cuda", "--train.dtype=float32"], "not train.dtype = float32"),
+        (["--parallel.kernels=cudnn", "--train.device=cuda", "--train.dtype=float32"],
+         r"needs train.dtype = bfloat16 \(or auto on CUDA\), not float32"),
         (["--parallel.kernels=cudnn", "--train.device=cuda", "--model.dim=240", "--model.n_heads=4"],
          r"head dim \(model.dim / model.n_heads = 60\) that is a multiple of 8"),
         (["--checkpoint.keep=0"], r"checkpoint.keep: must be >= 1, got 0"),
@@ -144,6 +145,15 @@ def test_missing_file():
 def test_inconsistent_values(args, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, args)
+
+
+def test_kernels_auto_checks_what_the_environment_chooses(monkeypatch):
+    # kernels = auto leaves the choice to RINGFLASH_KERNEL_BACKEND, which the ring reads: a cuDNN
+    # choice made there is checked as if the config had made it, and the error says where it came from.
+    monkeypatch.setenv("RINGFLASH_KERNEL_BACKEND", "cudnn")
+    with pytest.raises(ConfigError, match=r"^RINGFLASH_KERNEL_BACKEND=cudnn \(parallel.kernels = auto\) runs plain"):
+        load_config(None, ["--model.window=64", "--train.device=cuda"])
+    load_config(None, ["--parallel.kernels=triton", "--model.window=64"])  # the config's own choice wins
 
 
 @pytest.mark.parametrize(

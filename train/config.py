@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -378,21 +379,24 @@ def validate(cfg: Config) -> None:
                 f"data.warmup_seq_steps ({d.warmup_seq_steps}) must be in [1, train.steps = {t.steps}] "
                 "when data.warmup_seq_len is set"
             )
-    if p.kernels == "cudnn":
+    # With kernels = auto the ring reads RINGFLASH_KERNEL_BACKEND: check what will run.
+    source = "parallel.kernels: cudnn"
+    if p.kernels == "auto" and os.environ.get("RINGFLASH_KERNEL_BACKEND") == "cudnn":
+        source = "RINGFLASH_KERNEL_BACKEND=cudnn (parallel.kernels = auto)"
+    if source.startswith("RINGFLASH") or p.kernels == "cudnn":
         if m.window or d.pack_documents:
             raise ConfigError(
-                "parallel.kernels: cudnn runs plain causal attention; model.window and data.pack_documents need "
-                "triton (or auto)"
+                f"{source} runs plain causal attention; model.window and data.pack_documents need triton"
             )
         if t.device == "cpu":
-            raise ConfigError("parallel.kernels: cudnn needs train.device = cuda")
+            raise ConfigError(f"{source} needs train.device = cuda")
         if t.dtype == "float32":
-            raise ConfigError("parallel.kernels: cudnn takes bfloat16 or float16 attention, not train.dtype = float32")
+            raise ConfigError(f"{source} needs train.dtype = bfloat16 (or auto on CUDA), not float32")
         head_dim = m.dim // m.n_heads
         if head_dim % 8 or head_dim > 256:
             raise ConfigError(
-                f"parallel.kernels: cudnn needs a head dim (model.dim / model.n_heads = {head_dim}) that is a "
-                "multiple of 8, at most 256 (128 before Hopper)"
+                f"{source} needs a head dim (model.dim / model.n_heads = {head_dim}) that is a multiple of 8, "
+                "at most 128 (256 on Hopper with cuDNN 9.10 or newer)"
             )
     if p.transport == "copy-engine" and p.backend == "gloo":
         raise ConfigError("parallel.transport: copy-engine needs GPUs and NCCL, not parallel.backend = gloo")
