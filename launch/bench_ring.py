@@ -521,6 +521,9 @@ def main() -> None:
                 series = [(f"{impl} {layout}", n, tf) for n, impl, layout, *_, tf in rows if tf != "n/a"]
                 plot_lines({f"{world} ranks, causal, D={args.head_dim}": series}, Path(args.plot), "tokens per rank",
                            "fwd+bwd TFLOP/s per GPU")
+        # Tear down together: a rank that destroys its gloo group while rank 0 still writes the
+        # table made the other abort at exit now and then ("terminate called ...").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
