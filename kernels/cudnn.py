@@ -50,13 +50,7 @@ def check_cudnn(q: torch.Tensor, k: torch.Tensor, masked: bool = False) -> None:
         raise TypeError(f"backend='cudnn' takes float16 or bfloat16 inputs, got {q.dtype}")
     if q.device.type != "cuda":
         raise ValueError(f"backend='cudnn' needs CUDA tensors, got q on {q.device}")
-    version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
-    if version is None or version < 90000:
-        raise ValueError(f"backend='cudnn' needs cuDNN 9 or newer; this PyTorch has {version}")
-    capability = torch.cuda.get_device_capability(q.device)
-    if capability < (8, 0):
-        raise ValueError(f"backend='cudnn' needs an sm80+ GPU (Ampere or newer), got sm{capability[0]}{capability[1]}")
-    head_dim, max_d = q.shape[-1], 256 if capability[0] == 9 and version >= 91000 else 128
+    head_dim, max_d = q.shape[-1], _max_head_dim(q.device)
     if head_dim % 8 or head_dim > max_d:
         raise ValueError(
             f"backend='cudnn' needs q.shape[3] (head_dim) a multiple of 8 up to {max_d} on this GPU, got {head_dim}"
@@ -68,6 +62,18 @@ def check_cudnn(q: torch.Tensor, k: torch.Tensor, masked: bool = False) -> None:
             "backend='cudnn' is not deterministic and torch.use_deterministic_algorithms(True) is on: use "
             "backend='triton', whose gradients are bit-deterministic"
         )
+
+
+@functools.cache  # per device: every ring step checks its call, the device's answer never changes
+def _max_head_dim(device: torch.device) -> int:
+    """The largest head dim cuDNN takes on `device`; raises if cuDNN cannot run there at all."""
+    version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    if version is None or version < 90000:
+        raise ValueError(f"backend='cudnn' needs cuDNN 9 or newer; this PyTorch has {version}")
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 0):
+        raise ValueError(f"backend='cudnn' needs an sm80+ GPU (Ampere or newer), got sm{capability[0]}{capability[1]}")
+    return 256 if capability[0] == 9 and version >= 91000 else 128
 
 
 @functools.cache

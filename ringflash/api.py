@@ -21,8 +21,9 @@ from ringflash.masks import RingMask, window_mask
 __all__ = ["RingFlashAttention", "ring_flash_attn_func"]
 
 
-def _check_local(q, k, v, causal, softmax_scale, layout, backend, world) -> float:
-    """This rank's own checks; raises TypeError/ValueError naming the argument. Returns the scale."""
+def _check_local(q, k, v, causal, softmax_scale, layout, backend, world) -> tuple[float, str]:
+    """This rank's own checks; raises TypeError/ValueError naming the argument. Returns the scale
+    and the kernel backend that will run."""
     check_qkv(q, k, v, causal=False)
     if k.shape[1] != q.shape[1]:
         raise ValueError(
@@ -36,8 +37,8 @@ def _check_local(q, k, v, causal, softmax_scale, layout, backend, world) -> floa
         check_splittable(q.shape[1] * world, world, layout)
     except ValueError as e:
         raise ValueError(f"q.shape[1] = {q.shape[1]} local tokens on each of {world} ranks: {e}") from None
-    kernels.resolve_backend(backend, q.device)
-    return resolve_scale(softmax_scale, q.shape[-1])
+    which = kernels.resolve_backend(backend, q.device)
+    return resolve_scale(softmax_scale, q.shape[-1]), which
 
 
 def _check_mask(mask, q, causal, window, layout, world, rank) -> None:
@@ -172,9 +173,9 @@ def ring_flash_attn_func(
     if causal is None:
         causal = mask.causal if isinstance(mask, RingMask) else False
     try:
-        scale = _check_local(q, k, v, causal, softmax_scale, layout, backend, world)
+        scale, which = _check_local(q, k, v, causal, softmax_scale, layout, backend, world)
         _check_window(window, causal)
-        if kernels.resolve_backend(backend, q.device) == "cudnn":  # here, not mid-ring with transfers posted
+        if which == "cudnn":  # here, not mid-ring with transfers posted
             from kernels.cudnn import check_cudnn
 
             check_cudnn(q, k, masked=mask is not None or window is not None)

@@ -380,10 +380,9 @@ def validate(cfg: Config) -> None:
                 "when data.warmup_seq_len is set"
             )
     # With kernels = auto the ring reads RINGFLASH_KERNEL_BACKEND: check what will run.
-    source = "parallel.kernels: cudnn"
-    if p.kernels == "auto" and os.environ.get("RINGFLASH_KERNEL_BACKEND") == "cudnn":
-        source = "RINGFLASH_KERNEL_BACKEND=cudnn (parallel.kernels = auto)"
-    if source.startswith("RINGFLASH") or p.kernels == "cudnn":
+    from_env = p.kernels == "auto" and os.environ.get("RINGFLASH_KERNEL_BACKEND") == "cudnn"
+    if p.kernels == "cudnn" or from_env:
+        source = "RINGFLASH_KERNEL_BACKEND=cudnn (parallel.kernels = auto)" if from_env else "parallel.kernels: cudnn"
         if m.window or d.pack_documents:
             raise ConfigError(
                 f"{source} runs plain causal attention; model.window and data.pack_documents need triton"
