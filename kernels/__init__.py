@@ -26,8 +26,8 @@ from kernels.reference import ref_attn_bwd, ref_attn_fwd, ref_merge
 BACKENDS = ("auto", "triton", "reference", "cudnn")
 
 __all__ = ["BACKENDS", "Visibility", "attn_bwd", "attn_fwd", "attn_varlen_bwd", "attn_varlen_fwd",
-           "dense_visibility", "interpreting", "ref_attn_bwd", "ref_attn_fwd", "ref_merge", "resolve_backend",
-           "varlen_visibility", "visibility"]
+           "dense_visibility", "interpreting", "partial_dtype", "ref_attn_bwd", "ref_attn_fwd", "ref_merge",
+           "resolve_backend", "varlen_visibility", "visibility"]
 
 
 def interpreting() -> bool:
@@ -54,6 +54,14 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
     return choice
 
 
+def partial_dtype(backend: str | None, q: torch.Tensor) -> torch.dtype:
+    """The dtype in which the backend's kernels hand over a block's o or gradients for q's inputs
+    unrounded: float32 on the Triton and reference backends (they compute in float32), q's own on
+    cuDNN (its kernels round to it). The ring keeps a partial result that only one more step reads
+    in this dtype: float32 would hold a cuDNN result unchanged, at twice the bytes and a cast."""
+    return q.dtype if resolve_backend(backend, q.device) == "cudnn" else torch.float32
+
+
 def attn_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -74,7 +82,8 @@ def attn_fwd(
     `out_dtype=torch.float32` keeps a partial result unrounded for a caller that merges several
     (on the Triton and reference backends; cuDNN's is rounded to q's dtype first: kernels/cudnn.py).
     `acc=(o_acc, lse_acc)`: a running float32 accumulator, `o_acc (B, Nq, H, D)` and
-    `lse_acc (B, H, Nq)`, views of larger buffers allowed (e.g. `o[:, rows]`, `lse[:, :, rows]`).
+    `lse_acc (B, H, Nq)`, views of larger buffers allowed (e.g. `o[:, rows]`, `lse[:, :, rows]`);
+    with `out=`, o_acc may be in q's dtype too (`partial_dtype`: a cuDNN result, only read).
     This block's result is merged into it in place, exactly (`kernels.reference.ref_merge`:
     lse = logaddexp, weights σ(∓d); −inf on either or both sides is safe), and `acc` is
     returned (`(out, lse_acc)` with `out=`). The Triton kernel does it in its epilogue: one
@@ -127,9 +136,10 @@ def attn_bwd(
     tensors; with `accumulate=True` the gradients are added to what `out` holds (in float32 on
     chip), which is how the ring sums its steps' dq and dK/dV without a separate pass. (cuDNN's
     gradients are rounded to q's dtype before they are added, in a separate pass: kernels/cudnn.py.)
-    `acc=(dq_acc, dk_acc, dv_acc)` (float32, shaped like out): the gradients are added to what
-    these hold and the sums written to `out`, in `grad_dtype`: the ring's last step rounds its
-    float32 sums to the input dtype this way, without a separate cast.
+    `acc=(dq_acc, dk_acc, dv_acc)` (float32, or q's dtype: `partial_dtype`; shaped like out): the
+    gradients are added to what these hold (in float32) and the sums written to `out`, in
+    `grad_dtype`: the ring's last step rounds its sums to the input dtype this way, without a
+    separate cast.
     `window`, `visibility`: the forward's mask (see `attn_fwd`).
     `after_dkdv()`: called once dk and dv are final, written or added (on CUDA: once their
     kernel is queued on the current stream), and before dq is; the ring sends the finished dK/dV

@@ -79,7 +79,8 @@ def check_grad_out(
 ) -> None:
     """Check the backward's optional output buffers `out = (dq, dk, dv)`: q's and k's shapes,
     `grad_dtype`, q's device, contiguous last dim (views of larger tensors are fine); and the
-    running sums `acc = (dq_acc, dk_acc, dv_acc)` to add to: the same, in float32."""
+    sums `acc = (dq_acc, dk_acc, dv_acc)` to add to (only read): the same, in float32, or in q's dtype
+    where they are one backend's rounded result (cuDNN's, which float32 would hold unchanged)."""
     if accumulate and acc is not None:
         raise ValueError("give accumulate=True (add to out) or acc= (add to acc, write to out), not both")
     if out is None:
@@ -88,14 +89,14 @@ def check_grad_out(
         if acc is not None:
             raise ValueError("acc= needs out=(dq, dk, dv): the buffers to write the sums into")
         return
-    _check_grads("out", out, q, k, grad_dtype, f"have the gradient dtype {grad_dtype}")
+    _check_grads("out", out, q, k, (grad_dtype,), f"have the gradient dtype {grad_dtype}")
     if acc is not None:
-        _check_grads("acc", acc, q, k, torch.float32, "be float32 (running sums)")
+        _check_grads("acc", acc, q, k, (torch.float32, q.dtype), f"be float32 (running sums) or q's dtype {q.dtype}")
 
 
 def _check_grads(
     what: str, ts: tuple[torch.Tensor, torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor,
-    dtype: torch.dtype, dtype_rule: str,
+    dtypes: tuple[torch.dtype, ...], dtype_rule: str,
 ) -> None:
     if not isinstance(ts, (tuple, list)) or len(ts) != 3:
         raise TypeError(f"{what} must be a tuple (dq, dk, dv) of tensors, got {type(ts).__name__}")
@@ -104,7 +105,7 @@ def _check_grads(
             raise TypeError(f"{what} {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.shape != like.shape:
             raise ValueError(f"{what} {name} must have shape {tuple(like.shape)}, got {tuple(t.shape)}")
-        if t.dtype != dtype:
+        if t.dtype not in dtypes:
             raise TypeError(f"{what} {name} must {dtype_rule}, got {t.dtype}")
         if t.device != q.device:
             raise ValueError(f"{what} {name} must be on q's device ({q.device}), got {t.device}")
@@ -113,10 +114,15 @@ def _check_grads(
 
 
 def check_acc(
-    acc: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, out_dtype: torch.dtype | None = None
+    acc: tuple[torch.Tensor, torch.Tensor],
+    q: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
+    read_only: bool = False,
 ) -> None:
     """Check the forward's running accumulator `acc = (o_acc, lse_acc)`: float32 `(B, Nq, H, D)`
-    with a contiguous last dim and float32 `(B, H, Nq)`, on q's device (views are fine)."""
+    with a contiguous last dim and float32 `(B, H, Nq)`, on q's device (views are fine).
+    `read_only` (the merged o goes to `out=`): o_acc may also be in q's dtype, one backend's
+    rounded result (cuDNN's), which a float32 copy would hold unchanged."""
     if not isinstance(acc, (tuple, list)) or len(acc) != 2:
         raise TypeError(f"acc must be a tuple (o_acc, lse_acc) of tensors, got {type(acc).__name__}")
     B, Nq, H, _ = q.shape
@@ -125,8 +131,9 @@ def check_acc(
             raise TypeError(f"acc {name} must be a torch.Tensor, got {type(t).__name__}")
         if tuple(t.shape) != shape:
             raise ValueError(f"acc {name} must have shape {shape}, got {tuple(t.shape)}")
-        if t.dtype != torch.float32:
-            raise TypeError(f"acc {name} must be float32 (the merge accumulates in float32), got {t.dtype}")
+        if t.dtype != torch.float32 and not (name == "o_acc" and read_only and t.dtype == q.dtype):
+            rule = f", or q's dtype {q.dtype} with out= (then only read)" if name == "o_acc" else ""
+            raise TypeError(f"acc {name} must be float32 (the merge accumulates in float32){rule}, got {t.dtype}")
         if t.device != q.device:
             raise ValueError(f"acc {name} must be on q's device ({q.device}), got {t.device}")
     if acc[0].stride(-1) != 1:
@@ -161,7 +168,7 @@ def resolve_fwd_outputs(
     """Where the forward writes `(o, lse)`, checked: o to `out`, else o_acc, else a new tensor in
     `out_dtype` (default q's); lse to lse_acc, else a new float32 `(B, H, Nq)`."""
     if acc is not None:
-        check_acc(acc, q, None if out is not None else out_dtype)
+        check_acc(acc, q, None if out is not None else out_dtype, read_only=out is not None)
     if out is not None:
         check_fwd_out(out, q)
         if out_dtype not in (None, out.dtype):

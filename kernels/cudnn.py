@@ -17,6 +17,8 @@ What differs from the Triton backend:
   accumulator or added to the float32 sums in a separate pass (where the Triton kernels do it on
   chip, unrounded), so a ring combines per-step results that were each rounded once, as torch's
   `context_parallel` does. (Both passes are one Triton kernel each, kernels/triton_passes.py.)
+  Where a partial result is only read once more, the ring keeps it in the input dtype
+  (`kernels.partial_dtype`): in float32 it would hold the same values at twice the bytes.
 - Not deterministic: refused under `torch.use_deterministic_algorithms(True)`, as SDPA's own
   dispatcher avoids cuDNN there (the Triton backward is bit-deterministic).
 """
@@ -110,15 +112,20 @@ def cudnn_attn_fwd(
     """`kernels.attn_fwd` on cuDNN: same arguments and results (see the module docstring)."""
     check_qkv(q, k, v, causal)
     check_cudnn(q, k, masked=window is not None or visibility is not None)
-    o_out, lse_out = resolve_fwd_outputs(q, out_dtype, acc, out)
+    # cuDNN's own o and lse are the result unless they are to go elsewhere: no copy.
+    own = acc is None and out is None and out_dtype in (None, q.dtype)
+    o_out, lse_out = (None, None) if own else resolve_fwd_outputs(q, out_dtype, acc, out)
     scale = resolve_scale(softmax_scale, q.shape[-1])
+    B, Nq, H, _ = q.shape
     if _empty(q, k):
-        o, lse = q.new_zeros(q.shape), torch.full(lse_out.shape, float("-inf"), device=q.device)
+        o, lse = q.new_zeros(q.shape), torch.full((B, H, Nq), float("-inf"), device=q.device)
     else:
         o, lse = _aten._scaled_dot_product_cudnn_attention(
             _heads_first(q), _heads_first(k), _heads_first(v), None, True, 0.0, causal, False, scale=scale
         )[:2]
-        o, lse = _heads_first(o), lse.view(lse_out.shape)  # lse comes as (B, H, Nq) or (B, H, Nq, 1)
+        o, lse = _heads_first(o), lse.view(B, H, Nq)  # lse comes as (B, H, Nq) or (B, H, Nq, 1)
+    if own:
+        return o, lse
     if acc is None:
         lse_out.copy_(lse)
         return o_out.copy_(o), lse_out

@@ -108,9 +108,11 @@ def ref_merge(
     o: `(B, N, H, D)` float32 (a view, e.g. some rows of a larger one, is fine); lse: `(B, H, N)`
     float32, natural log; o_blk: like o in any float dtype; lse_blk: `(B, H, N)` float32.
     `out`: where the merged o goes instead (o's shape, any float dtype, e.g. the inputs' to round
-    a ring's last step); o is then only read. lse is updated either way.
+    a ring's last step); o is then only read, so it may be in any float dtype too (a block result
+    its backend rounded). lse is updated either way.
     """
-    if o.dtype != torch.float32 or lse.dtype != torch.float32 or lse_blk.dtype != torch.float32:
+    read_only = out is not None and out is not o
+    if (o.dtype != torch.float32 and not read_only) or lse.dtype != torch.float32 or lse_blk.dtype != torch.float32:
         raise TypeError(f"merge accumulates in float32: got o {o.dtype}, lse {lse.dtype}, lse_blk {lse_blk.dtype}")
     if o.shape != o_blk.shape:
         raise ValueError(f"o_blk must have o's shape {tuple(o.shape)}, got {tuple(o_blk.shape)}")
@@ -129,7 +131,7 @@ def ref_merge(
     else:
         if out.shape != o.shape:
             raise ValueError(f"out must have o's shape {tuple(o.shape)}, got {tuple(out.shape)}")
-        out.copy_(torch.addcmul(o * torch.sigmoid(-d), o_blk, torch.sigmoid(d)))
+        out.copy_(torch.addcmul(o.float() * torch.sigmoid(-d), o_blk, torch.sigmoid(d)))
     lse.copy_(new)
 
 

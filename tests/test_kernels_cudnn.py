@@ -11,6 +11,7 @@ import pytest
 import torch
 from truth import TOL, attention_f64, lse_err, rel_err
 
+import kernels
 from kernels import attn_bwd, attn_fwd, dense_visibility
 from kernels.cudnn import cudnn_attn_bwd, cudnn_attn_fwd
 
@@ -155,6 +156,28 @@ def test_the_ring_step_contract(n_keys):
     for got, s, b, g in zip(out, sums, before, grads):
         assert torch.equal(s, b)  # acc is read, never written
         assert rel_err(got, b + g) < 1e-2
+
+
+@gpu
+def test_partials_in_the_inputs_dtype_change_nothing():
+    # A W = 2 ring keeps cuDNN's step-0 o and gradients in bf16 (`kernels.partial_dtype`), not in
+    # float32 copies: the last step's merge and sums must come out bit-identical either way.
+    assert kernels.partial_dtype("cudnn", torch.empty(0, dtype=torch.bfloat16, device="cuda")) == torch.bfloat16
+    B, N, H, D, dt = 1, 256, 4, 128, torch.bfloat16
+    q, k, v, do = _inputs(B, N, 2 * N, H, 2, D, dt, seed=9)
+    results = {}
+    for partial in (torch.float32, dt):
+        o, lse = attn_fwd(q, k[:, :N], v[:, :N], causal=True, out_dtype=partial, backend="cudnn")
+        assert o.dtype == partial
+        out = torch.empty_like(q)
+        attn_fwd(q, k[:, N:], v[:, N:], acc=(o, lse), out=out, backend="cudnn")
+        sums = attn_bwd(do, q, k[:, :N], v[:, :N], out, lse, causal=True, grad_dtype=partial, backend="cudnn")
+        final = (torch.empty_like(q), torch.empty_like(k[:, N:]), torch.empty_like(v[:, N:]))
+        zeros = (sums[0], torch.zeros_like(final[1], dtype=partial), torch.zeros_like(final[2], dtype=partial))
+        attn_bwd(do, q, k[:, N:], v[:, N:], out, lse, out=final, acc=zeros, backend="cudnn")
+        results[partial] = (out, lse, *final, *(g.to(dt) for g in sums[1:]))
+    for a, b in zip(results[torch.float32], results[dt]):
+        assert torch.equal(a, b)
 
 
 def test_refuses_masks_and_float32_naming_them():

@@ -156,6 +156,29 @@ def test_out_takes_the_merge_rounded(backend, device):
     assert torch.equal(attn_fwd(q, k, v, out=torch.empty_like(q), backend=backend)[0], plain[0])
 
 
+@pytest.mark.parametrize(
+    ("backend", "device"),
+    [("reference", "cpu"), ("triton", "cpu"), pytest.param("triton", "cuda", marks=pytest.mark.gpu)],
+)
+def test_accumulator_in_the_inputs_dtype_is_only_read(backend, device):
+    """With `out=`, o_acc may be in q's dtype (a block result its backend rounded, as cuDNN's are:
+    `kernels.partial_dtype`): merged exactly as its float32 copy would be, and never written."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    B, N, H, D = 2, 50, 4, 64
+    q, k, v = (t.to(device) for t in _inputs(B, N, 2 * N, H, 2, D, dtype, seed=7))
+    o0, l0 = attn_fwd(q, k[:, :N], v[:, :N], causal=True, backend=backend)  # rounded to q's dtype
+    want, lse_want = torch.empty_like(q), l0.clone()
+    attn_fwd(q, k[:, N:], v[:, N:], acc=(o0.float(), lse_want), out=want, backend=backend)
+    got, lse_got, o_acc = torch.empty_like(q), l0.clone(), o0.clone()
+    attn_fwd(q, k[:, N:], v[:, N:], acc=(o_acc, lse_got), out=got, backend=backend)
+    assert torch.equal(got, want) and torch.equal(lse_got, lse_want) and torch.equal(o_acc, o0)
+    with pytest.raises(TypeError, match=r"acc o_acc must be float32 .*, or q's dtype .* with out="):
+        attn_fwd(q, k[:, N:], v[:, N:], acc=(o0.clone(), l0.clone()), backend=backend)  # in place: refused
+    other = torch.float16 if dtype == torch.bfloat16 else torch.bfloat16
+    with pytest.raises(TypeError, match="acc o_acc must be float32"):
+        attn_fwd(q, k[:, N:], v[:, N:], acc=(o0.to(other), l0.clone()), out=got, backend=backend)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bad_acc_names_the_argument(backend):
     q, k, v = _inputs(1, 8, 8, 2, 2, 32, torch.bfloat16)

@@ -51,9 +51,11 @@ def test_out_views_and_accumulated_gradients(backend):
     [("reference", "cpu"), ("triton", "cpu"), pytest.param("triton", "cuda", marks=pytest.mark.gpu)],
 )
 @pytest.mark.parametrize("n_keys", [40, 0])
-def test_sums_read_from_acc_and_written_rounded(backend, device, n_keys):
+@pytest.mark.parametrize("sums_in", ["float32", "inputs"])
+def test_sums_read_from_acc_and_written_rounded(backend, device, n_keys, sums_in):
     # The ring's last step: add this block's gradients to float32 sums held elsewhere (`acc`) and
-    # write the totals in the input dtype. Bit-identical to adding in float32, then rounding.
+    # write the totals in the input dtype. Bit-identical to adding in float32, then rounding. The
+    # sums may be in the inputs' dtype (one rounded block result, as cuDNN's: `kernels.partial_dtype`).
     # (float16 on CPU: Triton's interpreter truncates to bfloat16 where GPUs round to nearest.)
     dtype = torch.bfloat16 if device == "cuda" else torch.float16
     q, k, v, do = (t.to(device, dtype) for t in _inputs())
@@ -64,9 +66,9 @@ def test_sums_read_from_acc_and_written_rounded(backend, device, n_keys):
     gen = torch.Generator().manual_seed(2)
     sums = (torch.randn(2, 50, 4, 32, generator=gen)[:, 5:45],
             *(torch.randn(2, n_keys, 2, 64, generator=gen)[..., :32] for _ in "kv"))  # fmt: skip
-    sums = tuple(t.to(device) for t in sums)
+    sums = tuple(t.to(device, torch.float32 if sums_in == "float32" else dtype) for t in sums)
     before = tuple(t.clone() for t in sums)
-    f32 = tuple(t.clone() for t in sums)
+    f32 = tuple(t.to(torch.float32, copy=True) for t in sums)
     attn_bwd(do, q, k, v, o, lse, grad_dtype=torch.float32, out=f32, accumulate=True, backend=backend)
     out = tuple(torch.empty(t.shape, dtype=dtype, device=device) for t in sums)
     ret = attn_bwd(do, q, k, v, o, lse, out=out, acc=sums, backend=backend)
@@ -123,7 +125,8 @@ def test_bad_out_names_the_buffer(backend):
         attn_bwd(do, q, k, v, o, lse, acc=good, backend=backend)
     with pytest.raises(ValueError, match="not both"):
         attn_bwd(do, q, k, v, o, lse, out=good, accumulate=True, acc=good, backend=backend)
-    with pytest.raises(TypeError, match=r"acc dv must be float32 \(running sums\), got torch\.float16"):
+    wrong_sums = r"acc dv must be float32 \(running sums\) or q's dtype torch\.float32, got torch\.float16"
+    with pytest.raises(TypeError, match=wrong_sums):
         attn_bwd(do, q, k, v, o, lse, out=good, acc=(*good[:2], good[2].half()), backend=backend)
     every_other = torch.empty(2, 40, 4, 64)[..., ::2]  # dq's shape, last-dim stride 2
     with pytest.raises(ValueError, match=r"out dq must have a contiguous last dim \(stride 1\)"):

@@ -155,6 +155,18 @@ def test_ring_triton_kernels_interpreted(case):
     run_ranks(ring_exactness_worker, case["world"], (case,))
 
 
+def test_ring_with_rounded_partials_at_two_ranks(monkeypatch):
+    # At W = 2 the ring keeps step 0's o and gradients in the dtype its backend made them in
+    # (`kernels.partial_dtype`): the input dtype on cuDNN, which only a GPU runs. Here the
+    # reference kernels stand in, as a backend whose partial results come rounded (forked ranks
+    # inherit the patch), so the ring's plumbing for it runs on every CI stop.
+    import ringflash.ring
+
+    monkeypatch.setattr(ringflash.ring, "partial_dtype", lambda backend, q: q.dtype)
+    for layout, causal in (("zigzag", True), ("contiguous", False)):
+        run_ranks(ring_exactness_worker, 2, (make_case(2, layout, causal, dtype=torch.bfloat16, n_local=16),))
+
+
 def test_world_one_without_distributed_is_one_kernel_call():
     # No process group at all: ring attention is plain attention, still differentiable.
     if dist.is_initialized():
@@ -418,9 +430,9 @@ GPU_CASES = [
         ("zigzag", False, torch.float16),
     )
 ] + [  # the ring on cuDNN's kernels (kernels/cudnn.py)
-    make_case(2, "zigzag", True, B=1, n_local=2000, H=8, Hkv=hkv, D=128, dtype=torch.bfloat16, backend="cudnn",
-              device="cuda")
-    for hkv in (8, 2)
+    make_case(w, "zigzag", True, B=1, n_local=4000 // w, H=8, Hkv=hkv, D=128, dtype=torch.bfloat16,
+              backend="cudnn", device="cuda")
+    for w, hkv in ((2, 8), (2, 2), (4, 2))  # W = 2: partial results in bf16; W = 4: float32 sums
 ]
 
 
