@@ -2,6 +2,7 @@
 
     python docs/experiments/compute_by_backend.py 8192 32768        # tokens per rank; W = 2
     python docs/experiments/compute_by_backend.py 8192 --world 4 --backends triton
+    python docs/experiments/compute_by_backend.py 8192 --profile    # GPU time per kernel instead
 
 For each tokens-per-rank N: every rank r of W runs `ring_forward` + `ring_backward` with
 `NullComm(r, W)` (all of the ring's kernels and passes, no transfers: what `bench_ring` calls
@@ -11,10 +12,13 @@ numerator), each with `kernels.attn_fwd/attn_bwd`'s `backend=` (zigzag, causal, 
 H = 16, D = 128). Calls are queued back to back between CUDA events (median of 5 runs); the
 backends alternate for three rounds, because the GPU's clock drifts under sustained load. The
 2×H200 numbers that count come from `launch/bench_ring.py`; this is what one GPU can say about
-them (docs/PERF_NOTES.md, "Fourteenth session").
+them (docs/PERF_NOTES.md, "Fourteenth session"). `--profile` lists instead, per case, each kernel's
+GPU time per call (torch.profiler over 10 calls): where a ring call's time goes beyond single/W
+("Fifteenth session").
 """
 
 import argparse
+import collections
 import os
 import statistics
 import sys
@@ -72,14 +76,42 @@ def single_call(n_global: int, backend: str):
     return call
 
 
+def profiled(name: str, call, per: int = 1, calls: int = 10) -> None:
+    """Print each CUDA kernel's GPU time per call of `call` (÷ `per`), heaviest first."""
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    spent = collections.defaultdict(lambda: [0.0, 0])  # name: [µs, launches]
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            spent[e.name][0] += e.device_time
+            spent[e.name][1] += 1
+    total = sum(us for us, _ in spent.values()) / 1000 / calls / per
+    print(f"\n{name}: GPU busy {total:.3f} ms a call")
+    for kernel, (us, n) in sorted(spent.items(), key=lambda kv: -kv[1][0]):
+        print(f"  {us / 1000 / calls / per:8.4f} ms  ×{n / calls:<4g} {kernel[:100]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("tokens_per_rank", type=int, nargs="+")
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--backends", default="triton,cudnn")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--profile", action="store_true", help="GPU time per kernel instead of whole-call timings")
     args = ap.parse_args()
     backends, W = args.backends.split(","), args.world
+    if args.profile:
+        for n in args.tokens_per_rank:
+            for backend in backends:
+                profiled(f"{backend}, {n} tokens/rank: single/W", single_call(W * n, backend), per=W)
+                for r in range(W):
+                    profiled(f"{backend}, {n} tokens/rank: rank {r} of {W}", ring_call(n, r, W, backend))
+        return
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, W = {W}; ms per fwd+bwd call")
     ranks = " | ".join(f"rank {r}" for r in range(W))
     print(f"| tokens/rank | backend | single/W | {ranks} | single/W ÷ slowest |")
