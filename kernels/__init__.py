@@ -136,8 +136,9 @@ def attn_bwd(
     tensors; with `accumulate=True` the gradients are added to what `out` holds (in float32 on
     chip), which is how the ring sums its steps' dq and dK/dV without a separate pass. (cuDNN's
     gradients are rounded to q's dtype before they are added, in a separate pass: kernels/cudnn.py.)
-    `acc=(dq_acc, dk_acc, dv_acc)` (float32, or q's dtype: `partial_dtype`; shaped like out): the
-    gradients are added to what these hold (in float32) and the sums written to `out`, in
+    `acc=(dq_acc, dk_acc, dv_acc)` (shaped like out; float32, or in q's dtype if only read, not
+    `out` itself: `partial_dtype`): the gradients are added to what these hold (in float32) and
+    the sums written to `out`, in
     `grad_dtype`: the ring's last step rounds its sums to the input dtype this way, without a
     separate cast.
     `window`, `visibility`: the forward's mask (see `attn_fwd`).

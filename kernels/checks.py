@@ -79,8 +79,9 @@ def check_grad_out(
 ) -> None:
     """Check the backward's optional output buffers `out = (dq, dk, dv)`: q's and k's shapes,
     `grad_dtype`, q's device, contiguous last dim (views of larger tensors are fine); and the
-    sums `acc = (dq_acc, dk_acc, dv_acc)` to add to (only read): the same, in float32, or in q's dtype
-    where they are one backend's rounded result (cuDNN's, which float32 would hold unchanged)."""
+    sums `acc = (dq_acc, dk_acc, dv_acc)` to add to: the same, in float32 (running sums, which may
+    be `out` itself), or in q's dtype where they are one rounded block result (cuDNN's, which float32
+    would hold unchanged) that is only read."""
     if accumulate and acc is not None:
         raise ValueError("give accumulate=True (add to out) or acc= (add to acc, write to out), not both")
     if out is None:
@@ -91,7 +92,12 @@ def check_grad_out(
         return
     _check_grads("out", out, q, k, (grad_dtype,), f"have the gradient dtype {grad_dtype}")
     if acc is not None:
-        _check_grads("acc", acc, q, k, (torch.float32, q.dtype), f"be float32 (running sums) or q's dtype {q.dtype}")
+        rule = "be float32 (running sums)" + _or_q_dtype(q, "only read")
+        _check_grads("acc", acc, q, k, (torch.float32, q.dtype), rule)
+        for name, a, o in zip(("dq", "dk", "dv"), acc, out):
+            if a.dtype != torch.float32 and aliases(a, o):
+                raise ValueError(f"acc {name} in {a.dtype} is only read: summing into it in place (out {name} "
+                                 "is the same memory) needs float32 sums")
 
 
 def _check_grads(
@@ -113,6 +119,16 @@ def _check_grads(
             raise ValueError(f"{what} {name} must have a contiguous last dim (stride 1), got strides {t.stride()}")
 
 
+def aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors start at the same memory (an in-place write into one changes the other)."""
+    return a.numel() > 0 and a.data_ptr() == b.data_ptr()
+
+
+def _or_q_dtype(q: torch.Tensor, when: str) -> str:
+    """The error text's second choice of dtype, where q's is another than float32."""
+    return "" if q.dtype == torch.float32 else f", or q's dtype {q.dtype} ({when})"
+
+
 def check_acc(
     acc: tuple[torch.Tensor, torch.Tensor],
     q: torch.Tensor,
@@ -121,8 +137,8 @@ def check_acc(
 ) -> None:
     """Check the forward's running accumulator `acc = (o_acc, lse_acc)`: float32 `(B, Nq, H, D)`
     with a contiguous last dim and float32 `(B, H, Nq)`, on q's device (views are fine).
-    `read_only` (the merged o goes to `out=`): o_acc may also be in q's dtype, one backend's
-    rounded result (cuDNN's), which a float32 copy would hold unchanged."""
+    `read_only` (the merged o goes to `out=`, other memory): o_acc may also be in q's dtype, one
+    backend's rounded result (cuDNN's), which a float32 copy would hold unchanged."""
     if not isinstance(acc, (tuple, list)) or len(acc) != 2:
         raise TypeError(f"acc must be a tuple (o_acc, lse_acc) of tensors, got {type(acc).__name__}")
     B, Nq, H, _ = q.shape
@@ -132,7 +148,7 @@ def check_acc(
         if tuple(t.shape) != shape:
             raise ValueError(f"acc {name} must have shape {shape}, got {tuple(t.shape)}")
         if t.dtype != torch.float32 and not (name == "o_acc" and read_only and t.dtype == q.dtype):
-            rule = f", or q's dtype {q.dtype} with out= (then only read)" if name == "o_acc" else ""
+            rule = _or_q_dtype(q, "with out= elsewhere, then only read") if name == "o_acc" else ""
             raise TypeError(f"acc {name} must be float32 (the merge accumulates in float32){rule}, got {t.dtype}")
         if t.device != q.device:
             raise ValueError(f"acc {name} must be on q's device ({q.device}), got {t.device}")
@@ -168,7 +184,8 @@ def resolve_fwd_outputs(
     """Where the forward writes `(o, lse)`, checked: o to `out`, else o_acc, else a new tensor in
     `out_dtype` (default q's); lse to lse_acc, else a new float32 `(B, H, Nq)`."""
     if acc is not None:
-        check_acc(acc, q, None if out is not None else out_dtype, read_only=out is not None)
+        read_only = out is not None and not aliases(out, acc[0])
+        check_acc(acc, q, None if out is not None else out_dtype, read_only)
     if out is not None:
         check_fwd_out(out, q)
         if out_dtype not in (None, out.dtype):

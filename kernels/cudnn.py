@@ -124,8 +124,8 @@ def cudnn_attn_fwd(
             _heads_first(q), _heads_first(k), _heads_first(v), None, True, 0.0, causal, False, scale=scale
         )[:2]
         o, lse = _heads_first(o), lse.view(B, H, Nq)  # lse comes as (B, H, Nq) or (B, H, Nq, 1)
-    if own:
-        return o, lse
+    if own:  # contiguous as the other backends' (cuDNN's o has q's stride order: a no-op for most q)
+        return o.contiguous(), lse
     if acc is None:
         lse_out.copy_(lse)
         return o_out.copy_(o), lse_out

@@ -68,8 +68,8 @@ def ref_attn_fwd(
     Returns `o (B, Nq, H, D)` in `out_dtype` (default q's dtype) and `lse (B, H, Nq)` float32 (natural log).
     Rows with no visible key give `o = 0` and `lse = -inf`. With `acc=(o_acc, lse_acc)` (float32)
     the result is merged into the accumulator in place (`ref_merge`) and `acc` is returned.
-    `out`: where o goes instead (o_acc is then only read; `(out, lse)` is returned), as in
-    `kernels.attn_fwd`.
+    `out`: where o goes instead (o_acc is then only read, and may be in q's dtype; `(out, lse)`
+    is returned), as in `kernels.attn_fwd`.
     `window` / `visibility`: the masks of kernels/masks.py.
     """
     check_qkv(q, k, v, causal and visibility is None)
@@ -93,7 +93,7 @@ def ref_attn_fwd(
 def ref_merge(
     o: torch.Tensor, lse: torch.Tensor, o_blk: torch.Tensor, lse_blk: torch.Tensor, *, out: torch.Tensor | None = None
 ) -> None:
-    """Merge a block result `(o_blk, lse_blk)` into the running float32 `(o, lse)`, in place.
+    """Merge a block result `(o_blk, lse_blk)` into the running float32 `(o, lse)`, in place (or to `out`).
 
     If `(o, lse)` is attention over keys A and `(o_blk, lse_blk)` over keys B (A ∩ B = ∅), the
     result is attention over A ∪ B:
@@ -105,7 +105,7 @@ def ref_merge(
     A side with lse = −inf (no key seen) gets weight exactly 0; a row with −inf on both sides
     keeps lse = −inf and o = 0, never NaN. This is the math the Triton forward fuses (`acc=`).
 
-    o: `(B, N, H, D)` float32 (a view, e.g. some rows of a larger one, is fine); lse: `(B, H, N)`
+    o: `(B, N, H, D)` float32 (a view, e.g. some rows of a larger one, is fine; see `out`); lse: `(B, H, N)`
     float32, natural log; o_blk: like o in any float dtype; lse_blk: `(B, H, N)` float32.
     `out`: where the merged o goes instead (o's shape, any float dtype, e.g. the inputs' to round
     a ring's last step); o is then only read, so it may be in any float dtype too (a block result
@@ -131,7 +131,7 @@ def ref_merge(
     else:
         if out.shape != o.shape:
             raise ValueError(f"out must have o's shape {tuple(o.shape)}, got {tuple(out.shape)}")
-        out.copy_(torch.addcmul(o.float() * torch.sigmoid(-d), o_blk, torch.sigmoid(d)))
+        out.copy_(torch.addcmul(o * torch.sigmoid(-d), o_blk, torch.sigmoid(d)))
     lse.copy_(new)
 
 

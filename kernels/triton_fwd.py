@@ -225,7 +225,8 @@ def triton_attn_fwd(
     Returns `o (B, Nq, H, D)` (new and contiguous in `out_dtype`, default q's; or `out`) and `lse (B, H, Nq)`
     float32, natural log.
     With `acc=(o_acc, lse_acc)` (float32 `(B, Nq, H, D)` and `(B, H, Nq)`, any strides with a
-    contiguous last dim of o_acc) this block's result is merged into them in place and they are returned.
+    contiguous last dim of o_acc) this block's result is merged into them in place and they are returned
+    (o_acc may be in q's dtype where `out=` is given: `kernels.attn_fwd`).
     `out`: where o goes (shaped like q, its own dtype; a view of a larger tensor is fine) instead of
     a new tensor or, with `acc`, o_acc (then only read): the ring's last step rounds its merged o
     to q's dtype this way, without a separate cast.

@@ -77,8 +77,8 @@ def _grid(t: torch.Tensor) -> tuple[int, int]:
 def merge_into(
     o_acc: torch.Tensor, lse_acc: torch.Tensor, o_blk: torch.Tensor, lse_blk: torch.Tensor, out: torch.Tensor
 ) -> None:
-    """`(out, lse_acc)` = the merge of `(o_acc, lse_acc)` (float32) with `(o_blk, lse_blk)`, exactly as
-    `kernels.ref_merge` (out may be o_acc itself). Shapes are the caller's to check."""
+    """`(out, lse_acc)` = the merge of `(o_acc, lse_acc)` with `(o_blk, lse_blk)`, in float32, exactly as
+    `kernels.ref_merge` (out may be o_acc itself). Shapes and dtypes are the caller's to check."""
     B, N, H, D = o_acc.shape
     if N == 0 or B * H == 0:
         return

@@ -56,7 +56,7 @@ class PeerTransport:
     """The copy-engine ring over `group` (NCCL, one host), made once per group (`for_group`)."""
 
     # The receive buffers of a ring call, in their order in the heap: K/V (two when W > 2), the
-    # float32 dK/dV accumulators, and the last dK/dV hop.
+    # dK/dV accumulators (float32; at W = 2 cuDNN's bf16 ones use half), and the last dK/dV hop.
     _LAYOUT = ("kv0", "kv1", "dkv", "home")
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device):

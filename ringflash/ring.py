@@ -11,15 +11,16 @@ transfers in the same order.
 
 Forward: partial `(o, lse)` are merged in float32 (merge.py's math, fused into the forward
 kernel through `attn_fwd(acc=...)`); the last step's kernel writes its rows of o rounded to q's
-dtype (`out=`), the other rows are cast. (A partial result that only the last step reads, at
-W = 2, stays in the dtype its backend made it in, `kernels.partial_dtype`: float32 for the Triton
-kernels, the input dtype for cuDNN's, which round; a float32 copy would hold the same values.)
+dtype (`out=`), the other rows are cast.
 Backward: the kernels recompute `P = exp(S·scale − lse)` and `delta = rowsum(do·o)` from the
 *global* `o` and `lse`, so each block's gradients are exact pieces of the full gradient. dQ
 accumulates locally in float32; the float32 dK/dV of each block travel around the ring behind
 it, each rank adding its share, and arrive back on the block's home rank after W hops (the
 last hop, already finished, in the input dtype). As in the forward, the last step's kernels
 write their sums rounded (`attn_bwd(acc=...)`) instead of a cast pass after them.
+At W = 2 the last step only reads step 0's results, so these stay in the dtype the backend made
+them in (`kernels.partial_dtype`): float32 for the Triton kernels, the input dtype for cuDNN's,
+which round (a float32 copy would hold the same values at twice the bytes).
 
 Communication overlaps compute: the transfer for step s+1 is posted before step s computes
 (two K/V buffers in turn); on NCCL only if its streams have high priority (comm.py's
@@ -99,23 +100,23 @@ def ring_forward(q, kv, *, causal: bool, scale: float, layout: str, comm, backen
     o = lse = None
     # o rounded to q's dtype (contiguous, whatever q's strides): the last step's kernel writes its rows.
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    first = _partials_dtype(backend, q, last)
+    partials = _step0_dtype(backend, q, comm.world)
     for s, entry in enumerate(plan):
         cur = buf(s)
         # Post the next block's transfer first so that it travels while this one is computed.
         transfer = comm.send_recv(cur, buf(s + 1), _KV_TAG) if s < last else None
         if entry is not None:
             step, vis = entry
-            # Step 0 (the diagonal, every query row) starts the accumulators (float32 but at
-            # W = 2); later steps merge into their rows inside the kernel (`acc=`): one launch, no
-            # extra pass over o. Partial results stay unrounded (but for cuDNN's,
-            # kernels/cudnn.py); the last merge writes its rows rounded (`out=`).
+            # Step 0 (the diagonal, every query row) starts the accumulators (float32, or at W = 2
+            # the backend's partial dtype); later steps merge into their rows inside the kernel
+            # (`acc=`): one launch, no extra pass over o. Partial results stay unrounded (but for
+            # cuDNN's, kernels/cudnn.py); the last merge writes its rows rounded (`out=`).
             o_lse = attn_fwd(
                 q[:, step.q],
                 cur[0][:, step.kv],
                 cur[1][:, step.kv],
                 softmax_scale=scale,
-                out_dtype=first if s == 0 else None,
+                out_dtype=partials if s == 0 else None,
                 acc=None if s == 0 else (o[:, step.q], lse[:, :, step.q]),
                 out=out[:, step.q] if s == last else None,
                 backend=backend,
@@ -151,12 +152,12 @@ def ring_backward(
     comm.reserve(kv)
     buf = _ring_buffers(kv, comm)
     # dK/dV travel in float32: rounding each hop to bf16 would lose what the sum needs (at W = 2
-    # the one hop before the last carries one step's result: `_partials_dtype`).
-    sums_dtype = _partials_dtype(backend, q, last)
-    dkv = comm.buffer("dkv", (2, *kv.shape), sums_dtype, kv.device)
-    dq = torch.empty(q.shape, dtype=sums_dtype, device=q.device)
+    # the one hop before the last carries step 0's result as it came: `_step0_dtype`).
+    partials = _step0_dtype(backend, q, world)
+    dkv = comm.buffer("dkv", (2, *kv.shape), partials, kv.device)
+    dq = torch.empty(q.shape, dtype=partials, device=q.device)
     # The results in the input dtype, made at the last step (not to raise the peak), whose kernels
-    # read the float32 sums and write them rounded (`attn_bwd(acc=...)`): no separate cast pass.
+    # read the sums and write them rounded (`attn_bwd(acc=...)`): no separate cast pass.
     # The last hop carries finished dK/dV: rounded before sending, bit-identical to rounding at
     # home and half the bytes for bf16/fp16.
     dq_out = dkv_out = None
@@ -202,7 +203,7 @@ def ring_backward(
             # in place, except the last, which writes the totals rounded.
             sums = (dq[:, qs], acc[0][:, ks], acc[1][:, ks])
             if s < last:
-                out, grad_dtype = sums, sums_dtype
+                out, grad_dtype = sums, partials
             else:
                 out, grad_dtype = (dq_out[:, qs], dkv_out[0][:, ks], dkv_out[1][:, ks]), q.dtype
             attn_bwd(
@@ -227,11 +228,10 @@ def ring_backward(
     return dq_out, comm.keep(home)
 
 
-def _partials_dtype(backend: str | None, q: torch.Tensor, last: int) -> torch.dtype:
-    """The dtype of the ring's partial o / gradient sums: float32, in which later steps add to
-    them; at W = 2 (`last` = 1) the last step only reads step 0's, which then stay in the dtype
-    the backend made them in (`kernels.partial_dtype`; bit-identical results either way)."""
-    return partial_dtype(backend, q) if last == 1 else torch.float32
+def _step0_dtype(backend: str | None, q: torch.Tensor, world: int) -> torch.dtype:
+    """The dtype step 0 writes its o / gradients in: float32, to which later steps add; at W = 2 the
+    last step only reads them, so they stay as the backend made them (`kernels.partial_dtype`)."""
+    return partial_dtype(backend, q) if world == 2 else torch.float32
 
 
 def _last_q_rows(plan) -> slice | None:
@@ -240,8 +240,8 @@ def _last_q_rows(plan) -> slice | None:
 
 
 def _round_rest(out: torch.Tensor, sums: torch.Tensor, rows: slice | None) -> None:
-    """`out (B, N, H, D)` = `sums` (float32) rounded, outside `rows` (the last step's kernels wrote
-    those already; None: all of it)."""
+    """`out (B, N, H, D)` = `sums` (float32, or already in out's dtype) rounded, outside `rows` (the
+    last step's kernels wrote those already; None: all of it)."""
     if rows is not None and rows.step not in (None, 1):
         raise ValueError(f"a ring step's rows are a contiguous slice, got {rows}")
     start, stop = (0, 0) if rows is None else rows.indices(out.shape[1])[:2]

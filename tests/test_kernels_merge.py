@@ -172,8 +172,11 @@ def test_accumulator_in_the_inputs_dtype_is_only_read(backend, device):
     got, lse_got, o_acc = torch.empty_like(q), l0.clone(), o0.clone()
     attn_fwd(q, k[:, N:], v[:, N:], acc=(o_acc, lse_got), out=got, backend=backend)
     assert torch.equal(got, want) and torch.equal(lse_got, lse_want) and torch.equal(o_acc, o0)
-    with pytest.raises(TypeError, match=r"acc o_acc must be float32 .*, or q's dtype .* with out="):
+    rule = r"acc o_acc must be float32 .*, or q's dtype torch\.\w+ \(with out= elsewhere"
+    with pytest.raises(TypeError, match=rule):
         attn_fwd(q, k[:, N:], v[:, N:], acc=(o0.clone(), l0.clone()), backend=backend)  # in place: refused
+    with pytest.raises(TypeError, match=rule):
+        attn_fwd(q, k[:, N:], v[:, N:], acc=(o_acc, l0.clone()), out=o_acc, backend=backend)  # the same
     other = torch.float16 if dtype == torch.bfloat16 else torch.bfloat16
     with pytest.raises(TypeError, match="acc o_acc must be float32"):
         attn_fwd(q, k[:, N:], v[:, N:], acc=(o0.to(other), l0.clone()), out=got, backend=backend)

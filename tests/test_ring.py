@@ -163,8 +163,32 @@ def test_ring_with_rounded_partials_at_two_ranks(monkeypatch):
     import ringflash.ring
 
     monkeypatch.setattr(ringflash.ring, "partial_dtype", lambda backend, q: q.dtype)
-    for layout, causal in (("zigzag", True), ("contiguous", False)):
-        run_ranks(ring_exactness_worker, 2, (make_case(2, layout, causal, dtype=torch.bfloat16, n_local=16),))
+    for world, layout, causal in ((2, "zigzag", True), (2, "contiguous", False), (3, "zigzag", True)):
+        run_ranks(ring_exactness_worker, world, (make_case(world, layout, causal, dtype=torch.bfloat16, n_local=16),))
+    # Which dtype step 0 wrote and the last step read: the backend's at W = 2, float32 beyond.
+    seen = []
+    fwd, bwd = ringflash.ring.attn_fwd, ringflash.ring.attn_bwd
+
+    def spy_fwd(*args, **kw):
+        o, lse = fwd(*args, **kw)
+        seen.append(("fwd", o.dtype if kw["acc"] is None else kw["acc"][0].dtype))
+        return o, lse
+
+    def spy_bwd(*args, **kw):
+        seen.append(("bwd", kw["grad_dtype"] if kw["acc"] is None else kw["acc"][0].dtype))
+        return bwd(*args, **kw)
+
+    monkeypatch.setattr(ringflash.ring, "attn_fwd", spy_fwd)
+    monkeypatch.setattr(ringflash.ring, "attn_bwd", spy_bwd)
+    for world, want in ((2, torch.bfloat16), (3, torch.float32)):
+        c = make_case(1, n_local=16, dtype=torch.bfloat16)
+        q, k, v, do = global_inputs(c)
+        kw = dict(causal=True, scale=0.25, layout="zigzag", comm=ringflash.NullComm(world - 1, world))
+        kv = ringflash.ring.pack_kv(k, v)
+        o, lse = ringflash.ring.ring_forward(q, kv, **kw)
+        ringflash.ring.ring_backward(do, q, kv, o, lse, **kw)
+        assert {dt for _, dt in seen} == {want} and len(seen) == 2 * world, (world, seen)
+        seen.clear()
 
 
 def test_world_one_without_distributed_is_one_kernel_call():
