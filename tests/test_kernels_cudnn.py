@@ -180,6 +180,17 @@ def test_partials_in_the_inputs_dtype_change_nothing():
         assert torch.equal(a, b)
 
 
+@gpu
+def test_o_is_contiguous_whatever_q_strides():
+    # cuDNN writes o in q's stride order; the contract (and the ring, and torch.compile's fake
+    # implementations) promise a contiguous o, as the Triton kernels return.
+    q, k, v, _ = _inputs(1, 128, 128, 4, 4, 64, torch.bfloat16, seed=11)
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)  # (B, H, N, D) memory, seen as (B, N, H, D)
+    o, lse = attn_fwd(q, k, v, causal=True, backend="cudnn")
+    assert not q.is_contiguous() and o.is_contiguous() and lse.is_contiguous()
+    torch.testing.assert_close(o, attn_fwd(q.contiguous(), k, v, causal=True, backend="cudnn")[0], atol=0, rtol=0)
+
+
 def test_refuses_masks_and_float32_naming_them():
     q, k, v, do = _inputs(1, 16, 16, 2, 2, 32, torch.bfloat16, device="cpu")
     with pytest.raises(ValueError, match="windows and document masks"):
