@@ -9,8 +9,10 @@ For each tokens-per-rank N: every rank r of W runs `ring_forward` + `ring_backwa
 compute-only, as whole calls here, casts and merges included), and one GPU runs the causal
 forward + backward of the whole W·N sequence, divided by W (single/W, the efficiency's
 numerator), each with `kernels.attn_fwd/attn_bwd`'s `backend=` (zigzag, causal, bf16, B = 1,
-H = 16, D = 128). Calls are queued back to back between CUDA events (median of 5 runs); the
-backends alternate for three rounds, because the GPU's clock drifts under sustained load. The
+H = 16, D = 128). Calls are queued back to back between CUDA events (median of 5 runs), behind
+~100 ms of GPU sleep so that no launch comes late; the last column is the host's time to queue
+one ring call (rank 0): where it nears the GPU's, the ring waits for its host. The backends
+alternate for three rounds, because the GPU's clock drifts under sustained load. The
 2×H200 numbers that count come from `launch/bench_ring.py`; this is what one GPU can say about
 them (docs/PERF_NOTES.md, "Fourteenth session"). `--profile` lists instead, per case, each kernel's
 GPU time per call (torch.profiler over 10 calls): where a ring call's time goes beyond single/W
@@ -22,6 +24,7 @@ import collections
 import os
 import statistics
 import sys
+import time
 
 import torch
 
@@ -33,21 +36,26 @@ from ringflash.ring import pack_kv, ring_backward, ring_forward
 H, D = 16, 128
 
 
-def timed(call, calls: int, repeats: int = 5) -> float:
-    """Median ms per call over `repeats` runs of `calls` queued calls."""
+def timed(call, calls: int, repeats: int = 5) -> tuple[float, float]:
+    """Median (GPU ms, host ms) per call over `repeats` runs of `calls` queued calls. The host's
+    is the time to queue them (the GPU kept busy ahead of it, ~100 ms): above the GPU's, the
+    ring would wait for its launches."""
     for _ in range(2):
         call()
     torch.cuda.synchronize()
-    runs = []
+    runs, host = [], []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(int(2e8))  # ~100 ms; private, as in host_overhead.py: the host queues ahead
+        t0 = time.perf_counter()
         start.record()
         for _ in range(calls):
             call()
         end.record()
+        host.append((time.perf_counter() - t0) * 1000 / calls)
         end.synchronize()
         runs.append(start.elapsed_time(end) / calls)
-    return statistics.median(runs)
+    return statistics.median(runs), statistics.median(host)
 
 
 def _inputs(n: int):
@@ -114,23 +122,28 @@ def main() -> None:
         return
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, W = {W}; ms per fwd+bwd call")
     ranks = " | ".join(f"rank {r}" for r in range(W))
-    print(f"| tokens/rank | backend | single/W | {ranks} | single/W ÷ slowest |")
-    print("|---" * (W + 4) + "|")
+    print(f"| tokens/rank | backend | single/W | {ranks} | single/W ÷ slowest | host, rank 0 |")
+    print("|---" * (W + 5) + "|")
     for n in args.tokens_per_rank:
         calls = max(4, 160_000 // n)
         times: dict[tuple[str, str], list[float]] = {}
+        host: dict[str, list[float]] = {}
         for _ in range(args.rounds):
             for backend in backends:
-                times.setdefault((backend, "single"), []).append(timed(single_call(W * n, backend), calls) / W)
+                times.setdefault((backend, "single"), []).append(timed(single_call(W * n, backend), calls)[0] / W)
                 for r in range(W):
-                    times.setdefault((backend, f"r{r}"), []).append(timed(ring_call(n, r, W, backend), calls))
+                    gpu, cpu = timed(ring_call(n, r, W, backend), calls)
+                    times.setdefault((backend, f"r{r}"), []).append(gpu)
+                    if r == 0:
+                        host.setdefault(backend, []).append(cpu)
                 torch.cuda.empty_cache()
         for backend in backends:
             med = {key: statistics.median(t) for (b, key), t in times.items() if b == backend}
             spread = {key: f"{min(t):.3f}–{max(t):.3f}" for (b, key), t in times.items() if b == backend}
             slowest = max(med[f"r{r}"] for r in range(W))
             cells = [spread["single"]] + [spread[f"r{r}"] for r in range(W)]
-            print(f"| {n} | {backend} | " + " | ".join(cells) + f" | {med['single'] / slowest:.3f} |", flush=True)
+            print(f"| {n} | {backend} | " + " | ".join(cells) + f" | {med['single'] / slowest:.3f} | "
+                  f"{statistics.median(host[backend]):.3f} |", flush=True)
 
 
 if __name__ == "__main__":
