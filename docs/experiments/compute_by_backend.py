@@ -9,10 +9,12 @@ For each tokens-per-rank N: every rank r of W runs `ring_forward` + `ring_backwa
 compute-only, as whole calls here, casts and merges included), and one GPU runs the causal
 forward + backward of the whole W·N sequence, divided by W (single/W, the efficiency's
 numerator), each with `kernels.attn_fwd/attn_bwd`'s `backend=` (zigzag, causal, bf16, B = 1,
-H = 16, D = 128). Calls are queued back to back between CUDA events (median of 5 runs), behind
-~100 ms of GPU sleep so that no launch comes late; the last column is the host's time to queue
-one ring call (rank 0): where it nears the GPU's, the ring waits for its host. The backends
-alternate for three rounds, because the GPU's clock drifts under sustained load. The
+H = 16, D = 128). Calls are queued back to back between CUDA events (median of 5 runs); the last
+column is the host's time to queue one ring call (rank 0; no transfers, no cross-rank check):
+where it nears the GPU's, the ring waits for its host. The backends alternate for three rounds,
+because the GPU's clock drifts under sustained load. (Queued behind ~100 ms of
+`torch.cuda._sleep`, every time here drops by 4–8%, single/W as much as the ring: "Fifteenth
+session"; the prefilled times of host_overhead.py are optimistic in the same way.) The
 2×H200 numbers that count come from `launch/bench_ring.py`; this is what one GPU can say about
 them (docs/PERF_NOTES.md, "Fourteenth session"). `--profile` lists instead, per case, each kernel's
 GPU time per call (torch.profiler over 10 calls): where a ring call's time goes beyond single/W
@@ -38,15 +40,14 @@ H, D = 16, 128
 
 def timed(call, calls: int, repeats: int = 5) -> tuple[float, float]:
     """Median (GPU ms, host ms) per call over `repeats` runs of `calls` queued calls. The host's
-    is the time to queue them (the GPU kept busy ahead of it, ~100 ms): above the GPU's, the
-    ring would wait for its launches."""
+    is its time to queue them (nothing here waits for the GPU): near the GPU's, the ring would
+    wait for its launches."""
     for _ in range(2):
         call()
     torch.cuda.synchronize()
     runs, host = [], []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(int(2e8))  # ~100 ms; private, as in host_overhead.py: the host queues ahead
         t0 = time.perf_counter()
         start.record()
         for _ in range(calls):
