@@ -468,9 +468,10 @@ def test_ring_gpu_shared_by_gloo_ranks(case):
 
 
 @pytest.mark.multigpu
-def test_ring_nccl_two_gpus():
-    # Two NCCL ranks, bf16, 64k tokens per rank, Triton kernels: launch/check_ring_nccl.py.
-    proc = torchrun(REPO / "launch" / "check_ring_nccl.py", timeout=900)
+@pytest.mark.parametrize("backend", ["triton", "cudnn"])
+def test_ring_nccl_two_gpus(backend):
+    # Two NCCL ranks, bf16, 64k tokens per rank, both transports: launch/check_ring_nccl.py.
+    proc = torchrun(REPO / "launch" / "check_ring_nccl.py", "--backend", backend, timeout=900)
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
 
 
