@@ -138,9 +138,8 @@ def attn_bwd(
     gradients are rounded to q's dtype before they are added, in a separate pass: kernels/cudnn.py.)
     `acc=(dq_acc, dk_acc, dv_acc)` (shaped like out; float32, or in q's dtype if only read, not
     `out` itself: `partial_dtype`): the gradients are added to what these hold (in float32) and
-    the sums written to `out`, in
-    `grad_dtype`: the ring's last step rounds its sums to the input dtype this way, without a
-    separate cast.
+    the sums written to `out`, in `grad_dtype`: the ring's last step rounds its sums to the input
+    dtype this way, without a separate cast.
     `window`, `visibility`: the forward's mask (see `attn_fwd`).
     `after_dkdv()`: called once dk and dv are final, written or added (on CUDA: once their
     kernel is queued on the current stream), and before dq is; the ring sends the finished dK/dV
