@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.checks import check_bwd, check_qkv, resolve_fwd_outputs, resolve_scale
+from kernels.checks import aliases, check_bwd, check_qkv, resolve_fwd_outputs, resolve_scale
 from kernels.masks import Visibility, resolve_visibility
 
 
@@ -111,11 +111,13 @@ def ref_merge(
     a ring's last step); o is then only read, so it may be in any float dtype too (a block result
     its backend rounded). lse is updated either way.
     """
-    read_only = out is not None and out is not o
-    if (o.dtype != torch.float32 and not read_only) or lse.dtype != torch.float32 or lse_blk.dtype != torch.float32:
+    in_place = out is None or aliases(out, o)  # the kernels' rule (kernels/checks.py), not object identity
+    if (o.dtype != torch.float32 and in_place) or lse.dtype != torch.float32 or lse_blk.dtype != torch.float32:
         raise TypeError(f"merge accumulates in float32: got o {o.dtype}, lse {lse.dtype}, lse_blk {lse_blk.dtype}")
     if o.shape != o_blk.shape:
         raise ValueError(f"o_blk must have o's shape {tuple(o.shape)}, got {tuple(o_blk.shape)}")
+    if out is not None and out.shape != o.shape:
+        raise ValueError(f"out must have o's shape {tuple(o.shape)}, got {tuple(out.shape)}")
     B, N, H, _ = o.shape
     if lse.shape != (B, H, N) or lse_blk.shape != (B, H, N):
         raise ValueError(
@@ -126,11 +128,9 @@ def ref_merge(
     d = lse_blk - lse
     # Both sides empty: d is NaN; any finite weight works because o and o_blk are 0 there.
     d = torch.where(torch.isnan(d), 0.0, d).transpose(1, 2).unsqueeze(-1)  # (B, N, H, 1)
-    if out is None or out is o:
+    if in_place:
         o.mul_(torch.sigmoid(-d)).addcmul_(o_blk, torch.sigmoid(d))
     else:
-        if out.shape != o.shape:
-            raise ValueError(f"out must have o's shape {tuple(o.shape)}, got {tuple(out.shape)}")
         out.copy_(torch.addcmul(o * torch.sigmoid(-d), o_blk, torch.sigmoid(d)))
     lse.copy_(new)
 
