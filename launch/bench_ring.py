@@ -58,7 +58,7 @@ import kernels
 from kernels import attn_bwd, attn_fwd
 from ringflash import NullComm, nccl_options, ring_flash_attn_func, ring_mask
 from ringflash.comm import TRANSPORTS, ring_comm
-from ringflash.ring import pack_kv, ring_backward, ring_forward
+from ringflash.ring import ring_backward, ring_forward
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _MESH = None
@@ -157,8 +157,7 @@ def bench_ring(args, n_local, layout, dev, dtype, mask=None, transport="nccl", c
     step_opts = dict(causal=True, scale=D**-0.5, layout=layout, comm=null, plan=plan, backend=backend)
 
     def compute_only():
-        kv = pack_kv(k.detach(), v.detach())  # as the autograd function does
-        o, lse = ring_forward(q.detach(), kv, **step_opts)
+        o, lse, kv = ring_forward(q.detach(), k.detach(), v.detach(), **step_opts)
         ring_backward(do, q.detach(), kv, o, lse, **step_opts)
 
     if args.profile:

@@ -31,7 +31,7 @@ from benchlib import markdown_table, parse_tokens, record
 
 from kernels import attn_bwd, attn_fwd
 from ringflash import NullComm
-from ringflash.ring import pack_kv, ring_backward, ring_forward
+from ringflash.ring import ring_backward, ring_forward
 
 KERNELS = {"_attn_fwd_kernel": "fwd", "_bwd_dkdv": "dK/dV", "_bwd_dq": "dQ"}
 DEVICE = "cuda"
@@ -51,11 +51,10 @@ def _single(n_global: int, heads: int, head_dim: int):
 def _rank_steps(rank: int, world: int, n: int, heads: int, head_dim: int):
     """Rank `rank`'s ring forward and backward, without communication (bench_ring's compute-only)."""
     q, k, v, do = (torch.randn(1, n, heads, head_dim, device=DEVICE, dtype=torch.bfloat16) for _ in range(4))
-    kv = pack_kv(k, v)
     opts = dict(causal=True, scale=head_dim**-0.5, layout="zigzag", comm=NullComm(rank, world))
 
     def run():
-        o, lse = ring_forward(q, kv, **opts)
+        o, lse, kv = ring_forward(q, k, v, **opts)
         ring_backward(do, q, kv, o, lse, **opts)
 
     return run

@@ -45,7 +45,7 @@ from kernels.checks import SUPPORTED_DTYPES
 from ringflash.comm import TRANSPORTS, RingComm, ring_comm
 from ringflash.layout import LAYOUTS
 from ringflash.masks import decode
-from ringflash.ring import pack_kv, ring_backward, ring_forward
+from ringflash.ring import ring_backward, ring_forward
 
 __all__ = ["announce_rejection", "group_name", "ring_attn", "ring_attn_bwd", "ring_attn_eager"]
 
@@ -171,12 +171,11 @@ def _ring_attn(
         sig = _signature(True, q, k, causal, softmax_scale, layout, window, mask_key, comm.transport)
         _check_across_ranks(comm, sig)
     plan = _decode(mask_plan, mask_vis)
-    kv = pack_kv(k, v) if comm.world > 1 else (k, v)
     # Autocast off: the merge and accumulators are float32 by design, and the reference kernel's
     # float32 einsums must not be recast to half precision.
     with torch.autocast(q.device.type, enabled=False):
-        o, lse = ring_forward(
-            q, kv, causal=causal, scale=softmax_scale, layout=layout, comm=comm, backend=backend, plan=plan
+        o, lse, kv = ring_forward(
+            q, k, v, causal=causal, scale=softmax_scale, layout=layout, comm=comm, backend=backend, plan=plan
         )
     return o.contiguous(), lse.contiguous(), kv if comm.world > 1 else q.new_empty(0)
 

@@ -28,8 +28,8 @@ Communication overlaps compute: the transfer for step s+1 is posted before step 
 s ≥ 1 adds into the accumulator that arrived from the previous rank (no scratch, no separate
 `+=`), which is sent on as soon as that kernel is queued, before step s's dQ kernel
 (`attn_bwd(after_dkdv=...)`): each hop travels during a dQ kernel, even the last one, with no
-step after it. K and V travel packed in one contiguous `(2, B, N, Hkv, D)` buffer (`pack_kv`):
-one message per step, not two.
+step after it. K and V travel packed in one contiguous `(2, B, N, Hkv, D)` block (`_pack`): one
+message per step, not two.
 """
 
 from __future__ import annotations
@@ -41,16 +41,18 @@ import torch
 from kernels import attn_bwd, attn_fwd, partial_dtype
 from ringflash.layout import Step, ring_schedule
 
-__all__ = ["pack_kv", "ring_backward", "ring_forward"]
+__all__ = ["ring_backward", "ring_forward"]
 
 _KV_TAG, _DKV_TAG = 0, 1  # K/V and dK/dV are in flight together in the backward
 
 
-def pack_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """This rank's K and V as one `(2, B, N, Hkv, D)` buffer: one message per ring step.
+def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """This rank's K and V as one `(2, B, N, Hkv, D)` block: one message per ring step, not two.
 
-    The ring op (ringflash/ops.py) saves it for the backward instead of k and v (same bytes), so
-    the backward's ring starts from it without packing again.
+    `ring_forward` returns it for the backward, which the ring op (ringflash/ops.py) saves instead
+    of k and v (same bytes): the backward's ring starts from it without packing again. (Packing
+    on a side stream, beside step 0's kernel, saved nothing: docs/PERF_NOTES.md, "Sixteenth
+    session".)
     """
     return torch.stack((k, v))
 
@@ -82,18 +84,21 @@ def _mask(step: Step, vis) -> dict:
     return dict(causal=False, visibility=vis) if vis is not None else dict(causal=step.causal)
 
 
-def ring_forward(q, kv, *, causal: bool, scale: float, layout: str, comm, backend: str | None = None, plan=None):
+def ring_forward(q, k, v, *, causal: bool, scale: float, layout: str, comm, backend: str | None = None, plan=None):
     """Ring attention forward, no autograd.
 
-    q `(B, N, H, D)`, kv `(2, B, N, Hkv, D)` (`pack_kv`): this rank's shard (N local tokens).
-    Returns `o (B, N, H, D)` in q's dtype and `lse (B, H, N)` float32, natural log, both over the
-    whole sequence. `comm` is a `RingComm` (or `NullComm`); `backend` goes to `kernels.attn_fwd`.
+    q `(B, N, H, D)`, k and v `(B, N, Hkv, D)`: this rank's shard (N local tokens). Returns
+    `(o, lse, kv)`: `o (B, N, H, D)` in q's dtype and `lse (B, H, N)` float32, natural log, both
+    over the whole sequence, and what `ring_backward` takes for k and v: the `(2, B, N, Hkv, D)`
+    block the ring sent (k and v packed, one message a step), or `(k, v)` on one rank.
+    `comm` is a `RingComm` (or `NullComm`); `backend` goes to `kernels.attn_fwd`.
     `plan`: per step `(Step, Visibility or None)` or None (skipped), e.g. `RingMask.schedule()`;
     None: `ring_schedule(causal)`. Step 0 must cover every row (it starts the accumulators).
     """
     plan = _plan(plan, comm, q.shape[1], causal, layout)
     if comm.world == 1:
-        return attn_fwd(q, kv[0], kv[1], softmax_scale=scale, backend=backend, **_mask(*plan[0]))
+        return *attn_fwd(q, k, v, softmax_scale=scale, backend=backend, **_mask(*plan[0])), (k, v)
+    kv = _pack(k, v)
     comm.reserve(kv)
     buf = _ring_buffers(kv, comm)
     last = comm.world - 1
@@ -127,7 +132,7 @@ def ring_forward(q, kv, *, causal: bool, scale: float, layout: str, comm, backen
         if transfer is not None:
             transfer.wait()
     _round_rest(out, o, _last_q_rows(plan))
-    return out, lse
+    return out, lse, kv
 
 
 def ring_backward(
@@ -135,8 +140,8 @@ def ring_backward(
 ):
     """Ring attention backward, no autograd.
 
-    do, q, o `(B, N, H, D)`; kv `(2, B, N, Hkv, D)` as given to `ring_forward`; lse `(B, H, N)`
-    float32 — the global `o` and `lse` that `ring_forward` returned. Returns `dq` like q and
+    do, q, o `(B, N, H, D)`; lse `(B, H, N)` float32; kv: what `ring_forward` returned with the
+    global `o` and `lse` (the block it sent, or `(k, v)` on one rank). Returns `dq` like q and
     `dkv (2, B, N, Hkv, D)`, dK and dV packed like kv, in the input dtype, accumulated in float32
     across the ring. (Packed because they come home as one message; callers split them.)
     `plan`: as in `ring_forward` (the same one).

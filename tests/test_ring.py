@@ -184,8 +184,7 @@ def test_ring_with_rounded_partials_at_two_ranks(monkeypatch):
         c = make_case(1, n_local=16, dtype=torch.bfloat16)
         q, k, v, do = global_inputs(c)
         kw = dict(causal=True, scale=0.25, layout="zigzag", comm=ringflash.NullComm(world - 1, world))
-        kv = ringflash.ring.pack_kv(k, v)
-        o, lse = ringflash.ring.ring_forward(q, kv, **kw)
+        o, lse, kv = ringflash.ring.ring_forward(q, k, v, **kw)
         ringflash.ring.ring_backward(do, q, kv, o, lse, **kw)
         assert {dt for _, dt in seen} == {want} and len(seen) == 2 * world, (world, seen)
         seen.clear()
@@ -399,26 +398,36 @@ def test_harness_reports_rank_tracebacks():
 
 def test_null_comm_runs_the_same_schedule():
     # NullComm (the benchmark's compute-only ring) runs every step's kernels without sending.
-    from ringflash.ring import pack_kv, ring_forward
+    from ringflash.ring import ring_forward
 
     c = make_case(1, n_local=16)
     q, k, v, _ = global_inputs(c)
-    o, lse = ring_forward(q, pack_kv(k, v), causal=True, scale=0.25, layout="zigzag", comm=ringflash.NullComm(1, 4))
+    o, lse, _ = ring_forward(q, k, v, causal=True, scale=0.25, layout="zigzag", comm=ringflash.NullComm(1, 4))
     assert o.shape == q.shape and lse.shape == (2, 4, 16) and torch.isfinite(o).all()
+
+
+def test_forward_returns_the_block_it_sent():
+    # What the backward takes for k and v: k and v packed, as the ring sent them (one rank: k, v).
+    from ringflash.ring import ring_forward
+
+    q, k, v, _ = global_inputs(make_case(1, n_local=16))
+    kw = dict(causal=True, scale=0.25, layout="zigzag")
+    assert torch.equal(ring_forward(q, k, v, comm=ringflash.NullComm(0, 2), **kw)[2], torch.stack((k, v)))
+    alone = ring_forward(q, k, v, comm=ringflash.NullComm(0, 1), **kw)[2]
+    assert alone[0] is k and alone[1] is v
 
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_results_are_contiguous_whatever_q_strides(world):
     # o and dq come back contiguous, as the ops' fake implementations promise torch.compile, even
     # when q is a dense non-contiguous view (a (B, H, N, D) tensor transposed).
-    from ringflash.ring import pack_kv, ring_backward, ring_forward
+    from ringflash.ring import ring_backward, ring_forward
 
     c = make_case(1, n_local=16)
     q, k, v, do = global_inputs(c)
     q = q.transpose(1, 2).contiguous().transpose(1, 2)
     kw = dict(causal=True, scale=0.25, layout="zigzag", comm=ringflash.NullComm(0, world))
-    kv = pack_kv(k, v)
-    o, lse = ring_forward(q, kv, **kw)
+    o, lse, kv = ring_forward(q, k, v, **kw)
     dq, dkv = ring_backward(do, q, kv, o, lse, **kw)
     assert not q.is_contiguous() and o.is_contiguous() and dq.is_contiguous() and dkv.is_contiguous()
 
@@ -525,15 +534,14 @@ def test_ring_plan_must_have_every_step_and_compute_step_0():
     # A plan (e.g. a RingMask's) of the wrong length, or one skipping step 0 (which starts the
     # accumulators), is refused by name instead of failing inside the loop.
     from ringflash.layout import ring_schedule
-    from ringflash.ring import pack_kv, ring_backward, ring_forward
+    from ringflash.ring import ring_backward, ring_forward
 
     q, k, v, do = global_inputs(make_case(1, n_local=8))
-    kv = pack_kv(k, v)
     kw = dict(causal=False, scale=0.25, layout="contiguous", comm=ringflash.NullComm(0, 2))
     steps = [(st, None) for st in ring_schedule(0, 2, 8, False, "contiguous")]
-    o, lse = ring_forward(q, kv, plan=steps, **kw)
+    o, lse, kv = ring_forward(q, k, v, plan=steps, **kw)
     for plan in ([None, steps[1]], steps[:1], steps * 2):
         with pytest.raises(ValueError, match="a ring plan needs 2 steps, step 0 computed"):
-            ring_forward(q, kv, plan=plan, **kw)
+            ring_forward(q, k, v, plan=plan, **kw)
         with pytest.raises(ValueError, match="a ring plan needs 2 steps, step 0 computed"):
             ring_backward(do, q, kv, o, lse, plan=plan, **kw)
