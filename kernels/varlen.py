@@ -2,7 +2,8 @@
 
 Documents of any lengths are packed back to back into `(total, H, D)` tensors; `cu_seqlens`
 `(n_docs + 1,)` holds their boundaries (0, end of document 0, ..., total). Each token attends
-only within its own document: causally by default, optionally within a causal sliding window.
+only within its own document: wholly, or causally (`causal=True`, as a language model wants;
+False by default, as in flash_attn), optionally within a causal sliding window.
 This is `kernels.attn_fwd/attn_bwd` on a batch of one with a `Visibility` built from the
 boundaries (kernels/masks.py), so key blocks of other documents are skipped, not masked.
 
@@ -41,7 +42,7 @@ def attn_varlen_fwd(
     cu_seqlens: torch.Tensor,
     max_seqlen: int | None = None,
     *,
-    causal: bool = True,
+    causal: bool = False,
     window: int | None = None,
     softmax_scale: float | None = None,
     out_dtype: torch.dtype | None = None,
@@ -52,7 +53,8 @@ def attn_varlen_fwd(
 
     q `(total, H, D)`, k, v `(total, Hkv, D)` (H % Hkv == 0), fp16/bf16/fp32, any strides with a
     contiguous last dim; cu_seqlens `(n_docs + 1,)` int32/int64 on q's device.
-    causal: within a document, token i sees j <= i (False: the whole document).
+    causal: within a document, token i sees j <= i (False, the default as in flash_attn: the whole
+    document).
     window: causal sliding window, w keys counting the diagonal (flash_attn's `window_size=(w − 1, 0)`).
     visibility: the `kernels.varlen_visibility(cu_seqlens, total, causal=, window=)` of an earlier
     call, to skip rebuilding it (the backward needs the same one).
@@ -76,14 +78,15 @@ def attn_varlen_bwd(
     cu_seqlens: torch.Tensor,
     max_seqlen: int | None = None,
     *,
-    causal: bool = True,
+    causal: bool = False,
     window: int | None = None,
     softmax_scale: float | None = None,
     grad_dtype: torch.dtype | None = None,
     visibility: Visibility | None = None,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of `attn_varlen_fwd`: do, o like q `(total, H, D)`; lse `(H, total)` float32.
+    """Gradients of `attn_varlen_fwd`: do, o like q `(total, H, D)`; lse `(H, total)` float32;
+    `causal`, `window`, `softmax_scale` as given to the forward.
 
     Returns `dq (total, H, D)`, `dk, dv (total, Hkv, D)` in `grad_dtype` (default q's dtype).
     Tokens whose lse is −inf (no visible key) get zero gradients.

@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import torch
 
 from train.config import Config, ConfigError, ParallelConfig, describe, load_config, parse_overrides
 
@@ -213,10 +214,25 @@ def test_range_ends_and_offs_are_valid():
     assert load_config(None, ["--data.kind=text", "--data.path=x", "--data.passkey_digits=0"]).data.kind == "text"
 
 
-def test_gpu_configs_ask_for_cuda():
-    # "auto" would quietly train these ~100M-parameter models on the CPU of a machine without a GPU.
-    gpu = [p for p in CONFIGS if p.name.startswith("gpu")]
-    assert gpu and {p.name: load_config(p).train.device for p in gpu} == {p.name: "cuda" for p in gpu}
+def test_configs_name_their_device():
+    # "auto" would quietly train the ~100M-parameter models on the CPU of a machine without a GPU,
+    # and run the README's 2-process CPU command on a machine's GPUs (two of them, or fail on one).
+    devices = {p.name: load_config(p).train.device for p in CONFIGS}
+    assert devices == {p.name: "cuda" if p.name.startswith("gpu") else "cpu" for p in CONFIGS}
+
+
+def test_more_processes_than_gpus_is_refused_by_name(monkeypatch):
+    # A second process on a one-GPU machine would fail inside torch.cuda.set_device.
+    from train.parallel import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(ConfigError, match=r"train.device: this process \(local rank 1\) .* shows 1: start at most 1"):
+        resolve_device("auto")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert resolve_device("cuda") == torch.device("cuda", 0)
+    assert resolve_device("cpu") == torch.device("cpu")
 
 
 def test_limits_are_inclusive():

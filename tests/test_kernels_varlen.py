@@ -122,6 +122,17 @@ def test_varlen_matches_per_document(case, dtype, backend):
     _assert_close(dict(o=o, lse=lse, dq=dq, dk=dk, dv=dv), truth, dtype)
 
 
+def test_varlen_is_not_causal_by_default():
+    # flash_attn_varlen_func's default, and attn_fwd's: attention over the whole document.
+    q, k, v, do, cu = _packed((20, 7), 2, 1, 32, torch.float32, seed=3)
+    o, lse = attn_varlen_fwd(q, k, v, cu, backend="reference")
+    assert torch.equal(o, attn_varlen_fwd(q, k, v, cu, causal=False, backend="reference")[0])
+    assert not torch.allclose(o, attn_varlen_fwd(q, k, v, cu, causal=True, backend="reference")[0])
+    grads = attn_varlen_bwd(do, q, k, v, o, lse, cu, backend="reference")
+    full = attn_varlen_bwd(do, q, k, v, o, lse, cu, causal=False, backend="reference")
+    assert all(torch.equal(a, b) for a, b in zip(grads, full))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("window", [1, 6, 40])

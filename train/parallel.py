@@ -89,12 +89,20 @@ class ParallelContext:
 
 
 def resolve_device(device: str) -> torch.device:
+    """`train.device` for this process: on CUDA, the GPU of its local rank (one GPU per process)."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError("train.device: cuda requested but no CUDA device is available")
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        local_rank, gpus = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()
+        if local_rank >= gpus:
+            raise ConfigError(
+                f"train.device: this process (local rank {local_rank}) needs a GPU of its own, and this "
+                f"machine shows {gpus}: start at most {gpus} processes per node (torchrun "
+                "--nproc_per_node), or train on the CPU (--train.device=cpu)"
+            )
+        return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
 
