@@ -222,16 +222,22 @@ def test_configs_name_their_device():
 
 
 def test_more_processes_than_gpus_is_refused_by_name(monkeypatch):
-    # A second process on a one-GPU machine would fail inside torch.cuda.set_device.
+    # A second process on a one-GPU machine would fail inside torch.cuda.set_device, and only
+    # rank 0 prints errors.
     from train.parallel import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.setenv("LOCAL_RANK", "1")
-    with pytest.raises(ConfigError, match=r"train.device: this process \(local rank 1\) .* shows 1: start at most 1"):
+    match = r"train.device: 2 processes on this node need a GPU each, and it shows 1: start at most 1"
+    with pytest.raises(ConfigError, match=match):
         resolve_device("auto")
     monkeypatch.setenv("LOCAL_RANK", "0")
     assert resolve_device("cuda") == torch.device("cuda", 0)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # under torchrun rank 0 refuses too (it prints the error)
+    with pytest.raises(ConfigError, match=match):
+        resolve_device("cuda")
     assert resolve_device("cpu") == torch.device("cpu")
 
 

@@ -96,11 +96,14 @@ def resolve_device(device: str) -> torch.device:
         if not torch.cuda.is_available():
             raise ConfigError("train.device: cuda requested but no CUDA device is available")
         local_rank, gpus = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()
-        if local_rank >= gpus:
+        # torchrun's count of this node's processes, so that every rank (rank 0, which prints the
+        # error, too) refuses alike, not only the ones left without a GPU.
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
+        if max(per_node, local_rank + 1) > gpus:
             raise ConfigError(
-                f"train.device: this process (local rank {local_rank}) needs a GPU of its own, and this "
-                f"machine shows {gpus}: start at most {gpus} processes per node (torchrun "
-                "--nproc_per_node), or train on the CPU (--train.device=cpu)"
+                f"train.device: {max(per_node, local_rank + 1)} processes on this node need a GPU each, "
+                f"and it shows {gpus}: start at most {gpus} (torchrun --nproc_per_node), or train on "
+                "the CPU (--train.device=cpu)"
             )
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
