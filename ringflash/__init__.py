@@ -16,7 +16,12 @@ LSE convention everywhere: float32, natural log, shape `(B, H, N)`.
 """
 
 from ringflash import layout, ops
-from ringflash.api import RingFlashAttention, ring_flash_attn_func
+from ringflash.api import (
+    RingFlashAttention,
+    ring_flash_attn_func,
+    ring_flash_attn_kvpacked_func,
+    ring_flash_attn_qkvpacked_func,
+)
 from ringflash.comm import NullComm, RingComm, nccl_options
 from ringflash.layout import LAYOUTS, check_splittable, global_positions, shard, unshard
 from ringflash.masks import RingMask, ring_mask
@@ -35,6 +40,8 @@ __all__ = [
     "nccl_options",
     "ops",
     "ring_flash_attn_func",
+    "ring_flash_attn_kvpacked_func",
+    "ring_flash_attn_qkvpacked_func",
     "ring_mask",
     "shard",
     "unshard",

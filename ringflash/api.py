@@ -1,8 +1,9 @@
 """Public entry points: `ring_flash_attn_func` and the `RingFlashAttention` module.
 
 Shaped like `flash_attn_func`: `(B, N, H, D)` tensors, `causal` and `softmax_scale` arguments,
-optional LSE. q, k, v are this rank's shard of the sequence, cut by `ringflash.layout.shard`
-with the same `layout` (and position ids from `global_positions`).
+optional LSE; `ring_flash_attn_qkvpacked_func` and `ring_flash_attn_kvpacked_func` take
+flash_attn's packed layouts. q, k, v are this rank's shard of the sequence, cut by
+`ringflash.layout.shard` with the same `layout` (and position ids from `global_positions`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from ringflash.comm import resolve_transport, ring_comm
 from ringflash.layout import check_layout, check_splittable
 from ringflash.masks import RingMask, window_mask
 
-__all__ = ["RingFlashAttention", "ring_flash_attn_func"]
+__all__ = ["RingFlashAttention", "ring_flash_attn_func", "ring_flash_attn_kvpacked_func",
+           "ring_flash_attn_qkvpacked_func"]
 
 
 def _check_local(q, k, v, causal, softmax_scale, layout, backend, world) -> tuple[float, str]:
@@ -218,6 +220,33 @@ def ring_flash_attn_func(
         transport=transport,
     )
     return (o, lse) if return_lse else o
+
+
+def ring_flash_attn_qkvpacked_func(qkv: torch.Tensor, *args, **kwargs):
+    """`ring_flash_attn_func` on `qkv (B, N_local, 3, H, D)`, flash_attn's `flash_attn_qkvpacked_func`
+    layout (a fused QKV projection's output viewed so). q, k and v are views of it, nothing is
+    copied here, and its gradient comes back packed the same way. Every other argument is
+    `ring_flash_attn_func`'s."""
+    q, k, v = _unpack("qkv", qkv, 3, "heads")
+    return ring_flash_attn_func(q, k, v, *args, **kwargs)
+
+
+def ring_flash_attn_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, *args, **kwargs):
+    """`ring_flash_attn_func` on q `(B, N_local, H, D)` and `kv (B, N_local, 2, Hkv, D)`, flash_attn's
+    `flash_attn_kvpacked_func` layout (GQA: Hkv divides H). k and v are views of kv, nothing is
+    copied here. Every other argument is `ring_flash_attn_func`'s."""
+    k, v = _unpack("kv", kv, 2, "kv_heads")
+    return ring_flash_attn_func(q, k, v, *args, **kwargs)
+
+
+def _unpack(name: str, packed: torch.Tensor, n: int, heads: str) -> tuple[torch.Tensor, ...]:
+    if not isinstance(packed, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(packed).__name__}")
+    if packed.dim() != 5 or packed.shape[2] != n:
+        raise ValueError(
+            f"{name} must have shape (batch, seqlen, {n}, {heads}, head_dim), got {tuple(packed.shape)}"
+        )
+    return packed.unbind(2)
 
 
 class RingFlashAttention(nn.Module):

@@ -207,6 +207,33 @@ def test_world_one_without_distributed_is_one_kernel_call():
     assert isinstance(ring_flash_attn_func(q, k, v), torch.Tensor)  # return_lse=False: o alone
 
 
+def test_packed_layouts_are_views_of_the_same_call():
+    # flash_attn's qkvpacked and kvpacked layouts: the same attention and gradients as separate
+    # q, k, v (here one process: the ring's strided inputs are the `strided` cases above).
+    if dist.is_initialized():
+        pytest.skip("a process group is live in this process; this test needs none")
+    for H, Hkv in ((4, 4), (4, 2)):
+        q, k, v, do = global_inputs(make_case(1, causal=True, n_local=12, H=H, Hkv=Hkv))
+        want = ring_flash_attn_func(*(t.requires_grad_() for t in (q, k, v)), causal=True)
+        grads = torch.autograd.grad(want, (q, k, v), do)
+        kv = torch.stack((k, v), dim=2).detach().requires_grad_()
+        q2 = q.detach().clone().requires_grad_()
+        o = ringflash.ring_flash_attn_kvpacked_func(q2, kv, causal=True)
+        torch.testing.assert_close(o, want, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(torch.autograd.grad(o, (q2, kv), do), (grads[0], torch.stack(grads[1:], 2)))
+        if Hkv == H:
+            qkv = torch.stack((q, k, v), dim=2).detach().requires_grad_()
+            o = ringflash.ring_flash_attn_qkvpacked_func(qkv, True, return_lse=False)
+            torch.testing.assert_close(o, want, atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(torch.autograd.grad(o, qkv, do)[0], torch.stack(grads, 2))
+    with pytest.raises(ValueError, match=r"qkv must have shape \(batch, seqlen, 3, heads, head_dim\), got \(2, 12, 2"):
+        ringflash.ring_flash_attn_qkvpacked_func(kv)
+    with pytest.raises(ValueError, match=r"kv must have shape \(batch, seqlen, 2, kv_heads, head_dim\)"):
+        ringflash.ring_flash_attn_kvpacked_func(q, k)
+    with pytest.raises(TypeError, match=r"qkv must be a torch\.Tensor, got list"):
+        ringflash.ring_flash_attn_qkvpacked_func([q, k, v])
+
+
 def test_default_is_not_causal():
     # flash_attn_func's default: no causal argument and no mask is full attention.
     if dist.is_initialized():
