@@ -96,14 +96,13 @@ def resolve_device(device: str) -> torch.device:
         if not torch.cuda.is_available():
             raise ConfigError("train.device: cuda requested but no CUDA device is available")
         local_rank, gpus = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()
-        # torchrun's count of this node's processes, so that every rank (rank 0, which prints the
-        # error, too) refuses alike, not only the ones left without a GPU.
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
-        if max(per_node, local_rank + 1) > gpus:
+        # By torchrun's count of this node's processes, so that every rank (rank 0, which prints
+        # the error, too) refuses alike, not only the ones left without a GPU.
+        per_node = max(int(os.environ.get("LOCAL_WORLD_SIZE", 0)), local_rank + 1)
+        if per_node > gpus:
             raise ConfigError(
-                f"train.device: {max(per_node, local_rank + 1)} processes on this node need a GPU each, "
-                f"and it shows {gpus}: start at most {gpus} (torchrun --nproc_per_node), or train on "
-                "the CPU (--train.device=cpu)"
+                f"train.device: {per_node} processes on this node need a GPU each, and it shows {gpus}: "
+                f"start at most {gpus} (torchrun --nproc_per_node), or train on the CPU (--train.device=cpu)"
             )
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
