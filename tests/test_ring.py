@@ -493,6 +493,9 @@ GPU_CASES = [
     make_case(w, "zigzag", True, B=1, n_local=4000 // w, H=8, Hkv=hkv, D=128, dtype=torch.bfloat16,
               backend="cudnn", device="cuda")
     for w, hkv in ((2, 8), (2, 2), (4, 2))  # W = 2: partial results in bf16; W = 4: float32 sums
+] + [  # q, k, v as views of a fused QKV projection's output (descriptor loads with its strides)
+    make_case(2, "zigzag", True, B=1, n_local=2000, H=8, Hkv=2, D=128, dtype=torch.bfloat16, backend="triton",
+              device="cuda", strided=True)
 ]
 
 
