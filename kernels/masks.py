@@ -173,10 +173,10 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> None:
 
 
 def varlen_visibility(
-    cu_seqlens: torch.Tensor, total: int, *, causal: bool = True, window: int | None = None
+    cu_seqlens: torch.Tensor, total: int, *, causal: bool, window: int | None = None
 ) -> Visibility:
     """Packed documents `cu_seqlens` over `total` tokens: each token sees only its own document
-    (causally, and within `window` if given). Batch dim 1."""
+    (causally if `causal`, and within `window` if given). Batch dim 1."""
     doc = cu_seqlens_to_doc_ids(cu_seqlens, total)
     pos = torch.arange(total, device=cu_seqlens.device)
     return visibility(pos, pos, causal=causal, window=window, q_doc=doc, k_doc=doc)

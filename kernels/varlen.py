@@ -55,7 +55,8 @@ def attn_varlen_fwd(
     contiguous last dim; cu_seqlens `(n_docs + 1,)` int32/int64 on q's device.
     causal: within a document, token i sees j <= i (False, the default as in flash_attn: the whole
     document).
-    window: causal sliding window, w keys counting the diagonal (flash_attn's `window_size=(w − 1, 0)`).
+    window: causal sliding window, w keys counting the diagonal (flash_attn's `window_size=(w − 1, 0)`);
+    needs causal=True.
     visibility: the `kernels.varlen_visibility(cu_seqlens, total, causal=, window=)` of an earlier
     call, to skip rebuilding it (the backward needs the same one).
     Returns `o (total, H, D)` in `out_dtype` (default q's) and `lse (H, total)` float32, natural log.

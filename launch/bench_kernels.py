@@ -162,7 +162,7 @@ def masks(N: int, D: int, hidden: int) -> None:
             kw, pairs = dict(causal=True), N * (N + 1) / 2
         else:
             vis = (dense_visibility(N, window=spec, device="cuda") if isinstance(spec, int)
-                   else varlen_visibility(spec.to("cuda", torch.int32), N))
+                   else varlen_visibility(spec.to("cuda", torch.int32), N, causal=True))
             kw, pairs = dict(visibility=vis), (vis.kv_hi - vis.kv_lo).double().sum().item()
         o, lse = triton_attn_fwd(q, k, v, **kw)
         t_f = time_ms(lambda kw=kw: triton_attn_fwd(q, k, v, **kw))

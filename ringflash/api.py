@@ -8,6 +8,9 @@ flash_attn's packed layouts. q, k, v are this rank's shard of the sequence, cut 
 
 from __future__ import annotations
 
+import inspect
+from typing import NoReturn
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -19,8 +22,12 @@ from ringflash.comm import resolve_transport, ring_comm
 from ringflash.layout import check_layout, check_splittable
 from ringflash.masks import RingMask, window_mask
 
-__all__ = ["RingFlashAttention", "ring_flash_attn_func", "ring_flash_attn_kvpacked_func",
-           "ring_flash_attn_qkvpacked_func"]
+__all__ = [
+    "RingFlashAttention",
+    "ring_flash_attn_func",
+    "ring_flash_attn_kvpacked_func",
+    "ring_flash_attn_qkvpacked_func",
+]
 
 
 def _check_local(q, k, v, causal, softmax_scale, layout, backend, world) -> tuple[float, str]:
@@ -196,12 +203,7 @@ def ring_flash_attn_func(
     except (TypeError, ValueError) as e:
         scale, error = None, e
     if error is not None:
-        if world > 1 and check_ranks and not compiling:
-            # Tell the others first (they are waiting in the op's all_gather), then raise ours.
-            # Dynamo cannot trace that collective; it gives up on the frame at this raise and
-            # runs it eagerly, which announces (fullgraph=True cannot: see the docstring).
-            ops.announce_rejection(comm, q, k, causal, layout)
-        raise error
+        _refuse(error, comm, check_ranks, q, k, causal, layout)
     plan, vis = mask.op_args() if mask is not None else ([], [])
     o, lse, _ = (ops.ring_attn if compiling else ops.ring_attn_eager)(
         q,
@@ -222,31 +224,49 @@ def ring_flash_attn_func(
     return (o, lse) if return_lse else o
 
 
-def ring_flash_attn_qkvpacked_func(qkv: torch.Tensor, *args, **kwargs):
+def _refuse(error: Exception, comm, check_ranks: bool, q, k, causal, layout) -> NoReturn:
+    """Raise `error`, this rank's verdict on its own inputs, after telling the other ranks, who
+    wait in the op's all_gather (`check_ranks`, several ranks). `comm` is None under
+    torch.compile: Dynamo cannot trace that collective, so it gives up on the frame at this
+    raise and runs it eagerly, which announces (fullgraph=True cannot: see ring_flash_attn_func)."""
+    if comm is not None and comm.world > 1 and check_ranks:
+        ops.announce_rejection(comm, q, k, causal, layout)
+    raise error
+
+
+def ring_flash_attn_qkvpacked_func(
+    qkv: torch.Tensor, *args, **kwargs
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`ring_flash_attn_func` on `qkv (B, N_local, 3, H, D)`, flash_attn's `flash_attn_qkvpacked_func`
-    layout (a fused QKV projection's output viewed so). q, k and v are views of it, nothing is
-    copied here, and its gradient comes back packed the same way. Every other argument is
-    `ring_flash_attn_func`'s."""
-    q, k, v = _unpack("qkv", qkv, 3, "heads")
-    return ring_flash_attn_func(q, k, v, *args, **kwargs)
+    layout (a fused QKV projection's output viewed so). q, k and v are views of it; its gradient
+    comes back packed the same way. Every other argument is `ring_flash_attn_func`'s."""
+    return ring_flash_attn_func(*_unpack("qkv", qkv, 3, "heads", args, kwargs), *args, **kwargs)
 
 
-def ring_flash_attn_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, *args, **kwargs):
+def ring_flash_attn_kvpacked_func(
+    q: torch.Tensor, kv: torch.Tensor, *args, **kwargs
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`ring_flash_attn_func` on q `(B, N_local, H, D)` and `kv (B, N_local, 2, Hkv, D)`, flash_attn's
-    `flash_attn_kvpacked_func` layout (GQA: Hkv divides H). k and v are views of kv, nothing is
-    copied here. Every other argument is `ring_flash_attn_func`'s."""
-    k, v = _unpack("kv", kv, 2, "kv_heads")
-    return ring_flash_attn_func(q, k, v, *args, **kwargs)
+    `flash_attn_kvpacked_func` layout (GQA: Hkv divides H). k and v are views of kv; its gradient
+    comes back packed the same way. Every other argument is `ring_flash_attn_func`'s."""
+    return ring_flash_attn_func(q, *_unpack("kv", kv, 2, "kv_heads", args, kwargs), *args, **kwargs)
 
 
-def _unpack(name: str, packed: torch.Tensor, n: int, heads: str) -> tuple[torch.Tensor, ...]:
-    if not isinstance(packed, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(packed).__name__}")
-    if packed.dim() != 5 or packed.shape[2] != n:
-        raise ValueError(
-            f"{name} must have shape (batch, seqlen, {n}, {heads}, head_dim), got {tuple(packed.shape)}"
-        )
-    return packed.unbind(2)
+def _unpack(name: str, packed, n: int, heads: str, args: tuple, kwargs: dict) -> tuple[torch.Tensor, ...]:
+    """`packed`'s n views along dim 2; if it is not `(B, N, n, heads, D)`, an error naming it, raised
+    after telling the other ranks, as `ring_flash_attn_func` does for its own inputs (`args`,
+    `kwargs`: the call's other arguments, for its group and settings)."""
+    if isinstance(packed, torch.Tensor) and packed.dim() == 5 and packed.shape[2] == n:
+        return packed.unbind(2)
+    if isinstance(packed, torch.Tensor):
+        error = ValueError(f"{name} must have shape (batch, seqlen, {n}, {heads}, head_dim), got {tuple(packed.shape)}")
+    else:
+        error = TypeError(f"{name} must be a torch.Tensor, got {type(packed).__name__}")
+    call = inspect.signature(ring_flash_attn_func).bind(None, None, None, *args, **kwargs)
+    call.apply_defaults()
+    a = call.arguments
+    comm = None if torch.compiler.is_compiling() else ring_comm(a["group"], a["transport"])
+    _refuse(error, comm, a["check_ranks"], None, None, a["causal"], a["layout"])
 
 
 class RingFlashAttention(nn.Module):

@@ -383,7 +383,7 @@ def test_bad_mask_arguments_name_the_argument(backend):
     with pytest.raises(ValueError, match=r"one batch size \(or 1\), got \[2, 3\]"):
         visibility(torch.arange(4), torch.arange(4), causal=True, q_doc=torch.zeros(2, 4, dtype=torch.long),
                    k_doc=torch.zeros(3, 4, dtype=torch.long))
-    assert varlen_visibility(cu, 8).kv_lo.shape == (1, 8)
+    assert varlen_visibility(cu, 8, causal=True).kv_lo.shape == (1, 8)
 
 
 # ---------------------------------------------------------------------------------------------

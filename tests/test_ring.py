@@ -392,6 +392,13 @@ def _error_worker(rank, world, what):
     elif what == "bad_group":
         kwargs["group"] = "world"
         expect = "group must be"
+    elif what == "one_rank_bad_packed_kv":  # refused before ring_flash_attn_func's own checks
+        expect = r"kv must have shape \(batch" if rank == 1 else r"rank\(s\) \[1\] of the group rejected"
+        kv = k if rank == 1 else torch.stack((k, v), dim=2)
+        with pytest.raises(ValueError, match=expect) as err:
+            ringflash.ring_flash_attn_kvpacked_func(q, kv, True)
+        ring_flash_attn_func(*good, causal=True)
+        return str(err.value)
     with pytest.raises((ValueError, TypeError), match=expect) as err:
         ring_flash_attn_func(q, k, v, **kwargs)
     # Nothing was left in flight: the same group still runs a correct ring call.
@@ -401,7 +408,8 @@ def _error_worker(rank, world, what):
 
 @pytest.mark.parametrize(
     "what",
-    ["shape", "dtype", "causal", "scale", "layout", "one_rank_bad_input", "unsplittable", "bad_layout", "bad_group"],
+    ["shape", "dtype", "causal", "scale", "layout", "one_rank_bad_input", "unsplittable", "bad_layout", "bad_group",
+     "one_rank_bad_packed_kv"],
 )
 def test_errors_raise_on_every_rank(what):
     msgs = run_ranks(_error_worker, 3, (what,), timeout_s=20)
