@@ -19,9 +19,9 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.checks import check_grad_out
-from kernels.masks import Visibility, dense_visibility, varlen_visibility, visibility
-from kernels.reference import ref_attn_bwd, ref_attn_fwd, ref_merge
+from ringflash.kernels.checks import check_grad_out
+from ringflash.kernels.masks import Visibility, dense_visibility, varlen_visibility, visibility
+from ringflash.kernels.reference import ref_attn_bwd, ref_attn_fwd, ref_merge
 
 BACKENDS = ("auto", "triton", "reference", "cudnn")
 
@@ -102,10 +102,10 @@ def attn_fwd(
     if which == "reference":
         return ref_attn_fwd(q, k, v, **kw)
     if which == "cudnn":
-        from kernels.cudnn import cudnn_attn_fwd
+        from ringflash.kernels.cudnn import cudnn_attn_fwd
 
         return cudnn_attn_fwd(q, k, v, **kw)
-    from kernels.triton_fwd import triton_attn_fwd
+    from ringflash.kernels.triton_fwd import triton_attn_fwd
 
     return triton_attn_fwd(q, k, v, **kw)
 
@@ -147,7 +147,7 @@ def attn_bwd(
     """
     which = resolve_backend(backend, q.device)
     if which == "triton":
-        from kernels.triton_bwd import triton_attn_bwd
+        from ringflash.kernels.triton_bwd import triton_attn_bwd
 
         return triton_attn_bwd(
             do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale, grad_dtype=grad_dtype,
@@ -163,8 +163,8 @@ def attn_bwd(
             grad_dtype=torch.float32 if summed else grad_dtype, window=window, visibility=visibility,
         )
     else:
-        from kernels.cudnn import cudnn_attn_bwd
-        from kernels.triton_passes import add_into
+        from ringflash.kernels.cudnn import cudnn_attn_bwd
+        from ringflash.kernels.triton_passes import add_into
 
         grads = cudnn_attn_bwd(
             do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale, window=window, visibility=visibility
@@ -193,5 +193,5 @@ def attn_bwd(
     return tuple(out)
 
 
-import kernels.ops  # noqa: E402, F401  (registers torch.ops.ringflash.attn_fwd / attn_bwd)
-from kernels.varlen import attn_varlen_bwd, attn_varlen_fwd  # noqa: E402  (uses attn_fwd/attn_bwd above)
+from ringflash.kernels import ops  # noqa: E402, F401  (registers torch.ops.ringflash.attn_fwd / attn_bwd)
+from ringflash.kernels.varlen import attn_varlen_bwd, attn_varlen_fwd  # noqa: E402  (uses attn_fwd/attn_bwd above)

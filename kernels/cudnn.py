@@ -29,8 +29,8 @@ import functools
 
 import torch
 
-from kernels.checks import check_bwd, check_qkv, resolve_fwd_outputs, resolve_scale
-from kernels.triton_passes import merge_into
+from ringflash.kernels.checks import check_bwd, check_qkv, resolve_fwd_outputs, resolve_scale
+from ringflash.kernels.triton_passes import merge_into
 
 __all__ = ["check_cudnn", "cudnn_attn_bwd", "cudnn_attn_fwd"]
 

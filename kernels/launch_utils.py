@@ -8,8 +8,8 @@ import os
 import torch
 import triton
 
-from kernels import interpreting
-from kernels.tuning import Tile, autotuning, tile_for
+from ringflash.kernels import interpreting
+from ringflash.kernels.tuning import Tile, autotuning, tile_for
 
 try:  # Triton >= 3.3; without it the kernels load every tile through pointers
     from triton.tools.tensor_descriptor import TensorDescriptor

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-import kernels
+from ringflash import kernels
 
 __all__ = ["attn_bwd", "attn_fwd"]
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.checks import aliases, check_bwd, check_qkv, resolve_fwd_outputs, resolve_scale
-from kernels.masks import Visibility, resolve_visibility
+from ringflash.kernels.checks import aliases, check_bwd, check_qkv, resolve_fwd_outputs, resolve_scale
+from ringflash.kernels.masks import Visibility, resolve_visibility
 
 
 def _grouped(q: torch.Tensor, hkv: int) -> torch.Tensor:

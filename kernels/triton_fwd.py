@@ -33,8 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import check_qkv, resolve_fwd_outputs, resolve_scale
-from kernels.launch_utils import (
+from ringflash.kernels.checks import check_qkv, resolve_fwd_outputs, resolve_scale
+from ringflash.kernels.launch_utils import (
     LOG2E,
     bhnd_strides,
     block_d,
@@ -43,8 +43,8 @@ from kernels.launch_utils import (
     num_sms,
     upcast_dots,
 )
-from kernels.masks import Visibility, batch_stride, resolve_visibility
-from kernels.tiles import (
+from ringflash.kernels.masks import Visibility, batch_stride, resolve_visibility
+from ringflash.kernels.tiles import (
     block_bounds,
     head_base,
     head_rows,
@@ -54,7 +54,7 @@ from kernels.tiles import (
     tile_ptrs,
     visible_keys,
 )
-from kernels.tuning import Tile, launch
+from ringflash.kernels.tuning import Tile, launch
 
 
 @triton.jit

@@ -18,9 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch_utils import bhnd_strides, block_d
-from kernels.tiles import load_tile, store_tile, tile_ptrs
-from kernels.triton_fwd import _merge_into
+from ringflash.kernels.launch_utils import bhnd_strides, block_d
+from ringflash.kernels.tiles import load_tile, store_tile, tile_ptrs
+from ringflash.kernels.triton_fwd import _merge_into
 
 __all__ = ["add_into", "merge_into"]
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import triton
 
-from kernels import interpreting
+from ringflash.kernels import interpreting
 
 Tile = tuple[int, int, int, int]
 KERNELS = ("fwd", "dkdv", "dq")

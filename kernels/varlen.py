@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-import kernels
-from kernels.masks import Visibility, varlen_visibility
+from ringflash import kernels
+from ringflash.kernels.masks import Visibility, varlen_visibility
 
 __all__ = ["attn_varlen_bwd", "attn_varlen_fwd"]
 

@@ -21,10 +21,10 @@ import torch
 import torch.nn.functional as F
 from benchlib import REPO, attn_flops, markdown_table, plot_lines, record, time_ms
 
-from kernels import varlen_visibility
-from kernels.masks import dense_visibility
-from kernels.triton_bwd import triton_attn_bwd
-from kernels.triton_fwd import triton_attn_fwd
+from ringflash.kernels import varlen_visibility
+from ringflash.kernels.masks import dense_visibility
+from ringflash.kernels.triton_bwd import triton_attn_bwd
+from ringflash.kernels.triton_fwd import triton_attn_fwd
 
 
 def _ours(q, k, v, do, causal):

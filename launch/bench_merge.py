@@ -14,7 +14,7 @@ import argparse
 import torch
 from benchlib import attn_flops, markdown_table, record, time_ms
 
-from kernels import attn_fwd, ref_merge
+from ringflash.kernels import attn_fwd, ref_merge
 
 
 def step_times(n_q: int, n_k: int, heads: int, head_dim: int) -> tuple[float, float]:

@@ -49,15 +49,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
-
 from benchlib import REPO, attn_flops, markdown_table, parse_tokens, plot_lines, record, time_ms
 
-import kernels
-from kernels import attn_bwd, attn_fwd
-from ringflash import NullComm, nccl_options, ring_flash_attn_func, ring_mask
+from ringflash import NullComm, kernels, nccl_options, ring_flash_attn_func, ring_mask
 from ringflash.comm import TRANSPORTS, ring_comm
+from ringflash.kernels import attn_bwd, attn_fwd
 from ringflash.ring import ring_backward, ring_forward
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -21,16 +21,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
-
 from benchlib import markdown_table, parse_tokens, record
 
-from kernels import attn_bwd, attn_fwd
 from ringflash import NullComm
+from ringflash.kernels import attn_bwd, attn_fwd
 from ringflash.ring import ring_backward, ring_forward
 
 KERNELS = {"_attn_fwd_kernel": "fwd", "_bwd_dkdv": "dK/dV", "_bwd_dq": "dQ"}

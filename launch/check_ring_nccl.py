@@ -30,18 +30,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
-
-from kernels import attn_bwd, attn_fwd, resolve_backend
 from ringflash import nccl_options, ring_flash_attn_func, shard
 from ringflash.comm import TRANSPORTS
+from ringflash.kernels import attn_bwd, attn_fwd, resolve_backend
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 CASES = (("zigzag", True), ("contiguous", True), ("zigzag", False))

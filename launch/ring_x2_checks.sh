@@ -11,7 +11,7 @@
 # BENCHMARKS.md and the plot are copied there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}"  # NVLink multicast off, as the device notes ask
 plot="${PLOT:-/tmp/bench_ring_8k_32k.png}"
 for backend in triton cudnn; do

@@ -19,7 +19,7 @@ injected number of restarts; each restart resumed from the checkpoint it should 
 loss as the first time; and (unless `--no-reference`) the final checkpoint (model, optimizer,
 RNG) equals an uninterrupted run's bit for bit, and so does every logged loss. The loss curve
 goes to `<run-dir>/loss.csv` (and `loss.png` with matplotlib). Not part of CI; a small version
-of the same run is tests/test_reliability.py::test_torchrun_restart_resumes_bit_exact.
+of the same run is tests/train/test_reliability.py::test_torchrun_restart_resumes_bit_exact.
 """
 
 from __future__ import annotations
@@ -36,8 +36,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-# launch/ comes first on the path, where launch/train.py would shadow the `train` package.
-sys.path.insert(0, str(REPO))
 
 # A model that learns visibly in a few hundred steps and runs a step in tens of milliseconds.
 MODEL = [
@@ -109,7 +107,6 @@ def run_torchrun(
     has logged step `kill_step` (0: never), with `RINGFLASH_FAULT=fault`. Returns what happened:
     exit code, losses logged per step (a list each: a replayed step appears twice), resumes."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "RINGFLASH_FAULT": fault}
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [
         sys.executable,
         "-m",
@@ -161,7 +158,7 @@ def run_torchrun(
 
 
 def final_checkpoint(run_dir: Path) -> Path:
-    from train.checkpoint import complete_checkpoints
+    from ringflash.train.checkpoint import complete_checkpoints
 
     found = complete_checkpoints(run_dir / "checkpoints")
     if not found:

@@ -16,15 +16,9 @@ import argparse
 import os
 import re
 import sys
-from pathlib import Path
 
-# This script shares its name with the `train` package and Python puts launch/ first on the path,
-# where `import train` would find this file: put the repository root there instead.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-
-from train.config import ConfigError, describe, load_config  # noqa: E402
-from train.trainer import NonFiniteLossError, train  # noqa: E402
+from ringflash.train.config import ConfigError, describe, load_config
+from ringflash.train.trainer import NonFiniteLossError, train
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,10 +14,10 @@ import json
 import torch
 from benchlib import attn_flops, markdown_table, time_ms
 
-from kernels.launch_utils import block_d, tma_ok
-from kernels.triton_bwd import triton_attn_bwd
-from kernels.triton_fwd import triton_attn_fwd
-from kernels.tuning import KERNELS, candidates, tile_for
+from ringflash.kernels.launch_utils import block_d, tma_ok
+from ringflash.kernels.triton_bwd import triton_attn_bwd
+from ringflash.kernels.triton_fwd import triton_attn_fwd
+from ringflash.kernels.tuning import KERNELS, candidates, tile_for
 
 
 def _runner(kernel, tile, q, k, v, do, o, lse, causal):

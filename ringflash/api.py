@@ -15,10 +15,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import kernels
-from kernels.checks import check_qkv, resolve_scale
-from ringflash import ops
+from ringflash import kernels, ops
 from ringflash.comm import resolve_transport, ring_comm
+from ringflash.kernels.checks import check_qkv, resolve_scale
 from ringflash.layout import check_layout, check_splittable
 from ringflash.masks import RingMask, window_mask
 
@@ -185,7 +184,7 @@ def ring_flash_attn_func(
         scale, which = _check_local(q, k, v, causal, softmax_scale, layout, backend, world)
         _check_window(window, causal)
         if which == "cudnn":  # here, not mid-ring with transfers posted
-            from kernels.cudnn import check_cudnn
+            from ringflash.kernels.cudnn import check_cudnn
 
             check_cudnn(q, k, masked=mask is not None or window is not None)
         if mask is not None:
@@ -300,7 +299,7 @@ class RingFlashAttention(nn.Module):
         if backend is not None and backend not in kernels.BACKENDS:
             raise ValueError(f"backend must be one of {kernels.BACKENDS} or None, got {backend!r}")
         if backend == "cudnn" and window is not None:
-            from kernels.cudnn import MASKS_NEED_TRITON
+            from ringflash.kernels.cudnn import MASKS_NEED_TRITON
 
             raise ValueError(MASKS_NEED_TRITON)
         self.group, self.layout, self.causal = group, layout, causal

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from kernels import Visibility, visibility
+from ringflash.kernels import Visibility, visibility
 from ringflash.layout import (
     LAYOUTS,
     Step,

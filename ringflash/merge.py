@@ -6,6 +6,6 @@ which is what the ring uses; this is its name in the ring's vocabulary, for merg
 (e.g. partial attention from another source) and for the CPU tests.
 """
 
-from kernels import ref_merge as merge
+from ringflash.kernels import ref_merge as merge
 
 __all__ = ["merge"]

@@ -41,8 +41,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from kernels.checks import SUPPORTED_DTYPES
 from ringflash.comm import TRANSPORTS, RingComm, ring_comm
+from ringflash.kernels.checks import SUPPORTED_DTYPES
 from ringflash.layout import LAYOUTS
 from ringflash.masks import decode
 from ringflash.ring import ring_backward, ring_forward

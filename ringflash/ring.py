@@ -38,7 +38,7 @@ from functools import partial
 
 import torch
 
-from kernels import attn_bwd, attn_fwd, partial_dtype
+from ringflash.kernels import attn_bwd, attn_fwd, partial_dtype
 from ringflash.layout import Step, ring_schedule
 
 __all__ = ["ring_backward", "ring_forward"]

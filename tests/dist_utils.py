@@ -163,8 +163,8 @@ def torchrun(
     script: Path, *args: str, nproc: int = 2, cwd: Path | None = None, timeout: float = 150
 ) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc_per_node=nproc script *args` in a subprocess, with this repository
-    importable and one OpenMP thread per rank; stdout and stderr captured as text."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    one OpenMP thread per rank (ringflash installed, e.g. `pip install -e .`); stdout and stderr captured as text."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script),
            *args]  # fmt: skip
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)

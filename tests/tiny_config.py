@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from train.config import Config, load_config
+from ringflash.train.config import Config, load_config
 
 TINY = [
     "--model.dim=32",

@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from train.config import ConfigError
+from ringflash.train.config import ConfigError
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from train.config import ConfigError, DataConfig, resolve_eod_token
+from ringflash.train.config import ConfigError, DataConfig, resolve_eod_token
 
 IGNORE = -100  # label of positions that take no loss (F.cross_entropy's ignore_index)
 

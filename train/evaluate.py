@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from train.data import IGNORE, PasskeyTask
-from train.parallel import ParallelContext, attention_mask, shard_batch
+from ringflash.train.data import IGNORE, PasskeyTask
+from ringflash.train.parallel import ParallelContext, attention_mask, shard_batch
 
 
 def bucket_owners(task: PasskeyTask, cp: int, layout: str) -> list[int]:

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from train.config import ModelConfig
+from ringflash.train.config import ModelConfig
 
 
 class RMSNorm(nn.Module):

@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ringflash
-from train.config import Config, ConfigError, ParallelConfig, to_dict
+from ringflash.train.config import Config, ConfigError, ParallelConfig, to_dict
 
 
 @dataclass

@@ -23,13 +23,13 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from train.checkpoint import Checkpointer, complete_checkpoints
-from train.config import Config, ConfigError, resolve_eod_token, to_dict
-from train.data import IGNORE, DataLoader, PasskeyTask, build_sources
-from train.evaluate import bucket_owners, evaluate_passkey
-from train.metrics import Logger, flops_per_token, matmul_params, peak_memory_gib, peak_tflops
-from train.model import Transformer
-from train.parallel import (
+from ringflash.train.checkpoint import Checkpointer, complete_checkpoints
+from ringflash.train.config import Config, ConfigError, resolve_eod_token, to_dict
+from ringflash.train.data import IGNORE, DataLoader, PasskeyTask, build_sources
+from ringflash.train.evaluate import bucket_owners, evaluate_passkey
+from ringflash.train.metrics import Logger, flops_per_token, matmul_params, peak_memory_gib, peak_tflops
+from ringflash.train.model import Transformer
+from ringflash.train.parallel import (
     ParallelContext,
     attention_mask,
     check_same_config,

@@ -23,16 +23,13 @@ GPU time per call (torch.profiler over 10 calls): where a ring call's time goes 
 
 import argparse
 import collections
-import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.getcwd())
-from kernels import attn_bwd, attn_fwd
 from ringflash import NullComm
+from ringflash.kernels import attn_bwd, attn_fwd
 from ringflash.ring import ring_backward, ring_forward
 
 H, D = 16, 128

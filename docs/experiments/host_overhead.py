@@ -19,7 +19,6 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.getcwd())
 from ringflash import nccl_options, ring_flash_attn_func
 
 MODES = ("cold", "primed", "primed3", "prefilled", "busy")

@@ -20,7 +20,6 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.getcwd())
 import ringflash.ring as ring
 from ringflash import comm as ring_comm_module
 from ringflash import nccl_options, peer, ring_flash_attn_func

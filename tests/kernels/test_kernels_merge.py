@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from truth import TOL, attention_f64, lse_err, rel_err
 
-from kernels import attn_fwd, ref_merge
+from ringflash.kernels import attn_fwd, ref_merge
+from tests.truth import TOL, attention_f64, lse_err, rel_err
 
 BACKENDS = ["triton", "reference"]
 NEG_INF = float("-inf")

@@ -20,13 +20,13 @@ import pytest
 import torch
 import torch._dynamo
 import torch.distributed as dist
-from dist_utils import run_ranks
-from truth import TOL, lse_err, rel_err
 
 import ringflash
 import ringflash.ring as ring_module
-from kernels import interpreting
 from ringflash import global_positions, ring_flash_attn_func, ring_mask, shard
+from ringflash.kernels import interpreting
+from tests.dist_utils import run_ranks
+from tests.truth import TOL, lse_err, rel_err
 
 N = 96  # global tokens: splits over 1–4 ranks under both layouts (a multiple of 2·3·4·2)
 DOCS = {  # document lengths per batch row, summing to N
@@ -191,7 +191,7 @@ def test_ring_mask_triton_kernels_interpreted():
     run_ranks(mask_worker, 2, (c,), timeout_s=120)
 
 
-GPU_CASES = [  # Triton on CUDA tensors, several gloo ranks sharing one GPU (as tests/test_ring.py's)
+GPU_CASES = [  # Triton on CUDA tensors, several gloo ranks sharing one GPU (as tests/ringflash/test_ring.py's)
     case(w, layout, docs="gpu", window=win, B=2, H=8, Hkv=2, D=128, dtype=torch.bfloat16, backend="triton",
          n=N_GPU, device="cuda")
     for w, layout, win in ((2, "zigzag", None), (2, "zigzag", 257), (4, "zigzag", 700), (2, "contiguous", 1500))

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from dist_utils import run_ranks
-from tiny_config import assert_matches_reference, tiny_config
 
-from train.data import IGNORE, DataLoader, build_source
+from ringflash.train.data import IGNORE, DataLoader, build_source
+from tests.dist_utils import run_ranks
+from tests.tiny_config import assert_matches_reference, tiny_config
 
 
 def write_docs(path: Path, n_docs: int = 200, seed: int = 0) -> Path:
@@ -41,9 +41,9 @@ def tiny(*overrides: str):
 def _cp_vs_single(rank, world, cfg):
     """One step's loss and gradients through cp ranks equal one process with the dense local mask."""
     import ringflash
-    from train.model import DocumentMask, Transformer
-    from train.parallel import distributed, parallelize
-    from train.trainer import forward_backward
+    from ringflash.train.model import DocumentMask, Transformer
+    from ringflash.train.parallel import distributed, parallelize
+    from ringflash.train.trainer import forward_backward
 
     built, ring_mask = [], ringflash.ring_mask
     ringflash.ring_mask = lambda *a, **kw: built.append(kw) or ring_mask(*a, **kw)
@@ -94,8 +94,8 @@ def test_cp2_matches_cp1(tmp_path, overrides):
 
 def _isolation(rank, world, cfg, seqs):
     """Logits of the last document under cp = 2, for sequences that differ only before it."""
-    from train.model import Transformer
-    from train.parallel import attention_mask, distributed, parallelize, shard_batch
+    from ringflash.train.model import Transformer
+    from ringflash.train.parallel import attention_mask, distributed, parallelize, shard_batch
 
     with distributed(cfg.parallel, "cpu") as pc, torch.no_grad():
         torch.manual_seed(0)
@@ -124,7 +124,7 @@ def test_documents_do_not_see_each_other_across_ranks():
 
 
 def _train_in_ranks(rank, world, cfg):
-    from train.trainer import train
+    from ringflash.train.trainer import train
 
     result = train(cfg)
     return result.losses, result.passkey
@@ -149,7 +149,7 @@ def test_trainer_packed_text_and_windowed_passkey(tmp_path):
 
 
 def test_no_mask_without_documents_or_window():
-    from train.parallel import attention_mask
+    from ringflash.train.parallel import attention_mask
 
     # Plain causal training builds nothing (pc is not even looked at).
     assert attention_mask(None, 256, None, "zigzag", 0) is None
@@ -172,8 +172,8 @@ def _pairs_brute(doc_ids: torch.Tensor, window: int) -> float:
 
 @pytest.mark.parametrize("window", [0, 1, 7, 40, 1000])
 def test_model_flops_count_only_the_masked_attention(window):
-    from train.config import ModelConfig
-    from train.metrics import attended_keys, flops_per_token
+    from ringflash.train.config import ModelConfig
+    from ringflash.train.metrics import attended_keys, flops_per_token
 
     L = 96
     doc = torch.stack([torch.repeat_interleave(torch.arange(5), torch.tensor([1, 17, 40, 3, 35])),

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from dist_utils import REPO, run_ranks, torchrun
-from tiny_config import TINY, assert_matches_reference, tiny_config
 
-from train.config import ConfigError
-from train.data import IGNORE, DataLoader, build_source
+from ringflash.train.config import ConfigError
+from ringflash.train.data import IGNORE, DataLoader, build_source
+from tests.dist_utils import REPO, run_ranks, torchrun
+from tests.tiny_config import TINY, assert_matches_reference, tiny_config
 
 
 def launch_script():
@@ -36,9 +36,9 @@ def tiny(tmp_path: Path | None = None, *overrides: str):
 
 def _cp_vs_single(rank, world, cfg):
     """On every rank: one step's loss and gradients through the ring equal one process on whole sequences."""
-    from train.model import Transformer
-    from train.parallel import distributed, parallelize
-    from train.trainer import forward_backward
+    from ringflash.train.model import Transformer
+    from ringflash.train.parallel import distributed, parallelize
+    from ringflash.train.trainer import forward_backward
 
     with distributed(cfg.parallel, "cpu") as pc:
         torch.manual_seed(0)
@@ -86,7 +86,7 @@ def test_parallel_step_matches_one_process(world, overrides):
 
 
 def test_lr_schedule():
-    from train.trainer import lr_lambda
+    from ringflash.train.trainer import lr_lambda
 
     # Linear warm-up to the peak over 4 steps, then cosine from 1 down to min_lr_ratio at `steps`.
     f = lr_lambda(tiny(None, "--train.steps=10", "--train.warmup_steps=4", "--train.min_lr_ratio=0.1"))
@@ -99,8 +99,8 @@ def test_lr_schedule():
 def _steps_vs_plain_pytorch(rank, world, cfg, multipliers):
     """The loop's parameter updates equal a plain PyTorch loop: global-mean loss, clipped gradient,
     AdamW with decay on matrices only, and the lr of each step."""
-    from train.model import Transformer
-    from train.trainer import train
+    from ringflash.train.model import Transformer
+    from ringflash.train.trainer import train
 
     torch.manual_seed(cfg.train.seed)
     reference = Transformer(cfg.model)  # the loop's init: the same seed
@@ -148,7 +148,7 @@ def test_steps_match_plain_pytorch():
 
 
 def _train_in_ranks(rank, world, cfg):
-    from train.trainer import train
+    from ringflash.train.trainer import train
 
     return train(cfg).losses
 
@@ -167,14 +167,14 @@ def test_non_finite_loss_stops_cleanly(tmp_path):
     )
     with pytest.raises(Exception, match=r"non-finite (loss|gradient norm) at step .*stopping without updating"):
         run_ranks(_train_in_ranks, 1, args=(cfg,))
-    from train.checkpoint import complete_checkpoints
+    from ringflash.train.checkpoint import complete_checkpoints
 
     saved = complete_checkpoints(tmp_path / "checkpoints")
     assert saved and not list((tmp_path / "checkpoints").glob("*.tmp"))
 
 
 def _gradient_norm_overflows_at_step_2(rank, world, cfg):
-    from train.trainer import train
+    from ringflash.train.trainer import train
 
     clip, calls = torch.nn.utils.clip_grad_norm_, []
 
@@ -191,7 +191,7 @@ def test_non_finite_gradient_norm_stops_cleanly(tmp_path):
     cfg = tiny(tmp_path, "--checkpoint.enabled=true", "--checkpoint.interval=1", "--data.eval_samples=0")
     with pytest.raises(Exception, match=r"non-finite gradient norm at step 2 \(loss [0-9.]+, grad norm inf\)"):
         run_ranks(_gradient_norm_overflows_at_step_2, 1, args=(cfg,))
-    from train.checkpoint import complete_checkpoints
+    from ringflash.train.checkpoint import complete_checkpoints
 
     # Stopped before that step's update and save: the last checkpoint is the last good step.
     assert [p.name for p in complete_checkpoints(tmp_path / "checkpoints")] == ["step_00000001"]
@@ -244,7 +244,7 @@ def test_torchrun_rejects_cp_not_dividing_world(tmp_path):
     [("NVIDIA H100 PCIe", 756.0), ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H200", 989.0), ("Tesla T4", 0.0)],
 )
 def test_peak_tflops_by_gpu_name(monkeypatch, name, peak):
-    from train.metrics import peak_tflops
+    from ringflash.train.metrics import peak_tflops
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     assert peak_tflops(torch.device("cuda", 0), 0.0) == peak  # the most specific name fragment wins
@@ -279,7 +279,7 @@ def test_gpu_config_without_a_gpu_stops_before_anything(tmp_path, monkeypatch, c
 
 
 def _rejected_runs(rank, world, tmp: Path):
-    from train.trainer import train
+    from ringflash.train.trainer import train
 
     tb = "--logging.tensorboard=true"
     with pytest.raises(ConfigError, match=r"data.path: .*does not exist"):  # the first check

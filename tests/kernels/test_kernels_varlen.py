@@ -13,10 +13,9 @@ import math
 
 import pytest
 import torch
-from truth import TOL, attention_f64, lse_err, rel_err
 
-import kernels
-from kernels import (
+from ringflash import kernels
+from ringflash.kernels import (
     Visibility,
     attn_bwd,
     attn_fwd,
@@ -25,6 +24,7 @@ from kernels import (
     varlen_visibility,
     visibility,
 )
+from tests.truth import TOL, attention_f64, lse_err, rel_err
 
 BACKENDS = ["triton", "reference"]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -12,11 +12,11 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from truth import TOL, attention_f64, lse_err, rel_err
 
-from kernels import attn_bwd, attn_fwd, interpreting, resolve_backend, tuning
-from kernels.launch_utils import tma_ok
-from kernels.tiles import heaviest_first
+from ringflash.kernels import attn_bwd, attn_fwd, interpreting, resolve_backend, tuning
+from ringflash.kernels.launch_utils import tma_ok
+from ringflash.kernels.tiles import heaviest_first
+from tests.truth import TOL, attention_f64, lse_err, rel_err
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (B, Nq, Nk, H, Hkv, D): odd lengths, GQA/MQA, every head dim at least once.
@@ -301,8 +301,8 @@ def test_reference_backward_takes_o_as_given():
 @pytest.fixture
 def poisoned_outputs(monkeypatch):
     """Make the launchers' `torch.empty` return NaN-filled float tensors."""
-    import kernels.triton_bwd as bwd_mod
-    import kernels.triton_fwd as fwd_mod
+    import ringflash.kernels.triton_bwd as bwd_mod
+    import ringflash.kernels.triton_fwd as fwd_mod
 
     real_empty = torch.empty
 

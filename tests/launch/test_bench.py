@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from dist_utils import REPO, torchrun
+from tests.dist_utils import REPO, torchrun
 
 
 def test_bench_ring_quick_runs_over_gloo(tmp_path):

@@ -19,20 +19,20 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo  # imported (slowly) once here, so every forked rank inherits it
-from dist_utils import RankFailure, run_ranks
 
-import kernels.ops  # registers torch.ops.ringflash.attn_fwd / attn_bwd
 import ringflash
-from kernels import interpreting
-from train.config import ModelConfig
-from train.model import Transformer
+from ringflash import kernels  # registers torch.ops.ringflash.attn_fwd / attn_bwd
+from ringflash.kernels import interpreting
+from ringflash.train.config import ModelConfig
+from ringflash.train.model import Transformer
+from tests.dist_utils import RankFailure, run_ranks
 
 TINY = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
 
 
 # Every test does its work in child processes, even the single-process ones: a parent that has
 # run a backward (autograd's threads) or, on a GPU machine, initialised CUDA cannot fork children
-# that do. Fork where that is safe (fast); spawn on GPU machines, as tests/test_ring.py does.
+# that do. Fork where that is safe (fast); spawn on GPU machines, as tests/ringflash/test_ring.py does.
 START = "spawn" if torch.cuda.is_available() else "fork"
 
 

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from train.config import Config, ConfigError, ParallelConfig, describe, load_config, parse_overrides
+from ringflash.train.config import Config, ConfigError, ParallelConfig, describe, load_config, parse_overrides
+from tests.dist_utils import REPO
 
-CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.toml"))
+CONFIGS = sorted((REPO / "configs").glob("*.toml"))
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -224,7 +225,7 @@ def test_configs_name_their_device():
 def test_more_processes_than_gpus_is_refused_by_name(monkeypatch):
     # A second process on a one-GPU machine would fail inside torch.cuda.set_device, and only
     # rank 0 prints errors.
-    from train.parallel import resolve_device
+    from ringflash.train.parallel import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -251,7 +252,7 @@ def test_limits_are_inclusive():
 
 
 def test_cp_must_divide_world_size():
-    from train.parallel import ParallelDims
+    from ringflash.train.parallel import ParallelDims
 
     assert ParallelDims.from_config(ParallelConfig(cp=2), 4) == ParallelDims(dp=2, cp=2, world_size=4)
     with pytest.raises(ConfigError, match=r"parallel.cp \(3\) must divide the world size \(2\)"):
@@ -262,7 +263,7 @@ def test_cp_must_divide_world_size():
 def test_ring_groups_get_the_ring_options(monkeypatch, dp, cp, override):
     # NCCL options (high-priority streams) reach the cp groups when they are sub-groups; when cp
     # is the whole world the mesh reuses the default group, created with them already.
-    import train.parallel as parallel
+    import ringflash.train.parallel as parallel
 
     seen = {}
 
@@ -277,7 +278,7 @@ def test_ring_groups_get_the_ring_options(monkeypatch, dp, cp, override):
 
 def test_ring_groups_without_backend_override_warn(monkeypatch):
     # torch < 2.8 cannot pass options to a mesh's groups: the mesh is built anyway, with a warning.
-    import train.parallel as parallel
+    import ringflash.train.parallel as parallel
 
     monkeypatch.setattr(parallel, "init_device_mesh", lambda device_type, mesh_shape, *, mesh_dim_names=None: "mesh")
     with pytest.warns(UserWarning, match="TORCH_NCCL_HIGH_PRIORITY=1"):
@@ -305,7 +306,7 @@ def test_parse_overrides_forms():
 )
 def test_cpu_run_refuses_gpu_only_settings(cfg, match):
     # Checked before any process group is made: nothing to tear down, nothing hangs.
-    from train.parallel import distributed
+    from ringflash.train.parallel import distributed
 
     with pytest.raises(ConfigError, match=match), distributed(cfg, device="cpu"):
         pass

@@ -19,14 +19,14 @@ import pytest
 import torch
 import torch._dynamo  # the ring op imports it on its first call: once here, not in every forked rank
 import torch.distributed as dist
-from dist_utils import REPO, RankFailure, run_ranks, torchrun
-from truth import TOL, attention_f64, lse_err, rel_err
 
 import ringflash
-from kernels import attn_bwd, attn_fwd, interpreting
 from ringflash import RingFlashAttention, ring_flash_attn_func, shard
 from ringflash.comm import TRANSPORTS, RingComm, host_group, ring_comm
+from ringflash.kernels import attn_bwd, attn_fwd, interpreting
 from ringflash.ops import _check_across_ranks, _signature
+from tests.dist_utils import REPO, RankFailure, run_ranks, torchrun
+from tests.truth import TOL, attention_f64, lse_err, rel_err
 
 
 def make_case(

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from train.config import ModelConfig, load_config
-from train.model import DocumentMask, LocalCausalAttention, Transformer, apply_rope, rope_angles
+from ringflash.train.config import ModelConfig, load_config
+from ringflash.train.model import DocumentMask, LocalCausalAttention, Transformer, apply_rope, rope_angles
+from tests.dist_utils import REPO
 
 TINY = ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2)
 
@@ -70,9 +71,8 @@ def test_tied_embedding_and_param_count():
 
 
 def test_gpu_config_is_about_100m_params():
-    from pathlib import Path
 
-    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "gpu1.toml")
+    cfg = load_config(REPO / "configs" / "gpu1.toml")
     with torch.device("meta"):
         n = Transformer(cfg.model).num_params()
     assert 80e6 < n < 130e6, n

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from truth import TOL, attention_f64, lse_err, rel_err
 
-import kernels
-from kernels import attn_bwd, attn_fwd, dense_visibility
-from kernels.cudnn import cudnn_attn_bwd, cudnn_attn_fwd
+from ringflash import kernels
+from ringflash.kernels import attn_bwd, attn_fwd, dense_visibility
+from ringflash.kernels.cudnn import cudnn_attn_bwd, cudnn_attn_fwd
+from tests.truth import TOL, attention_f64, lse_err, rel_err
 
 gpu = pytest.mark.gpu
 
@@ -127,7 +127,7 @@ def test_accumulate_adds_to_out():
 @gpu
 @pytest.mark.parametrize("n_keys", [96, 0])
 def test_the_ring_step_contract(n_keys):
-    # What tests/test_kernels_out.py checks of the Triton kernels, with cuDNN's rounded block
+    # What tests/kernels/test_kernels_out.py checks of the Triton kernels, with cuDNN's rounded block
     # gradients (so tolerances, not bit-equality): `acc=` is only read and the totals written to
     # `out` rounded; `after_dkdv` runs once, with dK/dV final and dQ not yet written; no keys
     # means zero gradients, or sums unchanged.

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from truth import attention_f64, rel_err
 
-from kernels import attn_bwd
+from ringflash.kernels import attn_bwd
+from tests.truth import attention_f64, rel_err
 
 BACKENDS = ["reference", "triton"]
 

@@ -2,7 +2,7 @@
 a mismatch is reported with the field's name and each rank's value, decoded.
 
 No process group: a stub comm's `all_gather_ints` returns the rows the other ranks would send
-(tests/test_ring.py runs the check for real over gloo ranks).
+(tests/ringflash/test_ring.py runs the check for real over gloo ranks).
 """
 
 from __future__ import annotations

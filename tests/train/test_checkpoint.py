@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import run_ranks
-from tiny_config import tiny_config
 
-from train.checkpoint import Checkpointer, complete_checkpoints
-from train.config import ConfigError
+from ringflash.train.checkpoint import Checkpointer, complete_checkpoints
+from ringflash.train.config import ConfigError
+from tests.dist_utils import run_ranks
+from tests.tiny_config import tiny_config
 
 K = 3  # steps before the interruption
 
@@ -23,7 +23,7 @@ def cfg_for(run_dir: Path, *overrides: str):
 
 
 def _resume_equals_uninterrupted(rank, world, tmp: Path):
-    from train.trainer import train
+    from ringflash.train.trainer import train
 
     whole = train(cfg_for(tmp / "whole", "--checkpoint.enabled=false"))
     first = train(cfg_for(tmp / "split", f"--train.stop_at={K}"))
@@ -47,7 +47,7 @@ def test_resume_equals_uninterrupted(tmp_path):
 
 
 def _fresh_run_refuses_old_checkpoints(rank, world, tmp: Path):
-    from train.trainer import train
+    from ringflash.train.trainer import train
 
     train(cfg_for(tmp, "--train.steps=2", "--parallel.cp=1"))
     with pytest.raises(ConfigError, match=r"already holds checkpoints .*pass --resume"):

@@ -19,19 +19,17 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import RankFailure, run_ranks
-from test_ring import make_case, ring_exactness_worker
-from test_train import _cp_vs_single
-from tiny_config import tiny_config
-from truth import TOL
 
 import ringflash
-from kernels import attn_bwd, attn_fwd
 from ringflash import RingFlashAttention, ring_flash_attn_func
-from train.checkpoint import CheckpointError, complete_checkpoints
-from train.config import ConfigError, load_config
-
-REPO = Path(__file__).resolve().parent.parent
+from ringflash.kernels import attn_bwd, attn_fwd
+from ringflash.train.checkpoint import CheckpointError, complete_checkpoints
+from ringflash.train.config import ConfigError, load_config
+from tests.dist_utils import REPO, RankFailure, run_ranks
+from tests.ringflash.test_ring import make_case, ring_exactness_worker
+from tests.tiny_config import tiny_config
+from tests.train.test_train import _cp_vs_single
+from tests.truth import TOL
 
 
 def _load_script(name: str):
@@ -147,7 +145,7 @@ def cfg_for(run_dir: Path, *overrides: str):
 
 
 def _bad_checkpoints(rank, world, tmp: Path):
-    from train.trainer import train
+    from ringflash.train.trainer import train
 
     train(cfg_for(tmp, "--train.steps=1"))
     resume = "--checkpoint.resume=latest"
@@ -174,13 +172,13 @@ def test_checkpoint_of_another_model_or_damaged_is_refused_by_name(tmp_path):
 
 
 def _save_with_dp2(rank, world, tmp: Path):
-    from train.trainer import train
+    from ringflash.train.trainer import train
 
     train(cfg_for(tmp, "--train.steps=1", "--parallel.cp=1"))
 
 
 def _resume_with_dp1(rank, world, tmp: Path):
-    from train.trainer import train
+    from ringflash.train.trainer import train
 
     with pytest.raises(ConfigError, match=r"resume: checkpoint has data dp_size = 2, this run has 1"):
         train(cfg_for(tmp, "--train.steps=2", "--parallel.cp=1", "--checkpoint.resume=latest"))
@@ -195,7 +193,7 @@ def test_checkpoint_of_another_world_size_is_refused_by_name(tmp_path):
 
 
 def _configs_disagree(rank, world, tmp: Path):
-    from train.trainer import train
+    from ringflash.train.trainer import train
 
     mine = ["--data.seq_len=512", "--parallel.layout=contiguous"] if rank == 1 else []
     with pytest.raises(ConfigError, match=r"different configurations") as err:
@@ -219,7 +217,7 @@ def _free_port() -> int:
 
 def _one_rank_skips_the_op(rank, world, port: int, timeout_s: float):
     """Rank 1 is busy elsewhere past the group timeout (from the config) and calls the op late."""
-    from train.parallel import distributed
+    from ringflash.train.parallel import distributed
 
     dist.destroy_process_group()  # the harness's group; distributed() builds one from the config
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
@@ -244,14 +242,14 @@ def test_rank_that_skips_the_op_makes_every_rank_raise(tmp_path):
 
 
 def _killed_while_saving(rank, world, tmp: Path):
-    from train.trainer import train
+    from ringflash.train.trainer import train
 
     os.environ["RINGFLASH_FAULT"] = "save:4:0"  # rank 0 dies after writing its shards of step 4
     train(cfg_for(tmp, "--parallel.cp=2", "--train.steps=6", "--checkpoint.interval=2"))
 
 
 def _resume_after_the_kill(rank, world, tmp: Path):
-    from train.trainer import train
+    from ringflash.train.trainer import train
 
     whole = train(cfg_for(tmp / "whole", "--parallel.cp=2", "--train.steps=6", "--checkpoint.enabled=false"))
     torch.manual_seed(99 + rank)  # a new process: resuming must restore the RNG
@@ -279,7 +277,7 @@ def test_kill_during_save_keeps_previous_checkpoint_and_resumes_exactly(tmp_path
 
 
 def _reference_run(rank, world, overrides):
-    from train.trainer import train
+    from ringflash.train.trainer import train
 
     return train(load_config(None, overrides)).losses
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from train.config import ConfigError, DataConfig
-from train.data import FILLER, IGNORE, QUERY, DataLoader, PasskeyTask, _holds, build_source, build_sources
+from ringflash.train.config import ConfigError, DataConfig
+from ringflash.train.data import FILLER, IGNORE, QUERY, DataLoader, PasskeyTask, _holds, build_source, build_sources
 
 
 def passkey(**kw) -> PasskeyTask:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import interpreting, ref_merge
-from kernels.triton_passes import add_into, merge_into
+from ringflash.kernels import interpreting, ref_merge
+from ringflash.kernels.triton_passes import add_into, merge_into
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
