@@ -14,7 +14,7 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 
 
-def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Check q `(B, Nq, H, D)` and k, v `(B, Nk, Hkv, D)` against the kernel contract."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -30,10 +30,10 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -
             raise TypeError(f"{name}.dtype must equal q.dtype ({q.dtype}), got {t.dtype}")
         if t.device != q.device:
             raise ValueError(f"{name} must be on q's device ({q.device}), got {t.device}")
-    B, Nq, H, D = q.shape
+    B, _, H, D = q.shape
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
-    Bk, Nk, Hkv, Dk = k.shape
+    Bk, _, Hkv, Dk = k.shape
     if Bk != B:
         raise ValueError(f"k.shape[0] (batch) must equal q.shape[0] = {B}, got {Bk}")
     if Dk != D:
@@ -44,11 +44,6 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -
         raise ValueError(
             f"the number of query heads (q.shape[2] = {H}) must be a multiple of the number of "
             f"key/value heads (k.shape[2] = {Hkv})"
-        )
-    if causal and Nq != Nk:
-        raise ValueError(
-            f"causal=True needs as many queries as keys (a diagonal block), got q.shape[1] = {Nq} "
-            f"and k.shape[1] = {Nk}"
         )
 
 

@@ -30,6 +30,7 @@ import functools
 import torch
 
 from ringflash.kernels.checks import check_bwd, check_qkv, resolve_fwd_outputs, resolve_scale
+from ringflash.kernels.spec import AttnSpec
 from ringflash.kernels.triton_passes import merge_into
 
 __all__ = ["check_cudnn", "cudnn_attn_bwd", "cudnn_attn_fwd"]
@@ -39,24 +40,41 @@ _aten = torch.ops.aten
 
 MASKS_NEED_TRITON = (
     "backend='cudnn' runs causal or full attention only: windows and document masks (window=, "
-    "visibility=, mask=, cu_seqlens) need backend='triton'"
+    "mask=, cu_seqlens, intervals) need backend='triton'"
 )
 
 
-def check_cudnn(q: torch.Tensor, k: torch.Tensor, masked: bool = False) -> None:
-    """Reject what the cuDNN backend cannot run, before any work, naming the argument: cuDNN's own
-    limits as PyTorch's SDPA checks them (`sdp_utils.cpp`), since this calls the op directly."""
-    if masked:
+def cudnn_limits(spec: AttnSpec | None, dtype: torch.dtype | None, head_dim: int | None,
+                 device: torch.device | None = None) -> str | None:
+    """Why cuDNN cannot run this (a message naming the argument), or None: the backend's
+    `supports`. Any argument may be None (not known yet: not checked). cuDNN's own limits as
+    PyTorch's SDPA checks them (`sdp_utils.cpp`), since this calls the op directly."""
+    if spec is not None and not spec.dense:
+        return MASKS_NEED_TRITON
+    if dtype is not None and dtype not in (torch.float16, torch.bfloat16):
+        return f"backend='cudnn' takes float16 or bfloat16 inputs, got {dtype}"
+    if head_dim is not None and head_dim % 8:
+        return f"backend='cudnn' needs q.shape[3] (head_dim) a multiple of 8, got {head_dim}"
+    if device is not None and device.type == "cuda" and head_dim is not None:
+        max_d = _max_head_dim(device)
+        if head_dim > max_d:
+            return (f"backend='cudnn' needs q.shape[3] (head_dim) a multiple of 8 up to {max_d} on this GPU, "
+                    f"got {head_dim}")
+    return None
+
+
+def check_cudnn(q: torch.Tensor, k: torch.Tensor, spec: AttnSpec | None = None) -> None:
+    """Reject what the cuDNN backend cannot run, before any work, naming the argument."""
+    if spec is not None and not spec.dense:
         raise ValueError(MASKS_NEED_TRITON)
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        raise TypeError(f"backend='cudnn' takes float16 or bfloat16 inputs, got {q.dtype}")
+    why = cudnn_limits(None, q.dtype, None)
+    if why is not None:
+        raise TypeError(why)
     if q.device.type != "cuda":
         raise ValueError(f"backend='cudnn' needs CUDA tensors, got q on {q.device}")
-    head_dim, max_d = q.shape[-1], _max_head_dim(q.device)
-    if head_dim % 8 or head_dim > max_d:
-        raise ValueError(
-            f"backend='cudnn' needs q.shape[3] (head_dim) a multiple of 8 up to {max_d} on this GPU, got {head_dim}"
-        )
+    why = cudnn_limits(None, None, q.shape[-1], q.device)
+    if why is not None:
+        raise ValueError(why)
     if q.shape[0] > 65535 or max(q.shape[2], k.shape[2]) > 65535:
         raise ValueError(f"backend='cudnn' takes at most 65535 batches and heads, got q {tuple(q.shape)}")
     if torch.are_deterministic_algorithms_enabled():
@@ -100,18 +118,18 @@ def cudnn_attn_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    *,
-    causal: bool = False,
+    spec: AttnSpec,
     softmax_scale: float | None = None,
+    *,
     out_dtype: torch.dtype | None = None,
     acc: tuple[torch.Tensor, torch.Tensor] | None = None,
     out: torch.Tensor | None = None,
-    window: int | None = None,
-    visibility=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`kernels.attn_fwd` on cuDNN: same arguments and results (see the module docstring)."""
-    check_qkv(q, k, v, causal)
-    check_cudnn(q, k, masked=window is not None or visibility is not None)
+    """`Backend.fwd_step` on cuDNN: same arguments and results (see the module docstring)."""
+    check_qkv(q, k, v)
+    check_cudnn(q, k, spec)
+    spec.intervals_for(q, k)  # the diagonal check
+    causal = spec.causal
     # cuDNN's own o and lse are the result unless they are to go elsewhere: no copy.
     own = acc is None and out is None and out_dtype in (None, q.dtype)
     o_out, lse_out = (None, None) if own else resolve_fwd_outputs(q, out_dtype, acc, out)
@@ -140,19 +158,18 @@ def cudnn_attn_bwd(
     v: torch.Tensor,
     o: torch.Tensor,
     lse: torch.Tensor,
-    *,
-    causal: bool = False,
+    spec: AttnSpec,
     softmax_scale: float | None = None,
-    window: int | None = None,
-    visibility=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients `(dq, dk, dv)` in the input dtype, from cuDNN, shaped like q, k, v (views).
 
     `o`, `lse` may be global (a ring's merged ones): cuDNN recomputes P from lse and
     rowsum(do·o) from o, as the Triton kernels do, so per-block gradients sum to the full ones.
     """
-    check_qkv(q, k, v, causal)
-    check_cudnn(q, k, masked=window is not None or visibility is not None)
+    check_qkv(q, k, v)
+    check_cudnn(q, k, spec)
+    spec.intervals_for(q, k)
+    causal = spec.causal
     check_bwd(do, q, o, lse)
     scale = resolve_scale(softmax_scale, q.shape[-1])
     if _empty(q, k):

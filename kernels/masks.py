@@ -33,8 +33,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["Visibility", "check_visibility", "dense_visibility", "resolve_visibility", "varlen_visibility",
-           "visibility"]
+__all__ = ["Visibility", "check_visibility", "check_window", "dense_visibility", "varlen_visibility", "visibility"]
 
 
 class Visibility(NamedTuple):
@@ -45,6 +44,16 @@ class Visibility(NamedTuple):
     kv_hi: torch.Tensor
     q_lo: torch.Tensor
     q_hi: torch.Tensor
+
+
+def check_window(window: int | None, causal: bool, name: str = "window") -> None:
+    """`window` is None or a positive int, and needs causal; errors name `name`."""
+    if window is None:
+        return
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"{name} must be a positive int (keys seen, counting the diagonal) or None, got {window!r}")
+    if not causal:
+        raise ValueError(f"{name} needs causal=True (a causal sliding window: i - {name} < j <= i)")
 
 
 def _as_2d(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
@@ -86,11 +95,7 @@ def visibility(
     only keys of its own document. causal: key position <= query position. window: w keys
     counting the diagonal (module docstring), causal only. Orders are checked for CPU tensors.
     """
-    if window is not None:
-        if not causal:
-            raise ValueError("window needs causal=True (a causal sliding window: p - window < key <= p)")
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"window must be a positive int (keys seen, counting the diagonal), got {window!r}")
+    check_window(window, causal)
     if (q_doc is None) != (k_doc is None):
         raise ValueError("q_doc and k_doc must be given together (document ids of the query and key rows)")
     qp, kp, qd, kd = (_as_2d(n, t) for n, t in (("q_pos", q_pos), ("k_pos", k_pos), ("q_doc", q_doc),
@@ -200,30 +205,6 @@ def check_visibility(vis: Visibility, B: int, Nq: int, Nk: int, device: torch.de
             raise ValueError(f"visibility.{name} must be on q's device ({device}), got {t.device}")
     if vis.kv_lo.shape != vis.kv_hi.shape or vis.q_lo.shape != vis.q_hi.shape:
         raise ValueError("visibility.kv_lo/kv_hi (and q_lo/q_hi) must have the same shape")
-
-
-def resolve_visibility(
-    q: torch.Tensor, k: torch.Tensor, causal: bool, window: int | None, vis: Visibility | None
-) -> Visibility | None:
-    """The `Visibility` a kernel call runs with: `vis` as given (checked), one built for `window`
-    (a causal sliding window on the diagonal block), or None for the dense causal/full masks."""
-    B, Nq = q.shape[:2]
-    Nk = k.shape[1]
-    if vis is not None:
-        if causal or window is not None:
-            raise ValueError(
-                "visibility= already says which keys each query sees: pass causal=False and no window "
-                "(build it with kernels.visibility(..., causal=True, window=...))"
-            )
-        check_visibility(vis, B, Nq, Nk, q.device)
-        return vis
-    if window is None:
-        return None
-    if not causal:
-        raise ValueError("window needs causal=True (a causal sliding window: p - window < key <= p)")
-    if Nq != Nk:
-        raise ValueError(f"window= is for the diagonal block (Nq == Nk), got {Nq} and {Nk}: pass visibility=")
-    return dense_visibility(Nq, window=window, device=q.device)
 
 
 def batch_stride(t: torch.Tensor) -> int:

@@ -1,19 +1,16 @@
 """The kernels as PyTorch custom ops, for `torch.compile` and autograd.
 
-    o, lse = torch.ops.ringflash.attn_fwd(q, k, v, causal=True)   # differentiable in q, k, v
-    dq, dk, dv = torch.ops.ringflash.attn_bwd(do, q, k, v, o, lse, causal=True)
+    o, lse = torch.ops.ringflash.attn_fwd(q, k, v, [], causal=True)   # differentiable in q, k, v
+    dq, dk, dv = torch.ops.ringflash.attn_bwd(do, q, k, v, o, lse, [], causal=True)
 
-`kernels.attn_fwd` / `kernels.attn_bwd` are plain Python: under `torch.compile` Dynamo would
-trace into the dispatcher and the Triton launch (or the reference's einsums) instead of seeing
-one opaque call. Registered with `torch.library.custom_op`, each is a single node in the graph,
-with a fake implementation (shapes and dtypes only) for tracing and, for `attn_fwd`, a backward
-that calls `attn_bwd`. The wrappers are thin on purpose: same arguments as the dispatcher, which
-keeps doing every check and the backend choice at run time.
+Under `torch.compile` Dynamo would otherwise trace into the dispatcher and the Triton launch (or
+the reference's einsums); as custom ops each is one node of the graph, with a fake implementation
+(shapes and dtypes only) and, for `attn_fwd`, a backward that calls `attn_bwd`. They take every
+argument `kernels.attn_fwd` / `attn_bwd` take: `causal`, `window`, and per-row key intervals as
+the tensor list `intervals` (`[]`, or a `Visibility`'s four tensors).
 
-Contract beyond `kernels.attn_fwd/attn_bwd` (what the fake implementations promise): outputs are
-new contiguous tensors. The reference backend's dk and dv are permuted views, so they are copied
-here; the Triton outputs are already contiguous and pass unchanged. `lse` is not differentiable
-(nothing upstream needs its gradient, and the kernels do not compute it).
+Outputs are new contiguous tensors (the reference's dk and dv are permuted views, copied here).
+`lse` is not differentiable.
 """
 
 from __future__ import annotations
@@ -21,7 +18,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ringflash import kernels
+from ringflash.kernels.backends import get_backend
+from ringflash.kernels.masks import Visibility
+from ringflash.kernels.spec import AttnSpec
 
 __all__ = ["attn_bwd", "attn_fwd"]
 
@@ -31,26 +30,31 @@ def attn_fwd(
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    intervals: list[Tensor],
     *,
     causal: bool = False,
     softmax_scale: float | None = None,
-    out_dtype: torch.dtype | None = None,
+    window: int | None = None,
     backend: str | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """`kernels.attn_fwd` as an op: `o (B, Nq, H, D)` in `out_dtype` (default q's), `lse (B, H, Nq)` float32."""
+    """`kernels.attn_fwd` as an op: `o (B, Nq, H, D)` like q, `lse (B, H, Nq)` float32."""
     # Autocast must not recast the reference's float32 math (the op gets no autocast rule, so its
     # inputs arrive as the caller made them, but ops inside would still be autocast).
     with torch.autocast(q.device.type, enabled=False):
-        o, lse = kernels.attn_fwd(
-            q, k, v, causal=causal, softmax_scale=softmax_scale, out_dtype=out_dtype, backend=backend
-        )
+        o, lse = get_backend(backend, q.device).fwd_step(q, k, v, _spec(causal, window, intervals), softmax_scale)
     return o.contiguous(), lse.contiguous()
 
 
+def _spec(causal: bool, window: int | None, intervals: list[Tensor]) -> AttnSpec:
+    if intervals:
+        return AttnSpec(intervals=Visibility(*intervals))
+    return AttnSpec(causal=causal, window=window)
+
+
 @attn_fwd.register_fake
-def _(q, k, v, *, causal=False, softmax_scale=None, out_dtype=None, backend=None):
+def _(q, k, v, intervals, *, causal=False, softmax_scale=None, window=None, backend=None):
     B, Nq, H, _ = q.shape
-    return q.new_empty(q.shape, dtype=out_dtype or q.dtype), q.new_empty((B, H, Nq), dtype=torch.float32)
+    return q.new_empty(q.shape), q.new_empty((B, H, Nq), dtype=torch.float32)
 
 
 @torch.library.custom_op("ringflash::attn_bwd", mutates_args=())
@@ -61,39 +65,38 @@ def attn_bwd(
     v: Tensor,
     o: Tensor,
     lse: Tensor,
+    intervals: list[Tensor],
     *,
     causal: bool = False,
     softmax_scale: float | None = None,
-    grad_dtype: torch.dtype | None = None,
+    window: int | None = None,
     backend: str | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """`kernels.attn_bwd` as an op: `dq` like q, `dk`, `dv` like k, in `grad_dtype` (default q's)."""
+    """`kernels.attn_bwd` as an op: `dq` like q, `dk`, `dv` like k, in q's dtype."""
     with torch.autocast(q.device.type, enabled=False):
-        grads = kernels.attn_bwd(
-            do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale, grad_dtype=grad_dtype, backend=backend
+        grads = get_backend(backend, q.device).bwd_step(
+            do, q, k, v, o, lse, _spec(causal, window, intervals), softmax_scale
         )
     return tuple(g.contiguous() for g in grads)
 
 
 @attn_bwd.register_fake
-def _(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, grad_dtype=None, backend=None):
-    dtype = grad_dtype or q.dtype
-    return q.new_empty(q.shape, dtype=dtype), k.new_empty(k.shape, dtype=dtype), v.new_empty(v.shape, dtype=dtype)
+def _(do, q, k, v, o, lse, intervals, *, causal=False, softmax_scale=None, window=None, backend=None):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _fwd_setup_context(ctx, inputs, keyword_only_inputs, output):
-    q, k, v = inputs
+    q, k, v, intervals = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse)
-    ctx.kwargs = {key: keyword_only_inputs[key] for key in ("causal", "softmax_scale", "backend")}
+    ctx.save_for_backward(q, k, v, o, lse, *intervals)
+    ctx.kwargs = {key: keyword_only_inputs[key] for key in ("causal", "softmax_scale", "window", "backend")}
     ctx.mark_non_differentiable(lse)
 
 
 def _fwd_backward(ctx, do, _dlse):
-    q, k, v, o, lse = ctx.saved_tensors
-    # Gradients in the inputs' dtype (autograd wants them so), whatever out_dtype the forward used.
-    dq, dk, dv = attn_bwd(do.contiguous(), q, k, v, o, lse, grad_dtype=q.dtype, **ctx.kwargs)
-    return dq, dk, dv
+    q, k, v, o, lse, *intervals = ctx.saved_tensors
+    dq, dk, dv = attn_bwd(do.contiguous(), q, k, v, o, lse, intervals, **ctx.kwargs)
+    return dq, dk, dv, [None] * len(intervals)
 
 
 attn_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from ringflash.kernels.checks import aliases, check_bwd, check_qkv, resolve_fwd_outputs, resolve_scale
-from ringflash.kernels.masks import Visibility, resolve_visibility
+from ringflash.kernels.masks import Visibility
+from ringflash.kernels.spec import AttnSpec
 
 
 def _grouped(q: torch.Tensor, hkv: int) -> torch.Tensor:
@@ -43,10 +44,11 @@ def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, vis: V
 
 
 def _probabilities(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """P = exp(S - lse), with rows whose lse is -inf (no visible key) at exactly 0."""
-    finite = torch.isfinite(lse)
-    p = torch.exp(s - torch.where(finite, lse, 0.0).unsqueeze(-1))
-    return torch.where(finite.unsqueeze(-1), p, 0.0)
+    """P = exp(S - lse), with rows whose lse is -inf (no visible key) at exactly 0. A NaN or +inf
+    in a row's scores makes its lse NaN or +inf and its P NaN, as in SDPA: never a silent 0."""
+    empty = lse == float("-inf")
+    p = torch.exp(s - torch.where(empty, 0.0, lse).unsqueeze(-1))
+    return torch.where(empty.unsqueeze(-1), 0.0, p)
 
 
 @torch.no_grad()  # plain tensors out, as from the Triton kernels: no autograd graph
@@ -54,14 +56,12 @@ def ref_attn_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    *,
-    causal: bool = False,
+    spec: AttnSpec,
     softmax_scale: float | None = None,
+    *,
     out_dtype: torch.dtype | None = None,
     acc: tuple[torch.Tensor, torch.Tensor] | None = None,
     out: torch.Tensor | None = None,
-    window: int | None = None,
-    visibility: Visibility | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of `q (B, Nq, H, D)` over `k, v (B, Nk, Hkv, D)`.
 
@@ -69,15 +69,14 @@ def ref_attn_fwd(
     Rows with no visible key give `o = 0` and `lse = -inf`. With `acc=(o_acc, lse_acc)` (float32)
     the result is merged into the accumulator in place (`ref_merge`) and `acc` is returned.
     `out`: where o goes instead (o_acc is then only read, and may be in q's dtype; `(out, lse)`
-    is returned), as in `kernels.attn_fwd`.
-    `window` / `visibility`: the masks of kernels/masks.py.
+    is returned), as in `Backend.fwd_step`. `spec`: kernels/spec.py.
     """
-    check_qkv(q, k, v, causal and visibility is None)
-    vis = resolve_visibility(q, k, causal, window, visibility)
+    check_qkv(q, k, v)
+    vis = spec.intervals_for(q, k)
     o_out, lse_out = resolve_fwd_outputs(q, out_dtype, acc, out)
     scale = resolve_scale(softmax_scale, q.shape[-1])
     B, Nq, H, _ = q.shape
-    s = _scores(q, k, causal, scale, vis)  # (B, Hkv, G, Nq, Nk)
+    s = _scores(q, k, spec.causal, scale, vis)  # (B, Hkv, G, Nq, Nk)
     lse = torch.logsumexp(s, dim=-1)  # -inf where a row sees nothing (or Nk == 0)
     p = _probabilities(s, lse)
     o = _ungrouped(torch.einsum("bhgqk,bhkd->bhgqd", p, v.float().permute(0, 2, 1, 3)))
@@ -126,8 +125,10 @@ def ref_merge(
         )
     new = torch.logaddexp(lse, lse_blk)  # -inf only where both are -inf
     d = lse_blk - lse
-    # Both sides empty: d is NaN; any finite weight works because o and o_blk are 0 there.
-    d = torch.where(torch.isnan(d), 0.0, d).transpose(1, 2).unsqueeze(-1)  # (B, N, H, 1)
+    # Both sides empty: d is NaN; any finite weight works because o and o_blk are 0 there. A NaN
+    # of either side (NaN in q, k or v) stays NaN, as SDPA would give.
+    both_empty = (lse == float("-inf")) & (lse_blk == float("-inf"))
+    d = torch.where(both_empty, 0.0, d).transpose(1, 2).unsqueeze(-1)  # (B, N, H, 1)
     if in_place:
         o.mul_(torch.sigmoid(-d)).addcmul_(o_blk, torch.sigmoid(d))
     else:
@@ -143,12 +144,10 @@ def ref_attn_bwd(
     v: torch.Tensor,
     o: torch.Tensor,
     lse: torch.Tensor,
-    *,
-    causal: bool = False,
+    spec: AttnSpec,
     softmax_scale: float | None = None,
+    *,
     grad_dtype: torch.dtype | None = None,
-    window: int | None = None,
-    visibility: Visibility | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of attention given `do`, the forward's inputs, and `o`, `lse`.
 
@@ -157,14 +156,14 @@ def ref_attn_bwd(
     exactly what makes per-block gradients sum to the full gradient.
     Returns `dq (B, Nq, H, D)`, `dk, dv (B, Nk, Hkv, D)` in `grad_dtype` (default: q's dtype).
     """
-    check_qkv(q, k, v, causal and visibility is None)
-    vis = resolve_visibility(q, k, causal, window, visibility)
+    check_qkv(q, k, v)
+    vis = spec.intervals_for(q, k)
     check_bwd(do, q, o, lse)
     scale = resolve_scale(softmax_scale, q.shape[-1])
     out_dtype = grad_dtype or q.dtype
     B, Nq, H, _ = q.shape
     Hkv = k.shape[2]
-    s = _scores(q, k, causal, scale, vis)
+    s = _scores(q, k, spec.causal, scale, vis)
     lse_g = lse.view(B, Hkv, H // Hkv, Nq)
     p = _probabilities(s, lse_g)  # (B, Hkv, G, Nq, Nk)
     dog = _grouped(do, Hkv)

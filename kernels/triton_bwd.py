@@ -40,7 +40,8 @@ from ringflash.kernels.launch_utils import (
     num_sms,
     upcast_dots,
 )
-from ringflash.kernels.masks import Visibility, batch_stride, resolve_visibility
+from ringflash.kernels.masks import batch_stride
+from ringflash.kernels.spec import AttnSpec
 from ringflash.kernels.tiles import (
     block_bounds,
     head_base,
@@ -316,15 +317,13 @@ def triton_attn_bwd(
     v: torch.Tensor,
     o: torch.Tensor,
     lse: torch.Tensor,
-    *,
-    causal: bool = False,
+    spec: AttnSpec,
     softmax_scale: float | None = None,
+    *,
     grad_dtype: torch.dtype | None = None,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     accumulate: bool = False,
     acc: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    window: int | None = None,
-    visibility: Visibility | None = None,
     after_dkdv: Callable[[], None] | None = None,
     tiles: dict[str, Tile] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -335,11 +334,11 @@ def triton_attn_bwd(
     ring asks for float32 to accumulate across steps): new tensors, or `out`'s (any strides), added
     to what they hold instead of written when `accumulate`, or to what `acc` holds (see
     `kernels.attn_bwd`).
-    `window` / `visibility`: the forward's mask (kernels/masks.py). `after_dkdv()`: called
-    between the dK/dV launch and the dQ launch (see `kernels.attn_bwd`).
+    `spec`: the forward's (kernels/spec.py). `after_dkdv()`: called between the dK/dV launch and
+    the dQ launch (see `Backend.bwd_step`).
     """
-    check_qkv(q, k, v, causal and visibility is None)
-    vis = resolve_visibility(q, k, causal, window, visibility)
+    check_qkv(q, k, v)
+    vis = spec.intervals_for(q, k)
     check_bwd(do, q, o, lse)
     scale = resolve_scale(softmax_scale, q.shape[-1])
     out_dtype = grad_dtype or q.dtype
@@ -365,7 +364,7 @@ def triton_attn_bwd(
         o, do, delta, *bhnd_strides(o), *bhnd_strides(do), H, Nq, HEAD_DIM=D, BLOCK_M=64, BLOCK_D=BD,
     )
     common = dict(
-        HEAD_DIM=D, GROUP=H // Hkv, CAUSAL=causal and vis is None, RANGES=vis is not None,
+        HEAD_DIM=D, GROUP=H // Hkv, CAUSAL=spec.causal and vis is None, RANGES=vis is not None,
         UPCAST=upcast_dots(q.dtype), PRECISION=dot_precision(q.dtype), BLOCK_D=BD,
     )
     if vis is None:  # placeholders, never read

@@ -43,7 +43,8 @@ from ringflash.kernels.launch_utils import (
     num_sms,
     upcast_dots,
 )
-from ringflash.kernels.masks import Visibility, batch_stride, resolve_visibility
+from ringflash.kernels.masks import Visibility, batch_stride
+from ringflash.kernels.spec import AttnSpec
 from ringflash.kernels.tiles import (
     block_bounds,
     head_base,
@@ -210,14 +211,12 @@ def triton_attn_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    *,
-    causal: bool = False,
+    spec: AttnSpec,
     softmax_scale: float | None = None,
+    *,
     out_dtype: torch.dtype | None = None,
     acc: tuple[torch.Tensor, torch.Tensor] | None = None,
     out: torch.Tensor | None = None,
-    window: int | None = None,
-    visibility: Visibility | None = None,
     tile: Tile | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of `q (B, Nq, H, D)` over `k, v (B, Nk, Hkv, D)` with the Triton kernel.
@@ -230,10 +229,10 @@ def triton_attn_fwd(
     `out`: where o goes (shaped like q, its own dtype; a view of a larger tensor is fine) instead of
     a new tensor or, with `acc`, o_acc (then only read): the ring's last step rounds its merged o
     to q's dtype this way, without a separate cast.
-    `window` (causal sliding window) and `visibility` (any per-row key intervals): kernels/masks.py.
+    `spec`: which keys each query sees (kernels/spec.py).
     """
-    check_qkv(q, k, v, causal and visibility is None)
-    vis = resolve_visibility(q, k, causal, window, visibility)
+    check_qkv(q, k, v)
+    vis = spec.intervals_for(q, k)
     scale = resolve_scale(softmax_scale, q.shape[-1])
     B, Nq, H, D = q.shape
     Nk, Hkv = k.shape[1], k.shape[2]
@@ -246,7 +245,7 @@ def triton_attn_fwd(
     args = (*srcs, o, lse, o_acc, *bhnd_strides(q), *bhnd_strides(k), *bhnd_strides(v), *bhnd_strides(o),
             *bhnd_strides(o_acc),
             *lse.stride(), *_ranges_args(vis, q), H, Nq, Nk, scale * LOG2E, num_sms(q.device))
-    consts = dict(HEAD_DIM=D, GROUP=H // Hkv, CAUSAL=causal and vis is None, RANGES=vis is not None,
+    consts = dict(HEAD_DIM=D, GROUP=H // Hkv, CAUSAL=spec.causal and vis is None, RANGES=vis is not None,
                   UPCAST=upcast_dots(q.dtype), PRECISION=dot_precision(q.dtype), MERGE=acc is not None,
                   TMA=tma, BLOCK_D=BD)
     launch("fwd", _attn_fwd_kernel, lambda meta: (triton.cdiv(Nq, meta["BLOCK_M"]), B * H), args, consts, tile)

@@ -4,8 +4,8 @@ Documents of any lengths are packed back to back into `(total, H, D)` tensors; `
 `(n_docs + 1,)` holds their boundaries (0, end of document 0, ..., total). Each token attends
 only within its own document: wholly, or causally (`causal=True`, as a language model wants;
 False by default, as in flash_attn), optionally within a causal sliding window.
-This is `kernels.attn_fwd/attn_bwd` on a batch of one with a `Visibility` built from the
-boundaries (kernels/masks.py), so key blocks of other documents are skipped, not masked.
+This is `kernels.attn_fwd/attn_bwd` on a batch of one with `AttnSpec.documents` (per-row key
+intervals built from the boundaries), so key blocks of other documents are skipped, not masked.
 
 Unlike flash_attn, query and key documents are the same packing (self-attention) and the grid
 spans the packed tokens, so `max_seqlen` is accepted for drop-in compatibility but not needed.
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ringflash import kernels
-from ringflash.kernels.masks import Visibility, varlen_visibility
+from ringflash.kernels.spec import AttnSpec
 
 __all__ = ["attn_varlen_bwd", "attn_varlen_fwd"]
 
@@ -29,10 +29,13 @@ def _check_packed(**tensors: torch.Tensor) -> None:
             raise ValueError(f"{name} must have 3 dims (total_tokens, heads, head_dim), got shape {tuple(t.shape)}")
 
 
-def _visibility(cu_seqlens: torch.Tensor, total: int, causal: bool, window: int | None,
-                visibility: Visibility | None) -> Visibility:
-    return visibility if visibility is not None else varlen_visibility(cu_seqlens, total, causal=causal,
-                                                                        window=window)
+def _documents(cu_seqlens: torch.Tensor, total: int, causal: bool, window: int | None,
+               spec: AttnSpec | None) -> AttnSpec:
+    if spec is not None:
+        if not isinstance(spec, AttnSpec):
+            raise TypeError(f"spec must be a kernels.AttnSpec or None, got {type(spec).__name__}")
+        return spec
+    return AttnSpec.documents(cu_seqlens, total, causal=causal, window=window)
 
 
 def attn_varlen_fwd(
@@ -45,8 +48,7 @@ def attn_varlen_fwd(
     causal: bool = False,
     window: int | None = None,
     softmax_scale: float | None = None,
-    out_dtype: torch.dtype | None = None,
-    visibility: Visibility | None = None,
+    spec: AttnSpec | None = None,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention within packed documents.
@@ -57,15 +59,14 @@ def attn_varlen_fwd(
     document).
     window: causal sliding window, w keys counting the diagonal (flash_attn's `window_size=(w − 1, 0)`);
     needs causal=True.
-    visibility: the `kernels.varlen_visibility(cu_seqlens, total, causal=, window=)` of an earlier
-    call, to skip rebuilding it (the backward needs the same one).
-    Returns `o (total, H, D)` in `out_dtype` (default q's) and `lse (H, total)` float32, natural log.
+    spec: the `AttnSpec.documents(cu_seqlens, total, causal=, window=)` of an earlier call, to skip
+    rebuilding it (the backward needs the same one).
+    Returns `o (total, H, D)` like q and `lse (H, total)` float32, natural log.
     """
     del max_seqlen  # the grid spans the packed tokens
     _check_packed(q=q, k=k, v=v)
-    vis = _visibility(cu_seqlens, q.shape[0], causal, window, visibility)
-    o, lse = kernels.attn_fwd(q[None], k[None], v[None], softmax_scale=softmax_scale, out_dtype=out_dtype,
-                              visibility=vis, backend=backend)
+    spec = _documents(cu_seqlens, q.shape[0], causal, window, spec)
+    o, lse = kernels.attn_fwd(q[None], k[None], v[None], softmax_scale=softmax_scale, spec=spec, backend=backend)
     return o[0], lse[0]
 
 
@@ -82,22 +83,20 @@ def attn_varlen_bwd(
     causal: bool = False,
     window: int | None = None,
     softmax_scale: float | None = None,
-    grad_dtype: torch.dtype | None = None,
-    visibility: Visibility | None = None,
+    spec: AttnSpec | None = None,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of `attn_varlen_fwd`: do, o like q `(total, H, D)`; lse `(H, total)` float32;
     `causal`, `window`, `softmax_scale` as given to the forward.
 
-    Returns `dq (total, H, D)`, `dk, dv (total, Hkv, D)` in `grad_dtype` (default q's dtype).
+    Returns `dq (total, H, D)`, `dk, dv (total, Hkv, D)` in q's dtype.
     Tokens whose lse is −inf (no visible key) get zero gradients.
     """
     del max_seqlen
     _check_packed(do=do, q=q, k=k, v=v, o=o)
     if not isinstance(lse, torch.Tensor) or lse.dim() != 2:
         raise ValueError(f"lse must have shape (heads, total_tokens), got {getattr(lse, 'shape', lse)}")
-    vis = _visibility(cu_seqlens, q.shape[0], causal, window, visibility)
+    spec = _documents(cu_seqlens, q.shape[0], causal, window, spec)
     dq, dk, dv = kernels.attn_bwd(do[None], q[None], k[None], v[None], o[None], lse[None],
-                                  softmax_scale=softmax_scale, grad_dtype=grad_dtype, visibility=vis,
-                                  backend=backend)
+                                  softmax_scale=softmax_scale, spec=spec, backend=backend)
     return dq[0], dk[0], dv[0]

@@ -29,10 +29,10 @@ __all__ = [
 ]
 
 
-def _check_local(q, k, v, causal, softmax_scale, layout, backend, world) -> tuple[float, str]:
+def _check_local(q, k, v, causal, softmax_scale, layout, backend, world) -> tuple[float, kernels.Backend]:
     """This rank's own checks; raises TypeError/ValueError naming the argument. Returns the scale
-    and the kernel backend that will run."""
-    check_qkv(q, k, v, causal=False)
+    and the kernel backend that will run (resolved here, once per call)."""
+    check_qkv(q, k, v)
     if k.shape[1] != q.shape[1]:
         raise ValueError(
             f"k.shape[1] (local seqlen) must equal q.shape[1] = {q.shape[1]}, got {k.shape[1]}: "
@@ -45,8 +45,7 @@ def _check_local(q, k, v, causal, softmax_scale, layout, backend, world) -> tupl
         check_splittable(q.shape[1] * world, world, layout)
     except ValueError as e:
         raise ValueError(f"q.shape[1] = {q.shape[1]} local tokens on each of {world} ranks: {e}") from None
-    which = kernels.resolve_backend(backend, q.device)
-    return resolve_scale(softmax_scale, q.shape[-1]), which
+    return resolve_scale(softmax_scale, q.shape[-1]), kernels.get_backend(backend, q.device)
 
 
 def _check_mask(mask, q, causal, window, layout, world, rank) -> None:
@@ -77,15 +76,6 @@ def _check_mask(mask, q, causal, window, layout, world, rank) -> None:
         )
 
 
-def _check_window(window, causal) -> None:
-    if window is None:
-        return
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ValueError(f"window must be a positive int (keys seen, counting the diagonal), got {window!r}")
-    if not causal:
-        raise ValueError("window needs causal=True (a causal sliding window: i - window < j <= i)")
-
-
 def _world_size(group) -> int:
     # Only what Dynamo can fold into a constant: RingComm's own checks of the group run in the op.
     if group is None and not (dist.is_available() and dist.is_initialized()):
@@ -109,68 +99,23 @@ def ring_flash_attn_func(
     mask: RingMask | None = None,
     transport: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Exact attention over a sequence sharded across the ranks of `group`.
+    """Exact attention over a sequence sharded across the ranks of `group` (docs/api.md).
 
     Args:
-        q: `(B, N_local, H, D)`, this rank's queries; fp16, bf16 or fp32.
-        k, v: `(B, N_local, Hkv, D)`, same dtype and device, `H % Hkv == 0` (GQA/MQA).
-        causal: mask by *global* position (the layout's order), as on the unsharded sequence.
-            None (the default): `mask.causal` with a mask, else False.
+        q: `(B, N_local, H, D)`, this rank's shard of the queries; fp16, bf16 or fp32.
+        k, v: `(B, N_local, Hkv, D)`, same dtype and device; H % Hkv == 0 (GQA/MQA).
+        causal: mask by global position, as on the unsharded sequence (None: the mask's, else False).
         softmax_scale: default `1/sqrt(D)`.
-        group: the context-parallel process group; None = the default group if torch.distributed
-            is initialised, else this process alone. One rank makes it a single local kernel call.
-        layout: `"zigzag"` (balances causal work; needs N_local even) or `"contiguous"`; must be the
-            layout the inputs were sharded with.
-        return_lse: also return `lse (B, H, N_local)` float32, natural log, over the whole sequence
-            (not differentiable).
-        backend: kernel backend for `kernels.attn_fwd/attn_bwd`: `"auto"` (Triton on CUDA, the
-            reference on CPU), `"triton"`, `"reference"` or `"cudnn"` (cuDNN's kernels: CUDA,
-            fp16/bf16, causal or full attention without window or mask; kernels/cudnn.py); None
-            reads `RINGFLASH_KERNEL_BACKEND` (default auto). Every rank should use the same one:
-            the cross-rank check does not compare it (mixed backends still compute the same
-            attention, to rounding).
-        check_ranks: see below.
-        window: causal sliding window, w keys counting the diagonal (global query i sees keys
-            i − w < j <= i); needs causal. Without `mask`, the window-only mask is built here,
-            cached per (N_local, window, rank, world, layout, device).
-        mask: a `RingMask` from `ringflash.ring_mask` (packed documents and/or a window, built
-            once per batch for this rank and reused by every layer): attention follows it, and
-            the ring steps it empties launch no kernel (ringflash/masks.py gives the cost
-            model). Its causal, layout, world, rank, local length and device must be the call's
-            (ValueError otherwise); a `window` given here must equal the mask's.
-        transport: how an NCCL group's blocks travel: `"nccl"` (NCCL send/recv) or `"copy-engine"`
-            (the GPUs' copy engines through torch symmetric memory, ringflash/peer.py: ranks of
-            one host; bit-identical, and the transfers take no SMs from attention). None: the
-            environment's `RINGFLASH_TRANSPORT`, default `"nccl"`. Every rank must use the same.
-
-    Returns `o (B, N_local, H, D)` in q's dtype (and `lse`). Gradients flow to q, k, v in their dtype.
-
-    Communication: NCCL for CUDA tensors (or copy engines, `transport`); gloo with CPU tensors, or
-    with CUDA tensors staged through pinned host memory (several ranks sharing one GPU). See
-    ringflash/comm.py.
-
-    Cross-rank check: before the ring starts, every rank all-gathers a 16-int64 signature (whether
-    its own inputs passed validation, q and k shapes, dtype, layout, causal, softmax_scale,
-    window, the mask's fingerprint: a hash of its documents' boundaries, window and layout, and
-    the transport). If any
-    rank rejected its inputs or the signatures differ, every rank raises ValueError, naming the
-    field and each rank's value, instead of hanging in a transfer of the wrong size. Cost: one
-    tiny all_gather per call on the host (gloo; on an NCCL-only group over a gloo twin of it,
-    `ringflash.comm.host_group`, made on the first call): a round trip between the ranks' CPUs
-    and no wait for the GPU. It waits for the slowest rank's host, ~1 ms of host time a call on
-    2xH200, which the GPU feels only where the host barely keeps ahead of it (8k tokens per
-    rank: ~0.15 ms a call from an idle GPU, nothing in steady state). `check_ranks=False` skips
-    it, for callers whose ranks agree by construction; a mismatch then fails in the transfers
-    (or at the group timeout) rather than with a clear message.
-
-    torch.compile: the ring is one custom op, `torch.ops.ringflash.ring_attn` (ringflash/ops.py),
-    with the group passed by name, so a compiled model traces through attention without a graph
-    break (`fullgraph=True` works). This function's own checks read only tensor metadata and
-    become Dynamo guards; the cross-rank check runs inside the op, at run time, on every call,
-    compiled or not (same cost as eager). A rank whose inputs fail its own checks makes Dynamo
-    give up on the frame and run it eagerly, which raises the same errors on every rank as
-    eager does, except under `fullgraph=True`: that rank then raises Dynamo's `Unsupported`
-    (quoting our error) without telling the others, who fail at the group timeout.
+        group: the context-parallel process group; None: the default group, or this process alone.
+        layout: how the inputs were sharded, `"zigzag"` (balances causal work) or `"contiguous"`.
+        return_lse: also return `lse (B, H, N_local)` float32, natural log (not differentiable).
+        backend: kernels, one of `kernels.BACKENDS`; None reads `RINGFLASH_KERNEL_BACKEND` (auto).
+        check_ranks: first check that every rank's call agrees, raising on all of them if not.
+        window: causal sliding window, w keys counting the diagonal (`window_size=(w - 1, 0)`).
+        mask: a `RingMask` from `ring_mask` (packed documents and/or a window), built once per batch.
+        transport: `"nccl"` or `"copy-engine"` (GPUs of one host); None reads `RINGFLASH_TRANSPORT`.
+    Returns:
+        o: `(B, N_local, H, D)` in q's dtype (and lse). Gradients flow to q, k, v.
     """
     # Traced, not run, under torch.compile: only the metadata checks happen here; the group is
     # checked (RingComm) and the ranks compared inside the op. Eager checks the group first.
@@ -181,15 +126,14 @@ def ring_flash_attn_func(
     if causal is None:
         causal = mask.causal if isinstance(mask, RingMask) else False
     try:
-        scale, which = _check_local(q, k, v, causal, softmax_scale, layout, backend, world)
-        _check_window(window, causal)
-        if which == "cudnn":  # here, not mid-ring with transfers posted
-            from ringflash.kernels.cudnn import check_cudnn
-
-            check_cudnn(q, k, masked=mask is not None or window is not None)
+        scale, kern = _check_local(q, k, v, causal, softmax_scale, layout, backend, world)
+        kernels.check_window(window, causal)
+        # Here, not mid-ring with transfers posted: what the kernels cannot run.
         if mask is not None:
             _check_mask(mask, q, causal, window, layout, world, None if compiling else comm.rank)
-        elif window is not None:
+        for spec in _specs(causal, window, mask):
+            kern.check(q, k, spec)
+        if mask is None and window is not None:
             if compiling:  # building a mask is host work Dynamo cannot trace (ringflash/masks.py)
                 raise ValueError(
                     "window= without mask= cannot be traced by torch.compile: build the mask outside the "
@@ -200,7 +144,7 @@ def ring_flash_attn_func(
             mask = window_mask(q.shape[1], window, rank, world, layout, q.device)
         error = None
     except (TypeError, ValueError) as e:
-        scale, error = None, e
+        scale, kern, error = None, None, e
     if error is not None:
         _refuse(error, comm, check_ranks, q, k, causal, layout)
     plan, vis = mask.op_args() if mask is not None else ([], [])
@@ -213,7 +157,7 @@ def ring_flash_attn_func(
         softmax_scale=scale,
         layout=layout,
         group_name=ops.group_name(group),
-        backend=backend,
+        backend=kern.name,
         check_ranks=check_ranks and world > 1,
         window=None if mask is None else mask.window,
         mask_plan=plan or None,
@@ -221,6 +165,13 @@ def ring_flash_attn_func(
         transport=transport,
     )
     return (o, lse) if return_lse else o
+
+
+def _specs(causal: bool, window: int | None, mask: RingMask | None) -> list[kernels.AttnSpec]:
+    """The kernel specs a call will run: its mask's steps', or the one of causal/window."""
+    if mask is None:
+        return [kernels.AttnSpec(causal=causal, window=window)]
+    return [step.spec for step in mask.steps if step is not None]
 
 
 def _refuse(error: Exception, comm, check_ranks: bool, q, k, causal, layout) -> NoReturn:
@@ -293,15 +244,14 @@ class RingFlashAttention(nn.Module):
     ):
         super().__init__()
         check_layout(layout)
-        _check_window(window, causal)
+        kernels.check_window(window, causal)
         if transport is not None:
             resolve_transport(transport)
-        if backend is not None and backend not in kernels.BACKENDS:
-            raise ValueError(f"backend must be one of {kernels.BACKENDS} or None, got {backend!r}")
-        if backend == "cudnn" and window is not None:
-            from ringflash.kernels.cudnn import MASKS_NEED_TRITON
-
-            raise ValueError(MASKS_NEED_TRITON)
+        if backend is not None:
+            named = kernels.backend_named(backend)  # raises on an unknown name
+            why = named and named.supports(kernels.AttnSpec(causal=causal, window=window), None, None)
+            if why:
+                raise ValueError(why)
         self.group, self.layout, self.causal = group, layout, causal
         self.softmax_scale, self.backend, self.check_ranks = softmax_scale, backend, check_ranks
         self.window, self.transport = window, transport

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ringflash.kernels.spec import CAUSAL, FULL, AttnSpec
+
 LAYOUTS = ("contiguous", "zigzag")
 
 __all__ = [
@@ -131,15 +133,17 @@ def global_positions(
 
 @dataclass(frozen=True)
 class Step:
-    """One ring step's work: local query rows `q` attend to rows `kv` of the visiting block.
+    """One ring step's work: local query rows `q` attend to rows `kv` of the visiting block, as
+    `spec` says (kernels/spec.py).
 
-    `causal` is True only on the diagonal block (the rank's own keys), where local order is
-    global order. Off the diagonal, a chunk is either wholly visible or wholly hidden.
+    Without documents or a window the spec is causal only on the diagonal block (the rank's own
+    keys), where local order is global order; off the diagonal a chunk is wholly visible or
+    wholly hidden, so the spec is full. A document/window mask gives per-row intervals instead.
     """
 
     q: slice
     kv: slice
-    causal: bool
+    spec: AttnSpec
 
     def rows(self, n: int) -> tuple[int, int]:
         """(query rows, key rows) this step touches, out of n local rows each."""
@@ -171,10 +175,10 @@ def ring_schedule(rank: int, world: int, n_local: int, causal: bool, layout: str
     steps: list[Step | None] = []
     for s in range(world):
         if not causal:
-            steps.append(Step(full, full, False))
+            steps.append(Step(full, full, FULL))
             continue
         if s == 0:
-            steps.append(Step(full, full, True))
+            steps.append(Step(full, full, CAUSAL))
             continue
         theirs = chunk_ids((rank - s) % world, world, layout)
         pairs = [(qi, ki) for qi in mine for ki in theirs if qi > ki]  # chunk qi sees all of ki
@@ -185,5 +189,5 @@ def ring_schedule(rank: int, world: int, n_local: int, causal: bool, layout: str
         ks = sorted({ki for _, ki in pairs})
         if len(pairs) != len(qs) * len(ks):  # visible pairs must form one rectangle
             raise NotImplementedError(f"layout {layout!r} gives a non-rectangular step {pairs}")
-        steps.append(Step(_rows(qs, mine, c), _rows(ks, theirs, c), False))
+        steps.append(Step(_rows(qs, mine, c), _rows(ks, theirs, c), FULL))
     return steps

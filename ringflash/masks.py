@@ -5,10 +5,11 @@
 
 `doc_ids` is the *global* (unsharded) `(B, N)` or `(N,)` tensor of document ids, non-decreasing
 along each row; every rank holds it before sharding its batch, so building the mask needs no
-communication. For this rank, the mask holds one `RingStep` per ring step: the local query rows
-and visiting key rows it touches, and the kernels' `Visibility` for that rectangle (built by
-`kernels.visibility` from the rows' global positions and document ids), or nothing when the step
-is skipped because no (query, key) pair in it is visible.
+communication. For this rank, the mask holds one `layout.Step` per ring step: the local query rows
+and visiting key rows it touches, and the kernels' `AttnSpec` for that rectangle (per-row
+intervals built by `kernels.visibility` from the rows' global positions and document ids, or the
+dense causal/full spec where that is exact), or None when the step is skipped because no
+(query, key) pair in it is visible.
 
 Which steps run, and on which rows, is computed here exactly, on the host, from the
 `Visibility` of the whole local block pair: a step's rectangle is the bounding box of the layout
@@ -34,7 +35,7 @@ Cost model, per layer and per direction, on W ranks with N local tokens:
   only the w keys a rank needs would be cheaper for small windows; not done here.)
 
 Without documents and without a window (or with a window of the whole sequence) the mask is
-the plain causal schedule: no `Visibility`, the kernels' dense causal path.
+the plain causal schedule: no intervals, the kernels' dense causal path.
 
 torch.compile: build the mask outside the compiled region and pass it in (`forward(...,
 mask=mask)`). Its Visibility tensors are graph inputs; its plan (which steps run, on which
@@ -53,7 +54,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ringflash.kernels import Visibility, visibility
+from ringflash.kernels import CAUSAL, FULL, AttnSpec, Visibility, check_window, visibility
 from ringflash.layout import (
     LAYOUTS,
     Step,
@@ -65,30 +66,21 @@ from ringflash.layout import (
     shard,
 )
 
-__all__ = ["RingMask", "RingStep", "ring_mask", "window_mask"]
-
-
-@dataclass(frozen=True)
-class RingStep:
-    """One ring step of a mask: `step` (rows and causal flag, as in `layout.Step`) and `vis`, the
-    `Visibility` of the rectangle `step.q × step.kv` (None: dense, causal if `step.causal`)."""
-
-    step: Step
-    vis: Visibility | None
+__all__ = ["RingMask", "ring_mask", "window_mask"]
 
 
 @dataclass(frozen=True, eq=False)
 class RingMask:
     """What rank `rank` of `world` computes at each ring step under a document/window mask.
 
-    Attributes: `steps` (`world` entries, `RingStep` or None where the step is skipped),
+    Attributes: `steps` (`world` entries, a `layout.Step` or None where the step is skipped),
     `causal`, `window` (None or keys seen, counting the diagonal), `layout`, `rank`, `world`,
     `n_local` (local tokens), `batch` (the mask's batch size; 1 = shared by every row),
     `n_docs` (documents in the whole batch), `fingerprint` (an int64 hash of everything that
     must agree between ranks: checked across ranks by the op), `device`.
     """
 
-    steps: tuple[RingStep | None, ...]
+    steps: tuple[Step | None, ...]
     causal: bool
     window: int | None
     layout: str
@@ -103,7 +95,7 @@ class RingMask:
     tensors: tuple[torch.Tensor, ...] = ()
 
     def __post_init__(self):
-        ints, tensors = _encode(self.schedule())
+        ints, tensors = _encode(self.steps)
         object.__setattr__(self, "plan", tuple(ints))
         object.__setattr__(self, "tensors", tuple(tensors))
 
@@ -111,10 +103,6 @@ class RingMask:
     def skipped(self) -> tuple[int, ...]:
         """The steps that launch no kernel (their K/V still travel around the ring)."""
         return tuple(s for s, st in enumerate(self.steps) if st is None)
-
-    def schedule(self) -> list[tuple[Step, Visibility | None] | None]:
-        """Per step `(Step, Visibility or None)`, or None where skipped: what ring.py loops over."""
-        return [None if st is None else (st.step, st.vis) for st in self.steps]
 
     def op_args(self) -> tuple[list[int], list[torch.Tensor]]:
         """The mask as custom-op arguments (ringflash/ops.py): host metadata as ints, 5 per step
@@ -130,37 +118,40 @@ class RingMask:
         )
 
 
-def _encode(schedule) -> tuple[list[int], list[torch.Tensor]]:
+def _encode(steps) -> tuple[list[int], list[torch.Tensor]]:
     ints: list[int] = []
     tensors: list[torch.Tensor] = []
-    for entry in schedule:
-        if entry is None:
+    for step in steps:
+        if step is None:
             ints += [0, 0, 0, 0, -1]
             continue
-        step, vis = entry
-        kind = 2 if vis is not None else int(step.causal)
+        spec = step.spec
+        if spec.window is not None:
+            raise ValueError("a ring step's window travels as intervals: build the step with AttnSpec(intervals=...)")
+        kind = 2 if spec.intervals is not None else int(spec.causal)
         ints += [step.q.start, step.q.stop, step.kv.start, step.kv.stop, kind]
-        if vis is not None:
-            tensors += list(vis)
+        if spec.intervals is not None:
+            tensors += list(spec.intervals)
     return ints, tensors
 
 
-def decode(ints: list[int], tensors: list[torch.Tensor]) -> list[tuple[Step, Visibility | None] | None]:
-    """Inverse of `RingMask.op_args`: the schedule ring.py loops over."""
+def decode(ints: list[int], tensors: list[torch.Tensor]) -> list[Step | None]:
+    """Inverse of `RingMask.op_args`: the steps ring.py loops over."""
     if len(ints) % 5:
         raise ValueError(f"mask plan must hold 5 ints per step, got {len(ints)}")
-    out: list[tuple[Step, Visibility | None] | None] = []
+    out: list[Step | None] = []
     t = 0
     for i in range(0, len(ints), 5):
         q0, q1, k0, k1, kind = ints[i : i + 5]
         if kind < 0:
             out.append(None)
             continue
-        vis = None
         if kind == 2:
-            vis = Visibility(*tensors[t : t + 4])
+            spec = AttnSpec(intervals=Visibility(*tensors[t : t + 4]))
             t += 4
-        out.append((Step(slice(q0, q1), slice(k0, k1), kind == 1), vis))
+        else:
+            spec = CAUSAL if kind == 1 else FULL
+        out.append(Step(slice(q0, q1), slice(k0, k1), spec))
     if t != len(tensors):
         raise ValueError(f"mask tensors: expected {t} for the plan, got {len(tensors)}")
     return out
@@ -255,11 +246,7 @@ def ring_mask(
     check_layout(layout)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if window is not None:
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"window must be a positive int (keys seen, counting the diagonal), got {window!r}")
-        if not causal:
-            raise ValueError("window needs causal=True (a causal sliding window: i - window < j <= i)")
+    check_window(window, causal)
     rank, world = _group_rank_world(group)
     doc = None if doc_ids is None else _check_doc_ids(doc_ids)
     if doc is None:
@@ -289,10 +276,9 @@ def _build(doc, n_global, rank, world, layout, causal, window, device) -> RingMa
     # A window of the whole sequence sees the whole causal past: the plain causal mask.
     window_eff = None if window is not None and window >= n_global else window
     n_docs, fp = _fingerprint(causal, window, layout, world, n_global, doc)
-    steps: list[RingStep | None] = []
+    steps: list[Step | None] = []
     if doc is None and window_eff is None:
-        for step in ring_schedule(rank, world, n_local, causal, layout):
-            steps.append(None if step is None else RingStep(step, None))
+        steps = ring_schedule(rank, world, n_local, causal, layout)
     else:
         pos_r = global_positions(n_local, rank, world, layout)
         doc_r = None if doc is None else shard(doc, 1, rank, world, layout)
@@ -320,9 +306,9 @@ def _build(doc, n_global, rank, world, layout, causal, window, device) -> RingMa
             vis = whole if (qs, ks) == (full, full) else vis_of(qs, ks)
             diag = s == 0 and causal
             if _dense(vis, diag):
-                steps.append(RingStep(Step(qs, ks, diag), None))
+                steps.append(Step(qs, ks, CAUSAL if diag else FULL))
             else:
-                steps.append(RingStep(Step(qs, ks, False), Visibility(*(t.to(device) for t in vis))))
+                steps.append(Step(qs, ks, AttnSpec(intervals=Visibility(*(t.to(device) for t in vis)))))
     return RingMask(
         steps=tuple(steps), causal=causal, window=window, layout=layout, rank=rank, world=world, n_local=n_local,
         batch=1 if doc is None else doc.shape[0], n_docs=n_docs, fingerprint=fp, device=device,

@@ -42,8 +42,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ringflash.comm import TRANSPORTS, RingComm, ring_comm
+from ringflash.kernels import get_backend
 from ringflash.kernels.checks import SUPPORTED_DTYPES
-from ringflash.layout import LAYOUTS
+from ringflash.layout import LAYOUTS, ring_schedule
 from ringflash.masks import decode
 from ringflash.ring import ring_backward, ring_forward
 
@@ -134,8 +135,11 @@ def announce_rejection(comm: RingComm, q, k, causal, layout) -> None:
     comm.all_gather_ints(_signature(False, q, k, causal, None, layout))
 
 
-def _decode(mask_plan, mask_vis):
-    return decode(list(mask_plan), list(mask_vis)) if mask_plan else None
+def _plan(comm: RingComm, q: Tensor, causal: bool, layout: str, mask_plan, mask_vis) -> list:
+    """The ring's steps: a mask's (decoded from the op's arguments), or the layout's schedule."""
+    if mask_plan:
+        return decode(list(mask_plan), list(mask_vis))
+    return ring_schedule(comm.rank, comm.world, q.shape[1], causal, layout)
 
 
 # ---- the ops ----------------------------------------------------------------------------------
@@ -170,13 +174,11 @@ def _ring_attn(
     if check_ranks and comm.world > 1:
         sig = _signature(True, q, k, causal, softmax_scale, layout, window, mask_key, comm.transport)
         _check_across_ranks(comm, sig)
-    plan = _decode(mask_plan, mask_vis)
+    plan = _plan(comm, q, causal, layout, mask_plan, mask_vis)
     # Autocast off: the merge and accumulators are float32 by design, and the reference kernel's
     # float32 einsums must not be recast to half precision.
     with torch.autocast(q.device.type, enabled=False):
-        o, lse, kv = ring_forward(
-            q, k, v, causal=causal, scale=softmax_scale, layout=layout, comm=comm, backend=backend, plan=plan
-        )
+        o, lse, kv = ring_forward(q, k, v, plan, scale=softmax_scale, kernels=get_backend(backend, q.device), comm=comm)
     return o.contiguous(), lse.contiguous(), kv if comm.world > 1 else q.new_empty(0)
 
 
@@ -220,8 +222,8 @@ def _ring_attn_bwd(
     with torch.autocast(q.device.type, enabled=False):
         return ring_backward(
             do.contiguous(), q, kv[0] if len(kv) == 1 else tuple(kv), o, lse,
-            causal=causal, scale=softmax_scale, layout=layout, comm=comm, backend=backend,
-            plan=_decode(mask_plan, mask_vis),
+            _plan(comm, q, causal, layout, mask_plan, mask_vis),
+            scale=softmax_scale, kernels=get_backend(backend, q.device), comm=comm,
         )  # fmt: skip
 
 

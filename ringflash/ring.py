@@ -3,23 +3,23 @@
 W ranks each hold a shard of the sequence (ringflash/layout.py). At step s = 0 … W−1 a rank
 holds the key/value block that started on rank (r − s) mod W, computes what the layout's
 schedule says for that block pair (full, causal diagonal, half, or nothing), and passes the
-block on. One loop serves every layout, causality and mask: a plan supplies each step's query
-rows, key rows and either the causal flag (`ring_schedule`) or the kernels' `Visibility` of a
-document/window mask (`RingMask.schedule()`, ringflash/masks.py). A step the plan skips
-launches nothing, but its K/V (and, backward, dK/dV) still travel: every rank does the same
-transfers in the same order.
+block on. One loop serves every layout, causality and mask: a plan (a `layout.Step` or None per
+step, from `ring_schedule` or a `RingMask`) supplies each step's query rows, key rows and
+`AttnSpec`. A step the plan skips launches nothing, but its K/V (and, backward, dK/dV) still
+travel: every rank does the same transfers in the same order. The loop is handed its kernels (a
+`kernels.Backend`) and its transport (`comm`), so nothing here chooses either.
 
 Forward: partial `(o, lse)` are merged in float32 (merge.py's math, fused into the forward
-kernel through `attn_fwd(acc=...)`); the last step's kernel writes its rows of o rounded to q's
-dtype (`out=`), the other rows are cast.
+kernel through the step API's `acc=`); the last step's kernel writes its rows of o rounded to
+q's dtype (`out=`), the other rows are cast.
 Backward: the kernels recompute `P = exp(S·scale − lse)` and `delta = rowsum(do·o)` from the
 *global* `o` and `lse`, so each block's gradients are exact pieces of the full gradient. dQ
 accumulates locally in float32; the float32 dK/dV of each block travel around the ring behind
 it, each rank adding its share, and arrive back on the block's home rank after W hops (the
 last hop, already finished, in the input dtype). As in the forward, the last step's kernels
-write their sums rounded (`attn_bwd(acc=...)`) instead of a cast pass after them.
+write their sums rounded (`acc=`) instead of a cast pass after them.
 At W = 2 the last step only reads step 0's results, so these stay in the dtype the backend made
-them in (`kernels.partial_dtype`): float32 for the Triton kernels, the input dtype for cuDNN's,
+them in (`Backend.partial_dtype`): float32 for the Triton kernels, the input dtype for cuDNN's,
 which round (a float32 copy would hold the same values at twice the bytes).
 
 Communication overlaps compute: the transfer for step s+1 is posted before step s computes
@@ -27,9 +27,9 @@ Communication overlaps compute: the transfer for step s+1 is posted before step 
 `nccl_options`), or the transfers wait for the attention kernels' SMs. The dK/dV kernel of step
 s ≥ 1 adds into the accumulator that arrived from the previous rank (no scratch, no separate
 `+=`), which is sent on as soon as that kernel is queued, before step s's dQ kernel
-(`attn_bwd(after_dkdv=...)`): each hop travels during a dQ kernel, even the last one, with no
-step after it. K and V travel packed in one contiguous `(2, B, N, Hkv, D)` block (`_pack`): one
-message per step, not two.
+(`after_dkdv=`): each hop travels during a dQ kernel, even the last one, with no step after it.
+K and V travel packed in one contiguous `(2, B, N, Hkv, D)` block (`_pack`): one message per
+step, not two.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from functools import partial
 
 import torch
 
-from ringflash.kernels import attn_bwd, attn_fwd, partial_dtype
-from ringflash.layout import Step, ring_schedule
+from ringflash.kernels import Backend
+from ringflash.layout import Step
 
 __all__ = ["ring_backward", "ring_forward"]
 
@@ -50,9 +50,7 @@ def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """This rank's K and V as one `(2, B, N, Hkv, D)` block: one message per ring step, not two.
 
     `ring_forward` returns it for the backward, which the ring op (ringflash/ops.py) saves instead
-    of k and v (same bytes): the backward's ring starts from it without packing again. (Packing
-    on a side stream, beside step 0's kernel, saved nothing: docs/PERF_NOTES.md, "Sixteenth
-    session".)
+    of k and v (same bytes): the backward's ring starts from it without packing again.
     """
     return torch.stack((k, v))
 
@@ -68,36 +66,25 @@ def _ring_buffers(home: torch.Tensor, comm):
     return lambda s: bufs[0] if s == 0 else bufs[1 + (s - 1) % 2]
 
 
-def _plan(plan, comm, n_local: int, causal: bool, layout: str) -> list:
-    """Per step `(Step, Visibility or None)`, or None where nothing is computed."""
-    if plan is None:
-        plan = [
-            None if st is None else (st, None) for st in ring_schedule(comm.rank, comm.world, n_local, causal, layout)
-        ]
+def _check_plan(plan: list[Step | None], comm) -> None:
     if len(plan) != comm.world or plan[0] is None:
         raise ValueError(f"a ring plan needs {comm.world} steps, step 0 computed; got {len(plan)}")
-    return plan
 
 
-def _mask(step: Step, vis) -> dict:
-    # The kernels take either the dense/causal flag or a Visibility (which replaces it).
-    return dict(causal=False, visibility=vis) if vis is not None else dict(causal=step.causal)
-
-
-def ring_forward(q, k, v, *, causal: bool, scale: float, layout: str, comm, backend: str | None = None, plan=None):
+def ring_forward(q, k, v, plan: list[Step | None], *, scale: float, kernels: Backend, comm):
     """Ring attention forward, no autograd.
 
     q `(B, N, H, D)`, k and v `(B, N, Hkv, D)`: this rank's shard (N local tokens). Returns
     `(o, lse, kv)`: `o (B, N, H, D)` in q's dtype and `lse (B, H, N)` float32, natural log, both
     over the whole sequence, and what `ring_backward` takes for k and v: the `(2, B, N, Hkv, D)`
     block the ring sent (k and v packed, one message a step), or `(k, v)` on one rank.
-    `comm` is a `RingComm` (or `NullComm`); `backend` goes to `kernels.attn_fwd`.
-    `plan`: per step `(Step, Visibility or None)` or None (skipped), e.g. `RingMask.schedule()`;
-    None: `ring_schedule(causal)`. Step 0 must cover every row (it starts the accumulators).
+    `plan`: a `Step` per ring step or None (skipped): `layout.ring_schedule` or `RingMask.steps`.
+    Step 0 must cover every row (it starts the accumulators). `kernels`: a `kernels.Backend`;
+    `comm`: a transport (ringflash.transport).
     """
-    plan = _plan(plan, comm, q.shape[1], causal, layout)
+    _check_plan(plan, comm)
     if comm.world == 1:
-        return *attn_fwd(q, k, v, softmax_scale=scale, backend=backend, **_mask(*plan[0])), (k, v)
+        return *kernels.fwd_step(q, k, v, plan[0].spec, scale), (k, v)
     kv = _pack(k, v)
     comm.reserve(kv)
     buf = _ring_buffers(kv, comm)
@@ -105,27 +92,25 @@ def ring_forward(q, k, v, *, causal: bool, scale: float, layout: str, comm, back
     o = lse = None
     # o rounded to q's dtype (contiguous, whatever q's strides): the last step's kernel writes its rows.
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    partials = _step0_dtype(backend, q, comm.world)
-    for s, entry in enumerate(plan):
+    partials = _step0_dtype(kernels, q, comm.world)
+    for s, step in enumerate(plan):
         cur = buf(s)
         # Post the next block's transfer first so that it travels while this one is computed.
         transfer = comm.send_recv(cur, buf(s + 1), _KV_TAG) if s < last else None
-        if entry is not None:
-            step, vis = entry
+        if step is not None:
             # Step 0 (the diagonal, every query row) starts the accumulators (float32, or at W = 2
             # the backend's partial dtype); later steps merge into their rows inside the kernel
             # (`acc=`): one launch, no extra pass over o. Partial results stay unrounded (but for
             # cuDNN's, kernels/cudnn.py); the last merge writes its rows rounded (`out=`).
-            o_lse = attn_fwd(
+            o_lse = kernels.fwd_step(
                 q[:, step.q],
                 cur[0][:, step.kv],
                 cur[1][:, step.kv],
-                softmax_scale=scale,
+                step.spec,
+                scale,
                 out_dtype=partials if s == 0 else None,
                 acc=None if s == 0 else (o[:, step.q], lse[:, :, step.q]),
                 out=out[:, step.q] if s == last else None,
-                backend=backend,
-                **_mask(step, vis),
             )
             if s == 0:
                 o, lse = o_lse
@@ -135,22 +120,20 @@ def ring_forward(q, k, v, *, causal: bool, scale: float, layout: str, comm, back
     return out, lse, kv
 
 
-def ring_backward(
-    do, q, kv, o, lse, *, causal: bool, scale: float, layout: str, comm, backend: str | None = None, plan=None
-):
+def ring_backward(do, q, kv, o, lse, plan: list[Step | None], *, scale: float, kernels: Backend, comm):
     """Ring attention backward, no autograd.
 
     do, q, o `(B, N, H, D)`; lse `(B, H, N)` float32; kv: what `ring_forward` returned with the
     global `o` and `lse` (the block it sent, or `(k, v)` on one rank). Returns `dq` like q and
     `dkv (2, B, N, Hkv, D)`, dK and dV packed like kv, in the input dtype, accumulated in float32
     across the ring. (Packed because they come home as one message; callers split them.)
-    `plan`: as in `ring_forward` (the same one).
+    `plan`, `kernels`, `comm`: as in `ring_forward` (the same ones).
     """
-    plan = _plan(plan, comm, q.shape[1], causal, layout)
+    _check_plan(plan, comm)
     if comm.world == 1:
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         dkv = torch.empty((2, *kv[0].shape), dtype=kv[0].dtype, device=q.device)
-        attn_bwd(do, q, kv[0], kv[1], o, lse, softmax_scale=scale, out=(dq, *dkv), backend=backend, **_mask(*plan[0]))
+        kernels.bwd_step(do, q, kv[0], kv[1], o, lse, plan[0].spec, scale, out=(dq, *dkv))
         return dq, dkv
     world = comm.world
     last = world - 1
@@ -158,7 +141,7 @@ def ring_backward(
     buf = _ring_buffers(kv, comm)
     # dK/dV travel in float32: rounding each hop to bf16 would lose what the sum needs (at W = 2
     # the one hop before the last carries step 0's result as it came: `_step0_dtype`).
-    partials = _step0_dtype(backend, q, world)
+    partials = _step0_dtype(kernels, q, world)
     dkv = comm.buffer("dkv", (2, *kv.shape), partials, kv.device)
     dq = torch.empty(q.shape, dtype=partials, device=q.device)
     # The results in the input dtype, made at the last step (not to raise the peak), whose kernels
@@ -171,7 +154,7 @@ def ring_backward(
     def pass_on(s: int, kv_rows: slice | None) -> None:
         """Step s's dK/dV are in their block's accumulator (the kernel added them): send it on.
 
-        Called between the dK/dV and the dQ kernels of step s (`attn_bwd(after_dkdv=...)`), so
+        Called between the dK/dV and the dQ kernels of step s (`after_dkdv=`), so
         the transfer travels while dQ is computed: even the last hop, which no later step could
         hide, and the one step s+1's dK/dV kernel waits for. `kv_rows`: the rows step s computed
         (None: none), which on the last step its kernel has already rounded into `dkv_out`.
@@ -186,22 +169,20 @@ def ring_backward(
         home = comm.buffer("home", kv.shape, kv.dtype, kv.device)
         sent = comm.send_recv(dkv_out, home, _DKV_TAG)
 
-    for s, entry in enumerate(plan):
+    for s, step in enumerate(plan):
         cur = buf(s)
         kv_transfer = comm.send_recv(cur, buf(s + 1), _KV_TAG) if s < last else None
         if sent is not None:
             # This block's accumulator has arrived (and the other buffer has left, so it may
             # receive again). It travelled during the previous step's dQ. (Adding in the kernel
-            # needs it before this step's dK/dV, not after; that variant also runs 12% faster
-            # than one writing float32 scratch: docs/PERF_NOTES.md, "Ring step kernels".)
+            # needs it before this step's dK/dV, not after, and saves a float32 scratch block.)
             sent.wait()
         if s == last:
             dq_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             dkv_out = torch.empty(kv.shape, dtype=kv.dtype, device=kv.device)
-        if entry is None:
+        if step is None:
             pass_on(s, None)  # nothing to add, but the accumulator still travels on
         else:
-            step, vis = entry
             qs, ks = step.q, step.kv
             acc = dkv[s % 2]  # ours at s = 0, where step 0 (the diagonal, every row) starts it
             # Step 0 writes dq and this block's dK/dV; later steps add theirs to the float32 sums,
@@ -211,20 +192,19 @@ def ring_backward(
                 out, grad_dtype = sums, partials
             else:
                 out, grad_dtype = (dq_out[:, qs], dkv_out[0][:, ks], dkv_out[1][:, ks]), q.dtype
-            attn_bwd(
+            kernels.bwd_step(
                 do[:, qs],
                 q[:, qs],
                 cur[0][:, ks],
                 cur[1][:, ks],
                 o[:, qs],
                 lse[:, :, qs],
-                softmax_scale=scale,
+                step.spec,
+                scale,
                 grad_dtype=grad_dtype,
                 out=out,
                 acc=sums if s > 0 else None,
                 after_dkdv=partial(pass_on, s, ks),
-                backend=backend,
-                **_mask(step, vis),
             )
         if kv_transfer is not None:
             kv_transfer.wait()
@@ -233,15 +213,15 @@ def ring_backward(
     return dq_out, comm.keep(home)
 
 
-def _step0_dtype(backend: str | None, q: torch.Tensor, world: int) -> torch.dtype:
+def _step0_dtype(kernels: Backend, q: torch.Tensor, world: int) -> torch.dtype:
     """The dtype step 0 writes its o / gradients in: float32, to which later steps add; at W = 2 the
-    last step only reads them, so they stay as the backend made them (`kernels.partial_dtype`)."""
-    return partial_dtype(backend, q) if world == 2 else torch.float32
+    last step only reads them, so they stay as the backend made them (`Backend.partial_dtype`)."""
+    return kernels.partial_dtype(q.dtype) if world == 2 else torch.float32
 
 
 def _last_q_rows(plan) -> slice | None:
     """The local query rows the plan's last step computes; None if it skips."""
-    return None if plan[-1] is None else plan[-1][0].q
+    return None if plan[-1] is None else plan[-1].q
 
 
 def _round_rest(out: torch.Tensor, sums: torch.Tensor, rows: slice | None) -> None:

@@ -13,9 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ringflash.kernels import attn_bwd, attn_fwd, interpreting, resolve_backend, tuning
+from ringflash.kernels import attn_bwd, attn_fwd, get_backend, interpreting, tuning
 from ringflash.kernels.launch_utils import tma_ok
 from ringflash.kernels.tiles import heaviest_first
+from tests.kernels.steps import bwd_step, fwd_step
 from tests.truth import TOL, attention_f64, lse_err, rel_err
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -193,11 +194,11 @@ def test_float32_outputs_for_accumulation(backend):
     """out_dtype / grad_dtype=float32 (what the ring asks for) skip the final rounding to bf16."""
     q, k, v, do = _inputs((1, 40, 40, 2, 2, 32), torch.bfloat16)
     truth = attention_f64(q, k, v, True, do=do)
-    o32, lse = attn_fwd(q, k, v, causal=True, out_dtype=torch.float32, backend=backend)
+    o32, lse = fwd_step(q, k, v, causal=True, out_dtype=torch.float32, backend=backend)
     o16, _ = attn_fwd(q, k, v, causal=True, backend=backend)
     assert o32.dtype == torch.float32 and o16.dtype == torch.bfloat16
     assert rel_err(o32, truth["o"]) < rel_err(o16, truth["o"])
-    grads = attn_bwd(do, q, k, v, o16, lse, causal=True, grad_dtype=torch.float32, backend=backend)
+    grads = bwd_step(do, q, k, v, o16, lse, causal=True, grad_dtype=torch.float32, backend=backend)
     assert all(g.dtype == torch.float32 for g in grads)
 
 
@@ -214,24 +215,24 @@ def test_kernels_build_no_autograd_graph(backend):
 
 def test_dispatcher(monkeypatch):
     cpu = torch.device("cpu")
-    assert resolve_backend(None, cpu) == "reference"
-    assert resolve_backend("triton", cpu) == "triton"  # allowed: the interpreter is on in tests
+    assert get_backend(None, cpu).name == "reference"
+    assert get_backend("triton", cpu).name == "triton"  # allowed: the interpreter is on in tests
     monkeypatch.setenv("RINGFLASH_KERNEL_BACKEND", "triton")
-    assert resolve_backend(None, cpu) == "triton"
+    assert get_backend(None, cpu).name == "triton"
     with pytest.raises(ValueError, match=r"^backend must be one of"):
-        resolve_backend("flash", cpu)
+        get_backend("flash", cpu)
     with pytest.raises(ValueError, match=r"^backend='cudnn' needs CUDA tensors"):
-        resolve_backend("cudnn", cpu)
+        get_backend("cudnn", cpu)
     monkeypatch.setenv("RINGFLASH_KERNEL_BACKEND", "flash")  # the variable is named, not `backend`
     with pytest.raises(ValueError, match=r"^RINGFLASH_KERNEL_BACKEND must be one of"):
-        resolve_backend(None, cpu)
+        get_backend(None, cpu)
     monkeypatch.setenv("RINGFLASH_KERNEL_BACKEND", "cudnn")
     with pytest.raises(ValueError, match=r"^RINGFLASH_KERNEL_BACKEND='cudnn' needs CUDA tensors"):
-        resolve_backend(None, cpu)
+        get_backend(None, cpu)
     monkeypatch.setenv("RINGFLASH_KERNEL_BACKEND", "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
-        resolve_backend("triton", cpu)
+        get_backend("triton", cpu)
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])
@@ -289,7 +290,7 @@ def test_reference_backward_takes_o_as_given():
     q, k, v, do = _inputs((1, 40, 40, 4, 2, 32), torch.bfloat16, seed=10)
     truth = attention_f64(q, k, v, True, do=do)
     o, lse = truth["o"].float(), truth["lse"].float()
-    grads = attn_bwd(do, q, k, v, o, lse, causal=True, grad_dtype=torch.float32, backend="reference")
+    grads = bwd_step(do, q, k, v, o, lse, causal=True, grad_dtype=torch.float32, backend="reference")
     errs = [rel_err(g, truth[n]) for g, n in zip(grads, ("dq", "dk", "dv"))]
     assert all(e < TOL[torch.float32] for e in errs), errs
 

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from ringflash import kernels
-from ringflash.kernels import attn_bwd, attn_fwd, dense_visibility
+from ringflash.kernels import FULL, AttnSpec, attn_bwd, attn_fwd, backend_named, dense_visibility
 from ringflash.kernels.cudnn import cudnn_attn_bwd, cudnn_attn_fwd
+from tests.kernels.steps import bwd_step, fwd_step
 from tests.truth import TOL, attention_f64, lse_err, rel_err
 
 gpu = pytest.mark.gpu
@@ -78,10 +79,10 @@ def test_ring_steps_merge_and_sum_to_attention_over_all_keys():
     mask[:, N:] = True
     truth = _masked_f64(q, k, v, do, mask.cuda())
 
-    o, lse = attn_fwd(q, k[:, parts[0]], v[:, parts[0]], causal=True, out_dtype=torch.float32, backend="cudnn")
-    attn_fwd(q, k[:, parts[1]], v[:, parts[1]], acc=(o, lse), backend="cudnn")
+    o, lse = fwd_step(q, k[:, parts[0]], v[:, parts[0]], causal=True, out_dtype=torch.float32, backend="cudnn")
+    fwd_step(q, k[:, parts[1]], v[:, parts[1]], acc=(o, lse), backend="cudnn")
     out = torch.empty_like(q)
-    ret = attn_fwd(q, k[:, parts[2]], v[:, parts[2]], acc=(o, lse), out=out, backend="cudnn")
+    ret = fwd_step(q, k[:, parts[2]], v[:, parts[2]], acc=(o, lse), out=out, backend="cudnn")
     assert ret[0] is out and ret[1] is lse
     assert rel_err(out, truth["o"]) < TOL[dt]
     assert lse_err(lse, truth["lse"]) < 1e-2
@@ -92,7 +93,7 @@ def test_ring_steps_merge_and_sum_to_attention_over_all_keys():
     for i, p in enumerate(parts):
         sums = (dq, dkv[0][:, p], dkv[1][:, p])
         last = i == len(parts) - 1
-        attn_bwd(do, q, k[:, p], v[:, p], out, lse, causal=i == 0, grad_dtype=dt if last else torch.float32,
+        bwd_step(do, q, k[:, p], v[:, p], out, lse, causal=i == 0, grad_dtype=dt if last else torch.float32,
                  out=(final[0], final[1][:, p], final[2][:, p]) if last else sums,
                  acc=None if i == 0 else sums, backend="cudnn")
     # the last step wrote only its own keys' dK/dV rounded; the others are the float32 sums
@@ -116,10 +117,10 @@ def _masked_f64(q, k, v, do, mask):
 def test_accumulate_adds_to_out():
     q, k, v, do = _inputs(1, 128, 128, 2, 2, 64, torch.float16, seed=5)
     o, lse = attn_fwd(q, k, v, causal=True, backend="cudnn")
-    grads = attn_bwd(do, q, k, v, o, lse, causal=True, grad_dtype=torch.float32, backend="cudnn")
+    grads = bwd_step(do, q, k, v, o, lse, causal=True, grad_dtype=torch.float32, backend="cudnn")
     start = tuple(torch.randn_like(g) for g in grads)
     out = tuple(s.clone() for s in start)
-    attn_bwd(do, q, k, v, o, lse, causal=True, grad_dtype=torch.float32, out=out, accumulate=True, backend="cudnn")
+    bwd_step(do, q, k, v, o, lse, causal=True, grad_dtype=torch.float32, out=out, accumulate=True, backend="cudnn")
     for got, s, g in zip(out, start, grads):
         torch.testing.assert_close(got, s + g)
 
@@ -135,7 +136,7 @@ def test_the_ring_step_contract(n_keys):
     k, v = k[:, :n_keys], v[:, :n_keys]
     if n_keys:
         o, lse = attn_fwd(q, k, v, backend="cudnn")
-        grads = attn_bwd(do, q, k, v, o, lse, grad_dtype=torch.float32, backend="cudnn")
+        grads = bwd_step(do, q, k, v, o, lse, grad_dtype=torch.float32, backend="cudnn")
     else:
         o, lse = torch.zeros_like(q), torch.full((2, 4, 80), float("-inf"), device="cuda")
         grads = (torch.zeros(q.shape, device="cuda"), torch.zeros(k.shape, device="cuda"),
@@ -150,7 +151,7 @@ def test_the_ring_step_contract(n_keys):
         torch.cuda.synchronize()
         seen.append((all(rel_err(out[i], sums[i] + grads[i]) < 1e-2 for i in (1, 2)), bool((out[0] == 7.0).all())))
 
-    ret = attn_bwd(do, q, k, v, o, lse, out=out, acc=sums, after_dkdv=hook, backend="cudnn")
+    ret = bwd_step(do, q, k, v, o, lse, out=out, acc=sums, after_dkdv=hook, backend="cudnn")
     assert all(r is t for r, t in zip(ret, out))
     assert seen == [(True, True)]
     for got, s, b, g in zip(out, sums, before, grads):
@@ -160,21 +161,21 @@ def test_the_ring_step_contract(n_keys):
 
 @gpu
 def test_partials_in_the_inputs_dtype_change_nothing():
-    # A W = 2 ring keeps cuDNN's step-0 o and gradients in bf16 (`kernels.partial_dtype`), not in
+    # A W = 2 ring keeps cuDNN's step-0 o and gradients in bf16 (`Backend.partial_dtype`), not in
     # float32 copies: the last step's merge and sums must come out bit-identical either way.
-    assert kernels.partial_dtype("cudnn", torch.empty(0, dtype=torch.bfloat16, device="cuda")) == torch.bfloat16
+    assert kernels.backend_named("cudnn").partial_dtype(torch.bfloat16) == torch.bfloat16
     B, N, H, D, dt = 1, 256, 4, 128, torch.bfloat16
     q, k, v, do = _inputs(B, N, 2 * N, H, 2, D, dt, seed=9)
     results = {}
     for partial in (torch.float32, dt):
-        o, lse = attn_fwd(q, k[:, :N], v[:, :N], causal=True, out_dtype=partial, backend="cudnn")
+        o, lse = fwd_step(q, k[:, :N], v[:, :N], causal=True, out_dtype=partial, backend="cudnn")
         assert o.dtype == partial
         out = torch.empty_like(q)
-        attn_fwd(q, k[:, N:], v[:, N:], acc=(o, lse), out=out, backend="cudnn")
-        sums = attn_bwd(do, q, k[:, :N], v[:, :N], out, lse, causal=True, grad_dtype=partial, backend="cudnn")
+        fwd_step(q, k[:, N:], v[:, N:], acc=(o, lse), out=out, backend="cudnn")
+        sums = bwd_step(do, q, k[:, :N], v[:, :N], out, lse, causal=True, grad_dtype=partial, backend="cudnn")
         final = (torch.empty_like(q), torch.empty_like(k[:, N:]), torch.empty_like(v[:, N:]))
         zeros = (sums[0], torch.zeros_like(final[1], dtype=partial), torch.zeros_like(final[2], dtype=partial))
-        attn_bwd(do, q, k[:, N:], v[:, N:], out, lse, out=final, acc=zeros, backend="cudnn")
+        bwd_step(do, q, k[:, N:], v[:, N:], out, lse, out=final, acc=zeros, backend="cudnn")
         results[partial] = (out, lse, *final, *(g.to(dt) for g in sums[1:]))
     for a, b in zip(results[torch.float32], results[dt]):
         assert torch.equal(a, b)
@@ -194,13 +195,19 @@ def test_o_is_contiguous_whatever_q_strides():
 def test_refuses_masks_and_float32_naming_them():
     q, k, v, do = _inputs(1, 16, 16, 2, 2, 32, torch.bfloat16, device="cpu")
     with pytest.raises(ValueError, match="windows and document masks"):
-        cudnn_attn_fwd(q, k, v, causal=True, window=4)
+        cudnn_attn_fwd(q, k, v, AttnSpec(causal=True, window=4))
     with pytest.raises(ValueError, match="windows and document masks"):
-        cudnn_attn_bwd(do, q, k, v, q, torch.zeros(1, 2, 16), visibility=dense_visibility(16, window=4))
+        cudnn_attn_bwd(do, q, k, v, q, torch.zeros(1, 2, 16), AttnSpec(intervals=dense_visibility(16, window=4)))
     with pytest.raises(TypeError, match=r"float16 or bfloat16 inputs, got torch\.float32"):
-        cudnn_attn_fwd(q.float(), k.float(), v.float())
+        cudnn_attn_fwd(q.float(), k.float(), v.float(), FULL)
     with pytest.raises(ValueError, match="needs CUDA tensors, got q on cpu"):
-        cudnn_attn_fwd(q, k, v)
+        cudnn_attn_fwd(q, k, v, FULL)
+    # What a config can be told before any tensor exists.
+    cudnn = backend_named("cudnn")
+    assert cudnn.supports(AttnSpec(causal=True), torch.bfloat16, 128) is None
+    assert "windows and document masks" in cudnn.supports(AttnSpec(causal=True, window=4), None, None)
+    assert "float16 or bfloat16" in cudnn.supports(None, torch.float32, None)
+    assert "multiple of 8" in cudnn.supports(None, None, 60)
 
 
 @gpu

@@ -1,4 +1,4 @@
-"""`attn_fwd(acc=(o_acc, lse_acc), out=...)`: the forward merges its result into a running float32
+"""`fwd_step(acc=(o_acc, lse_acc), out=...)`: the forward merges its result into a running float32
 accumulator (in place, or written rounded to `out`).
 
 This is a ring step in one launch: the accumulator holds attention over the keys seen so far, the
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from ringflash.kernels import attn_fwd, ref_merge
+from tests.kernels.steps import fwd_step
 from tests.truth import TOL, attention_f64, lse_err, rel_err
 
 BACKENDS = ["triton", "reference"]
@@ -46,11 +47,11 @@ def test_merged_equals_attention_over_union(H, Hkv, D, dtype, backend):
     q, k, v = _inputs(B, N, Nk, H, Hkv, D, dtype, seed=1, scale=1.5)
     parts = [slice(0, N), slice(N, N + 45), slice(N + 45, Nk)]
     o_big, lse_big, o_acc, lse_acc = _acc_views(B, N, H, D)
-    o0, l0 = attn_fwd(q, k[:, parts[0]], v[:, parts[0]], causal=True, out_dtype=torch.float32, backend=backend)
+    o0, l0 = fwd_step(q, k[:, parts[0]], v[:, parts[0]], causal=True, out_dtype=torch.float32, backend=backend)
     o_acc.copy_(o0)
     lse_acc.copy_(l0)
     for p in parts[1:]:
-        ret = attn_fwd(q, k[:, p], v[:, p], acc=(o_acc, lse_acc), backend=backend)
+        ret = fwd_step(q, k[:, p], v[:, p], acc=(o_acc, lse_acc), backend=backend)
         assert ret[0].data_ptr() == o_acc.data_ptr() and ret[1].data_ptr() == lse_acc.data_ptr()
     # Truth: the first part causal, the rest fully visible.
     mask = torch.ones(N, Nk, dtype=torch.bool)
@@ -74,16 +75,16 @@ def test_empty_rows_on_either_side(backend):
     empty = torch.zeros(N, dtype=torch.bool)
     empty[3:17] = True
 
-    o_acc, lse_acc = attn_fwd(q, ka, va, out_dtype=torch.float32, backend=backend)
+    o_acc, lse_acc = fwd_step(q, ka, va, out_dtype=torch.float32, backend=backend)
     o_acc[:, empty] = 0.0
     lse_acc[:, :, empty] = NEG_INF
     # The block has no keys: lse_blk = -inf on every row.
     before = o_acc.clone(), lse_acc.clone()
-    attn_fwd(q, k[:, :0], v[:, :0], acc=(o_acc, lse_acc), backend=backend)
+    fwd_step(q, k[:, :0], v[:, :0], acc=(o_acc, lse_acc), backend=backend)
     assert torch.equal(lse_acc, before[1]) and torch.allclose(o_acc, before[0], rtol=0, atol=0)
     assert (o_acc[:, empty] == 0).all() and torch.isneginf(lse_acc[:, :, empty]).all()
 
-    attn_fwd(q, kb, vb, acc=(o_acc, lse_acc), backend=backend)
+    fwd_step(q, kb, vb, acc=(o_acc, lse_acc), backend=backend)
     mask = torch.ones(N, 2 * N, dtype=torch.bool)
     mask[empty, :N] = False  # the empty rows saw none of the first keys
     truth = _masked_f64(q, k, v, mask)
@@ -92,14 +93,14 @@ def test_empty_rows_on_either_side(backend):
 
     # A fresh accumulator (o = 0, lse = -inf everywhere) merged with a block is the block.
     o_acc, lse_acc = torch.zeros(B, N, H, D), torch.full((B, H, N), NEG_INF)
-    attn_fwd(q, kb, vb, acc=(o_acc, lse_acc), backend=backend)
-    o_b, l_b = attn_fwd(q, kb, vb, out_dtype=torch.float32, backend=backend)
+    fwd_step(q, kb, vb, acc=(o_acc, lse_acc), backend=backend)
+    o_b, l_b = fwd_step(q, kb, vb, out_dtype=torch.float32, backend=backend)
     torch.testing.assert_close(o_acc, o_b, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(lse_acc, l_b, rtol=1e-6, atol=1e-6)
 
     # Empty on both sides.
     o_acc, lse_acc = torch.zeros(B, N, H, D), torch.full((B, H, N), NEG_INF)
-    attn_fwd(q, k[:, :0], v[:, :0], acc=(o_acc, lse_acc), backend=backend)
+    fwd_step(q, k[:, :0], v[:, :0], acc=(o_acc, lse_acc), backend=backend)
     assert (o_acc == 0).all() and torch.isneginf(lse_acc).all()
 
 
@@ -109,8 +110,8 @@ def test_large_lse_differences(backend):
     B, N, H, D = 1, 33, 2, 64
     q, k, v = _inputs(B, N, 3 * N, H, H, D, torch.float32, seed=3)
     scale = 5.0  # scores of order ±100
-    o_acc, lse_acc = attn_fwd(q, k[:, :N], v[:, :N], softmax_scale=scale, out_dtype=torch.float32, backend=backend)
-    attn_fwd(q, k[:, N:], v[:, N:], softmax_scale=scale, acc=(o_acc, lse_acc), backend=backend)
+    o_acc, lse_acc = fwd_step(q, k[:, :N], v[:, :N], softmax_scale=scale, out_dtype=torch.float32, backend=backend)
+    fwd_step(q, k[:, N:], v[:, N:], softmax_scale=scale, acc=(o_acc, lse_acc), backend=backend)
     truth = attention_f64(q, k, v, False, scale)
     assert truth["lse"].abs().max() > 100
     assert rel_err(o_acc, truth["o"]) < 1e-5
@@ -121,9 +122,9 @@ def test_fused_matches_separate_merge():
     """The Triton epilogue and `ref_merge` after an unfused call agree to float32 rounding."""
     B, N, H, D = 2, 50, 4, 64
     q, k, v = _inputs(B, N, 2 * N, H, 2, D, torch.bfloat16, seed=4)
-    o0, l0 = attn_fwd(q, k[:, :N], v[:, :N], causal=True, out_dtype=torch.float32, backend="triton")
-    fused = attn_fwd(q, k[:, N:], v[:, N:], acc=(o0.clone(), l0.clone()), backend="triton")
-    o_blk, l_blk = attn_fwd(q, k[:, N:], v[:, N:], out_dtype=torch.float32, backend="triton")
+    o0, l0 = fwd_step(q, k[:, :N], v[:, :N], causal=True, out_dtype=torch.float32, backend="triton")
+    fused = fwd_step(q, k[:, N:], v[:, N:], acc=(o0.clone(), l0.clone()), backend="triton")
+    o_blk, l_blk = fwd_step(q, k[:, N:], v[:, N:], out_dtype=torch.float32, backend="triton")
     o_sep, l_sep = o0.clone(), l0.clone()
     ref_merge(o_sep, l_sep, o_blk, l_blk)
     torch.testing.assert_close(fused[0], o_sep, rtol=1e-5, atol=1e-6)
@@ -141,19 +142,19 @@ def test_out_takes_the_merge_rounded(backend, device):
     dtype = torch.bfloat16 if device == "cuda" else torch.float16
     B, N, H, D = 2, 50, 4, 64
     q, k, v = (t.to(device) for t in _inputs(B, N, 2 * N, H, 2, D, dtype, seed=6))
-    o0, l0 = attn_fwd(q, k[:, :N], v[:, :N], causal=True, out_dtype=torch.float32, backend=backend)
-    in_place = attn_fwd(q, k[:, N:], v[:, N:], acc=(o0.clone(), l0.clone()), backend=backend)
+    o0, l0 = fwd_step(q, k[:, :N], v[:, :N], causal=True, out_dtype=torch.float32, backend=backend)
+    in_place = fwd_step(q, k[:, N:], v[:, N:], acc=(o0.clone(), l0.clone()), backend=backend)
     o_acc, lse_acc = o0.clone(), l0.clone()
     big = torch.full((B, N + 10, H, D), 7.0, dtype=dtype, device=device)
     out = big[:, 5 : 5 + N]  # a view: the rows around it must stay untouched
-    ret = attn_fwd(q, k[:, N:], v[:, N:], acc=(o_acc, lse_acc), out=out, backend=backend)
+    ret = fwd_step(q, k[:, N:], v[:, N:], acc=(o_acc, lse_acc), out=out, backend=backend)
     assert ret[0] is out and ret[1] is lse_acc
     assert (big[:, :5] == 7).all() and (big[:, 5 + N :] == 7).all()
     assert torch.equal(out, in_place[0].to(dtype)) and torch.equal(lse_acc, in_place[1])
     assert torch.equal(o_acc, o0)
     # Without acc, out is simply where o goes.
     plain = attn_fwd(q, k, v, backend=backend)
-    assert torch.equal(attn_fwd(q, k, v, out=torch.empty_like(q), backend=backend)[0], plain[0])
+    assert torch.equal(fwd_step(q, k, v, out=torch.empty_like(q), backend=backend)[0], plain[0])
 
 
 @pytest.mark.parametrize(
@@ -162,24 +163,24 @@ def test_out_takes_the_merge_rounded(backend, device):
 )
 def test_accumulator_in_the_inputs_dtype_is_only_read(backend, device):
     """With `out=`, o_acc may be in q's dtype (a block result its backend rounded, as cuDNN's are:
-    `kernels.partial_dtype`): merged exactly as its float32 copy would be, and never written."""
+    `Backend.partial_dtype`): merged exactly as its float32 copy would be, and never written."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float16
     B, N, H, D = 2, 50, 4, 64
     q, k, v = (t.to(device) for t in _inputs(B, N, 2 * N, H, 2, D, dtype, seed=7))
     o0, l0 = attn_fwd(q, k[:, :N], v[:, :N], causal=True, backend=backend)  # rounded to q's dtype
     want, lse_want = torch.empty_like(q), l0.clone()
-    attn_fwd(q, k[:, N:], v[:, N:], acc=(o0.float(), lse_want), out=want, backend=backend)
+    fwd_step(q, k[:, N:], v[:, N:], acc=(o0.float(), lse_want), out=want, backend=backend)
     got, lse_got, o_acc = torch.empty_like(q), l0.clone(), o0.clone()
-    attn_fwd(q, k[:, N:], v[:, N:], acc=(o_acc, lse_got), out=got, backend=backend)
+    fwd_step(q, k[:, N:], v[:, N:], acc=(o_acc, lse_got), out=got, backend=backend)
     assert torch.equal(got, want) and torch.equal(lse_got, lse_want) and torch.equal(o_acc, o0)
     rule = r"acc o_acc must be float32 .*, or q's dtype torch\.\w+ \(with out= elsewhere"
     with pytest.raises(TypeError, match=rule):
-        attn_fwd(q, k[:, N:], v[:, N:], acc=(o0.clone(), l0.clone()), backend=backend)  # in place: refused
+        fwd_step(q, k[:, N:], v[:, N:], acc=(o0.clone(), l0.clone()), backend=backend)  # in place: refused
     with pytest.raises(TypeError, match=rule):
-        attn_fwd(q, k[:, N:], v[:, N:], acc=(o_acc, l0.clone()), out=o_acc, backend=backend)  # the same
+        fwd_step(q, k[:, N:], v[:, N:], acc=(o_acc, l0.clone()), out=o_acc, backend=backend)  # the same
     other = torch.float16 if dtype == torch.bfloat16 else torch.bfloat16
     with pytest.raises(TypeError, match="acc o_acc must be float32"):
-        attn_fwd(q, k[:, N:], v[:, N:], acc=(o0.to(other), l0.clone()), out=got, backend=backend)
+        fwd_step(q, k[:, N:], v[:, N:], acc=(o0.to(other), l0.clone()), out=got, backend=backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -187,28 +188,28 @@ def test_bad_acc_names_the_argument(backend):
     q, k, v = _inputs(1, 8, 8, 2, 2, 32, torch.bfloat16)
     o, lse = torch.zeros(1, 8, 2, 32), torch.zeros(1, 2, 8)
     with pytest.raises(TypeError, match="acc must be a tuple"):
-        attn_fwd(q, k, v, acc=o, backend=backend)
+        fwd_step(q, k, v, acc=o, backend=backend)
     with pytest.raises(TypeError, match="acc o_acc must be float32"):
-        attn_fwd(q, k, v, acc=(o.bfloat16(), lse), backend=backend)
+        fwd_step(q, k, v, acc=(o.bfloat16(), lse), backend=backend)
     with pytest.raises(ValueError, match="acc lse_acc must have shape"):
-        attn_fwd(q, k, v, acc=(o, lse[:, :1]), backend=backend)
+        fwd_step(q, k, v, acc=(o, lse[:, :1]), backend=backend)
     with pytest.raises(ValueError, match="acc o_acc must have a contiguous last dim"):
-        attn_fwd(q, k, v, acc=(o.transpose(1, 3).contiguous().transpose(1, 3), lse), backend=backend)
+        fwd_step(q, k, v, acc=(o.transpose(1, 3).contiguous().transpose(1, 3), lse), backend=backend)
     with pytest.raises(ValueError, match="out_dtype must be None or float32"):
-        attn_fwd(q, k, v, acc=(o, lse), out_dtype=torch.bfloat16, backend=backend)
+        fwd_step(q, k, v, acc=(o, lse), out_dtype=torch.bfloat16, backend=backend)
     with pytest.raises(ValueError, match="out must have q's shape"):
-        attn_fwd(q, k, v, acc=(o, lse), out=q[:, :4], backend=backend)
+        fwd_step(q, k, v, acc=(o, lse), out=q[:, :4], backend=backend)
     with pytest.raises(ValueError, match=r"out_dtype torch\.float32 differs from out.s dtype torch\.bfloat16"):
-        attn_fwd(q, k, v, out_dtype=torch.float32, out=torch.empty_like(q), backend=backend)
+        fwd_step(q, k, v, out_dtype=torch.float32, out=torch.empty_like(q), backend=backend)
     with pytest.raises(TypeError, match=r"out must be float16, bfloat16 or float32, got torch\.float64"):
-        attn_fwd(q, k, v, out=q.to(torch.float64), backend=backend)
+        fwd_step(q, k, v, out=q.to(torch.float64), backend=backend)
     with pytest.raises(ValueError, match=r"out must have a contiguous last dim \(stride 1\)"):
-        attn_fwd(q, k, v, out=torch.empty(1, 8, 2, 64, dtype=q.dtype)[..., ::2], backend=backend)
+        fwd_step(q, k, v, out=torch.empty(1, 8, 2, 64, dtype=q.dtype)[..., ::2], backend=backend)
     # With out=, out_dtype may name out's own dtype: o_acc is then only read, so it need not be float32.
     g = torch.Generator().manual_seed(7)
     o, lse = torch.randn(1, 8, 2, 32, generator=g), torch.randn(1, 2, 8, generator=g)
-    want = attn_fwd(q, k, v, acc=(o.clone(), lse.clone()), out=torch.empty_like(q), backend=backend)
-    got = attn_fwd(q, k, v, acc=(o.clone(), lse.clone()), out=torch.empty_like(q), out_dtype=q.dtype, backend=backend)
+    want = fwd_step(q, k, v, acc=(o.clone(), lse.clone()), out=torch.empty_like(q), backend=backend)
+    got = fwd_step(q, k, v, acc=(o.clone(), lse.clone()), out=torch.empty_like(q), out_dtype=q.dtype, backend=backend)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
@@ -233,10 +234,10 @@ def test_gpu_merged_equals_attention_over_union(N, H, Hkv, D, dtype):
     o_big = torch.full((B, N + 64, H, D), float("nan"), device="cuda")
     lse_big = torch.full((B, H, N + 64), float("nan"), device="cuda")
     o_acc, lse_acc = o_big[:, 32 : 32 + N], lse_big[:, :, 32 : 32 + N]
-    o0, l0 = attn_fwd(q, k[:, :N], v[:, :N], causal=True, out_dtype=torch.float32)
+    o0, l0 = fwd_step(q, k[:, :N], v[:, :N], causal=True, out_dtype=torch.float32)
     o_acc.copy_(o0)
     lse_acc.copy_(l0)
-    attn_fwd(q, k[:, N:], v[:, N:], acc=(o_acc, lse_acc))
+    fwd_step(q, k[:, N:], v[:, N:], acc=(o_acc, lse_acc))
     mask = torch.ones(N, 2 * N, dtype=torch.bool, device="cuda")
     mask[:, :N] = torch.ones(N, N, dtype=torch.bool, device="cuda").tril()
     truth = _masked_f64(q, k, v, mask)

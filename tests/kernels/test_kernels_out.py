@@ -1,4 +1,4 @@
-"""`attn_bwd(out=..., accumulate=..., acc=...)`: gradients written into, or added to, given buffers
+"""`bwd_step(out=..., accumulate=..., acc=...)`: gradients written into, or added to, given buffers
 (the ring's path).
 
 The ring hands the backward strided views of its float32 accumulators and sums dq and dK/dV over
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ringflash.kernels import attn_bwd
+from tests.kernels.steps import bwd_step
 from tests.truth import attention_f64, rel_err
 
 BACKENDS = ["reference", "triton"]
@@ -36,7 +36,7 @@ def test_out_views_and_accumulated_gradients(backend):
     held = torch.randn(2, 2, 40 - n, 2, 32, generator=torch.Generator().manual_seed(1))
     dkv = torch.cat((torch.full((2, 2, n, 2, 32), 7.0), held), dim=2)
     for i, keys in enumerate((slice(0, n), slice(n, 40))):
-        ret = attn_bwd(
+        ret = bwd_step(
             do, q, k[:, keys], v[:, keys], o, lse, grad_dtype=torch.float32,
             out=(dq, dkv[0][:, keys], dkv[1][:, keys]), accumulate=i > 0, backend=backend,
         )
@@ -55,7 +55,7 @@ def test_out_views_and_accumulated_gradients(backend):
 def test_sums_read_from_acc_and_written_rounded(backend, device, n_keys, sums_in):
     # The ring's last step: add this block's gradients to float32 sums held elsewhere (`acc`) and
     # write the totals in the input dtype. Bit-identical to adding in float32, then rounding. The
-    # sums may be in the inputs' dtype (one rounded block result, as cuDNN's: `kernels.partial_dtype`).
+    # sums may be in the inputs' dtype (one rounded block result, as cuDNN's: `Backend.partial_dtype`).
     # (float16 on CPU: Triton's interpreter truncates to bfloat16 where GPUs round to nearest.)
     dtype = torch.bfloat16 if device == "cuda" else torch.float16
     q, k, v, do = (t.to(device, dtype) for t in _inputs())
@@ -69,16 +69,16 @@ def test_sums_read_from_acc_and_written_rounded(backend, device, n_keys, sums_in
     sums = tuple(t.to(device, torch.float32 if sums_in == "float32" else dtype) for t in sums)
     before = tuple(t.clone() for t in sums)
     f32 = tuple(t.to(torch.float32, copy=True) for t in sums)
-    attn_bwd(do, q, k, v, o, lse, grad_dtype=torch.float32, out=f32, accumulate=True, backend=backend)
+    bwd_step(do, q, k, v, o, lse, grad_dtype=torch.float32, out=f32, accumulate=True, backend=backend)
     out = tuple(torch.empty(t.shape, dtype=dtype, device=device) for t in sums)
-    ret = attn_bwd(do, q, k, v, o, lse, out=out, acc=sums, backend=backend)
+    ret = bwd_step(do, q, k, v, o, lse, out=out, acc=sums, backend=backend)
     assert all(r is t for r, t in zip(ret, out))
     for got, want, s, b in zip(out, f32, sums, before):
         assert torch.equal(got, want.to(dtype))
         assert torch.equal(s, b)  # acc is read, never written
     if sums_in == "inputs":  # rounded sums are only read: summing into them in place is refused
         with pytest.raises(ValueError, match=r"acc dq in torch\.\w+ is only read: summing into it in place"):
-            attn_bwd(do, q, k, v, o, lse, out=sums, acc=sums, backend=backend)
+            bwd_step(do, q, k, v, o, lse, out=sums, acc=sums, backend=backend)
 
 
 @pytest.mark.parametrize(
@@ -91,11 +91,11 @@ def test_accumulate_adds_in_float32_then_rounds(backend, device):
     dtype = torch.bfloat16 if device == "cuda" else torch.float16
     q, k, v, do = (t.to(device, dtype) for t in _inputs())
     o, lse = torch.randn_like(q), torch.randn(2, 4, 40, device=device)
-    grads = attn_bwd(do, q, k, v, o, lse, grad_dtype=torch.float32, backend=backend)
+    grads = bwd_step(do, q, k, v, o, lse, grad_dtype=torch.float32, backend=backend)
     gen = torch.Generator().manual_seed(3)
     out = tuple(torch.randn(g.shape, generator=gen).to(device, dtype) for g in grads)
     want = tuple((t.float() + g).to(dtype) for t, g in zip(out, grads))
-    attn_bwd(do, q, k, v, o, lse, out=out, accumulate=True, backend=backend)
+    bwd_step(do, q, k, v, o, lse, out=out, accumulate=True, backend=backend)
     for name, got, w in zip(("dq", "dk", "dv"), out, want):
         assert torch.equal(got, w), name
 
@@ -108,7 +108,7 @@ def test_no_keys_writes_zeros_or_adds_nothing(backend, accumulate):
     o, lse = torch.zeros_like(q), torch.full((2, 4, 40), -torch.inf)
     held = (torch.randn(q.shape), torch.randn(k.shape), torch.randn(v.shape))
     out = tuple(t.clone() for t in held)
-    attn_bwd(do, q, k, v, o, lse, grad_dtype=torch.float32, out=out, accumulate=accumulate, backend=backend)
+    bwd_step(do, q, k, v, o, lse, grad_dtype=torch.float32, out=out, accumulate=accumulate, backend=backend)
     for got, before in zip(out, held):
         assert torch.equal(got, before if accumulate else torch.zeros_like(before))
 
@@ -119,24 +119,24 @@ def test_bad_out_names_the_buffer(backend):
     o, lse = torch.randn_like(q), torch.randn(2, 4, 40)
     good = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     with pytest.raises(ValueError, match="accumulate=True needs out"):
-        attn_bwd(do, q, k, v, o, lse, accumulate=True, backend=backend)
+        bwd_step(do, q, k, v, o, lse, accumulate=True, backend=backend)
     with pytest.raises(ValueError, match="out dk must have shape"):
-        attn_bwd(do, q, k, v, o, lse, out=(good[0], good[1][:, :5], good[2]), backend=backend)
+        bwd_step(do, q, k, v, o, lse, out=(good[0], good[1][:, :5], good[2]), backend=backend)
     with pytest.raises(TypeError, match=r"out dq must have the gradient dtype torch\.float16"):
-        attn_bwd(do, q, k, v, o, lse, grad_dtype=torch.float16, out=good, backend=backend)
+        bwd_step(do, q, k, v, o, lse, grad_dtype=torch.float16, out=good, backend=backend)
     with pytest.raises(ValueError, match="acc= needs out"):
-        attn_bwd(do, q, k, v, o, lse, acc=good, backend=backend)
+        bwd_step(do, q, k, v, o, lse, acc=good, backend=backend)
     with pytest.raises(ValueError, match="not both"):
-        attn_bwd(do, q, k, v, o, lse, out=good, accumulate=True, acc=good, backend=backend)
+        bwd_step(do, q, k, v, o, lse, out=good, accumulate=True, acc=good, backend=backend)
     with pytest.raises(TypeError, match=r"acc dv must be float32 \(running sums\), got torch\.float16"):
-        attn_bwd(do, q, k, v, o, lse, out=good, acc=(*good[:2], good[2].half()), backend=backend)
+        bwd_step(do, q, k, v, o, lse, out=good, acc=(*good[:2], good[2].half()), backend=backend)
     every_other = torch.empty(2, 40, 4, 64)[..., ::2]  # dq's shape, last-dim stride 2
     with pytest.raises(ValueError, match=r"out dq must have a contiguous last dim \(stride 1\)"):
-        attn_bwd(do, q, k, v, o, lse, out=(every_other, *good[1:]), backend=backend)
+        bwd_step(do, q, k, v, o, lse, out=(every_other, *good[1:]), backend=backend)
     with pytest.raises(ValueError, match=r"acc dq must have a contiguous last dim \(stride 1\)"):
-        attn_bwd(do, q, k, v, o, lse, out=good, acc=(every_other, *good[1:]), backend=backend)
+        bwd_step(do, q, k, v, o, lse, out=good, acc=(every_other, *good[1:]), backend=backend)
     with pytest.raises(ValueError, match="out dv must be on q's device"):
-        attn_bwd(do, q, k, v, o, lse, out=(*good[:2], good[2].to("meta")), backend=backend)
+        bwd_step(do, q, k, v, o, lse, out=(*good[:2], good[2].to("meta")), backend=backend)
 
 
 @pytest.mark.parametrize(
@@ -162,6 +162,6 @@ def test_after_dkdv_runs_once_between_dkdv_and_dq(backend, device, n_keys):
         dkdv_ok = rel_err(out[1], truth["dk"]) < 2e-5 and rel_err(out[2], truth["dv"]) < 2e-5 if n_keys else True
         seen.append((dkdv_ok, bool((out[0] == 7.0).all())))
 
-    attn_bwd(do, q, k, v, o, lse, grad_dtype=torch.float32, out=out, after_dkdv=hook, backend=backend)
+    bwd_step(do, q, k, v, o, lse, grad_dtype=torch.float32, out=out, after_dkdv=hook, backend=backend)
     assert seen == [(True, True)]  # once; dK/dV written, dQ not yet
     assert rel_err(out[0], truth["dq"]) < 2e-5 if n_keys else (out[0] == 0).all()

@@ -24,6 +24,7 @@ from ringflash.kernels import (
     varlen_visibility,
     visibility,
 )
+from tests.kernels.steps import bwd_step, fwd_step
 from tests.truth import TOL, attention_f64, lse_err, rel_err
 
 BACKENDS = ["triton", "reference"]
@@ -149,14 +150,13 @@ def test_varlen_window(window, dtype, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_varlen_passes_scale_and_output_dtypes(backend):
-    """softmax_scale, out_dtype and grad_dtype reach the kernels: bf16 inputs, float32 outputs."""
+def test_varlen_passes_scale(backend):
+    """softmax_scale reaches the kernels; results come back in the inputs' dtype."""
     lens = (5, 30, 12)
     q, k, v, do, cu = _packed(lens, 2, 1, 32, torch.bfloat16, seed=8)
-    o, lse = attn_varlen_fwd(q, k, v, cu, causal=True, softmax_scale=0.3, out_dtype=torch.float32, backend=backend)
-    dq, dk, dv = attn_varlen_bwd(do, q, k, v, o, lse, cu, causal=True, softmax_scale=0.3,
-                                 grad_dtype=torch.float32, backend=backend)
-    assert all(t.dtype == torch.float32 for t in (o, dq, dk, dv))
+    o, lse = attn_varlen_fwd(q, k, v, cu, causal=True, softmax_scale=0.3, backend=backend)
+    dq, dk, dv = attn_varlen_bwd(do, q, k, v, o, lse, cu, causal=True, softmax_scale=0.3, backend=backend)
+    assert all(t.dtype == torch.bfloat16 for t in (o, dq, dk, dv))
     truth = _per_document_truth(q, k, v, do, cu, True, scale=0.3)
     _assert_close(dict(o=o, lse=lse, dq=dq, dk=dk, dv=dv), truth, torch.bfloat16)
 
@@ -227,14 +227,14 @@ def test_ring_steps_at_global_positions(window, dtype, backend):
             kr = rows[(r - s) % 2]
             vis = visibility(qr, kr, causal=True, window=window, q_doc=doc[qr], k_doc=doc[kr])
             steps.append(((r - s) % 2, vis))
-            attn_fwd(q[:, qr], k[:, kr], v[:, kr], acc=(o_acc, lse_acc), visibility=vis, backend=backend)
+            fwd_step(q[:, qr], k[:, kr], v[:, kr], acc=(o_acc, lse_acc), visibility=vis, backend=backend)
         tol = TOL[dtype]
         assert rel_err(o_acc, truth["o"][:, qr]) < tol
         assert lse_err(lse_acc, truth["lse"][..., qr]) < 10 * tol
         dq = torch.zeros(q[:, qr].shape, dtype=torch.float32)
         for kv_rank, vis in steps:
             kr, acc = rows[kv_rank], dkv[kv_rank]
-            attn_bwd(do[:, qr], q[:, qr], k[:, kr], v[:, kr], o_acc.to(dtype), lse_acc, visibility=vis,
+            bwd_step(do[:, qr], q[:, qr], k[:, kr], v[:, kr], o_acc.to(dtype), lse_acc, visibility=vis,
                      grad_dtype=torch.float32, out=(dq, acc[0], acc[1]), accumulate=True, backend=backend)
         assert rel_err(dq, truth["dq"][:, qr]) < tol
     for r in (0, 1):
@@ -253,8 +253,8 @@ def test_visibility_rows_with_no_key(backend):
     q_doc = torch.where(q_pos < 130, 1, 2)  # rows of document 2 see none of these keys
     k_doc = torch.where(k_pos < 20, 0, 1)
     vis = visibility(q_pos, k_pos, causal=True, q_doc=q_doc, k_doc=k_doc)
-    o, lse = attn_fwd(q, k, v, visibility=vis, backend=backend)
-    dq, dk, dv = attn_bwd(do, q, k, v, o, lse, visibility=vis, backend=backend)
+    o, lse = fwd_step(q, k, v, visibility=vis, backend=backend)
+    dq, dk, dv = bwd_step(do, q, k, v, o, lse, visibility=vis, backend=backend)
     truth = masked_f64(q, k, v, _mask(q_pos, k_pos, True, None, q_doc, k_doc)[None], do=do)
     _assert_close(dict(o=o, lse=lse, dq=dq, dk=dk, dv=dv), truth, torch.float32)
     assert (o[:, 30:] == 0).all() and torch.isneginf(lse[..., 30:]).all() and (dq[:, 30:] == 0).all()
@@ -272,8 +272,8 @@ def test_batch_of_packed_sequences(backend):
     doc = torch.stack([pos // 30, (pos >= 7).long() + (pos >= 70).long()])
     vis = visibility(pos, pos, causal=True, window=20, q_doc=doc, k_doc=doc)
     assert vis.kv_lo.shape == (B, N)
-    o, lse = attn_fwd(q, k, v, visibility=vis, backend=backend)
-    dq, dk, dv = attn_bwd(do, q, k, v, o, lse, visibility=vis, backend=backend)
+    o, lse = fwd_step(q, k, v, visibility=vis, backend=backend)
+    dq, dk, dv = bwd_step(do, q, k, v, o, lse, visibility=vis, backend=backend)
     mask = torch.stack([_mask(pos, pos, True, 20, d, d) for d in doc])
     truth = masked_f64(q, k, v, mask, do=do)
     _assert_close(dict(o=o, lse=lse, dq=dq, dk=dk, dv=dv), truth, torch.float32)
@@ -323,16 +323,16 @@ def test_triton_skips_blocks_no_row_sees(kind):
     vis = Visibility(kv_lo[None], kv_hi[None], q_lo[None], q_hi[None])
     poisoned = lambda t, keep: torch.where(keep[None, :, None, None], t, float("nan"))
     if kind == "fwd":
-        o, lse = attn_fwd(q, k, poisoned(v, cols_seen), visibility=vis, backend="triton")
+        o, lse = fwd_step(q, k, poisoned(v, cols_seen), visibility=vis, backend="triton")
         _assert_close(dict(o=o, lse=lse), truth, torch.float32, names=("o",))
         return
     o, lse = truth["o"].float(), truth["lse"].float()
     if kind == "dq":  # the dq kernel loops over key blocks
-        dq, _, _ = attn_bwd(do, q, poisoned(k, cols_seen), poisoned(v, cols_seen), o, lse, visibility=vis,
+        dq, _, _ = bwd_step(do, q, poisoned(k, cols_seen), poisoned(v, cols_seen), o, lse, visibility=vis,
                             backend="triton")
         assert rel_err(dq, truth["dq"]) < TOL[torch.float32]
     else:  # the dK/dV kernel loops over query blocks
-        _, dk, dv = attn_bwd(poisoned(do, rows_see), poisoned(q, rows_see), k, v, poisoned(o, rows_see), lse,
+        _, dk, dv = bwd_step(poisoned(do, rows_see), poisoned(q, rows_see), k, v, poisoned(o, rows_see), lse,
                              visibility=vis, backend="triton")
         assert rel_err(dk, truth["dk"]) < TOL[torch.float32] and rel_err(dv, truth["dv"]) < TOL[torch.float32]
 
@@ -350,19 +350,19 @@ def test_bad_mask_arguments_name_the_argument(backend):
         attn_fwd(q, k, v, window=3, backend=backend)
     with pytest.raises(ValueError, match="window must be a positive int"):
         attn_fwd(q, k, v, causal=True, window=0, backend=backend)
-    with pytest.raises(ValueError, match="visibility= already says"):
-        attn_fwd(q, k, v, causal=True, visibility=vis, backend=backend)
+    with pytest.raises(ValueError, match="intervals already say"):
+        fwd_step(q, k, v, causal=True, visibility=vis, backend=backend)
     with pytest.raises(ValueError, match=r"visibility.kv_lo must have shape \(1, 5\)"):
-        attn_fwd(q[:, :5], k, v, visibility=vis, backend=backend)
+        fwd_step(q[:, :5], k, v, visibility=vis, backend=backend)
     with pytest.raises(TypeError, match=r"visibility\.q_hi must be int32"):
-        attn_fwd(q, k, v, visibility=vis._replace(q_hi=vis.q_hi.long()), backend=backend)
+        fwd_step(q, k, v, visibility=vis._replace(q_hi=vis.q_hi.long()), backend=backend)
     with pytest.raises(ValueError, match=r"visibility\.kv_lo must have shape \(1, 8\), got \(3, 8\)"):
-        attn_fwd(q, k, v, visibility=vis._replace(kv_lo=vis.kv_lo.expand(3, -1).contiguous()), backend=backend)
+        fwd_step(q, k, v, visibility=vis._replace(kv_lo=vis.kv_lo.expand(3, -1).contiguous()), backend=backend)
     strided = torch.stack([vis.kv_hi, vis.kv_hi], dim=-1)[..., 0]  # (1, 8), row stride 2
     with pytest.raises(ValueError, match=r"visibility\.kv_hi must be contiguous"):
-        attn_fwd(q, k, v, visibility=vis._replace(kv_hi=strided), backend=backend)
-    with pytest.raises(ValueError, match="visibility= already says"):  # a window would be ignored
-        attn_fwd(q, k, v, window=2, visibility=vis, backend=backend)
+        fwd_step(q, k, v, visibility=vis._replace(kv_hi=strided), backend=backend)
+    with pytest.raises(ValueError, match="intervals already say"):  # a window would be ignored
+        fwd_step(q, k, v, causal=True, window=2, visibility=vis, backend=backend)
     cu = torch.tensor([0, 3, 8], dtype=torch.int32)
     with pytest.raises(ValueError, match="cu_seqlens must start at 0 and end"):
         attn_varlen_fwd(q[0], k[0], v[0], cu[:2], backend=backend)
@@ -432,6 +432,6 @@ def test_gpu_ring_steps_at_global_positions():
         for s in (0, 1):
             kr = rows[(r - s) % 2].cuda()
             vis = visibility(qr, kr, causal=True, window=300, q_doc=doc[qr], k_doc=doc[kr])
-            attn_fwd(q[:, qr], k[:, kr], v[:, kr], acc=(o_acc, lse_acc), visibility=vis)
+            fwd_step(q[:, qr], k[:, kr], v[:, kr], acc=(o_acc, lse_acc), visibility=vis)
         assert rel_err(o_acc, truth["o"][:, qr]) < TOL[torch.bfloat16]
         assert lse_err(lse_acc, truth["lse"][..., qr]) < 10 * TOL[torch.bfloat16]

@@ -42,12 +42,22 @@ def _kernel_opcheck_worker(rank, world, backend, device):
     q = torch.randn(1, 12, 4, 32, generator=g).to(device, dt).requires_grad_()
     k, v = (torch.randn(1, 12, 2, 32, generator=g).to(device, dt).requires_grad_() for _ in range(2))
     opts = dict(causal=True, softmax_scale=0.3, backend=backend)
-    torch.library.opcheck(torch.ops.ringflash.attn_fwd.default, (q, k, v), opts)
-    o, lse = torch.ops.ringflash.attn_fwd(q, k, v, **opts)
+    torch.library.opcheck(torch.ops.ringflash.attn_fwd.default, (q, k, v, []), opts)
+    o, lse = torch.ops.ringflash.attn_fwd(q, k, v, [], **opts)
     assert not lse.requires_grad
     do = torch.randn(o.shape, generator=g).to(device, dt)
     args = (do, q.detach(), k.detach(), v.detach(), o.detach(), lse)
-    torch.library.opcheck(torch.ops.ringflash.attn_bwd.default, args, dict(opts, grad_dtype=torch.float32))
+    torch.library.opcheck(torch.ops.ringflash.attn_bwd.default, (*args, []), opts)
+    if backend != "cudnn":  # the ops carry every mask the eager functions take: a window, intervals
+        vis = list(kernels.dense_visibility(12, window=5, device=q.device))
+        torch.library.opcheck(torch.ops.ringflash.attn_fwd.default, (q, k, v, []), dict(opts, window=5))
+        torch.library.opcheck(torch.ops.ringflash.attn_fwd.default, (q, k, v, vis), dict(opts, causal=False))
+        ow, _ = torch.ops.ringflash.attn_fwd(q, k, v, [], **dict(opts, window=5))
+        ov, _ = torch.ops.ringflash.attn_fwd(q, k, v, vis, **dict(opts, causal=False))
+        want = kernels.attn_fwd(q.detach(), k.detach(), v.detach(), causal=True, window=5, softmax_scale=0.3,
+                                backend=backend)[0]
+        torch.testing.assert_close(ow, want, atol=0, rtol=0)
+        torch.testing.assert_close(ov, want, atol=0, rtol=0)
     # The op's autograd is the kernel pair's: gradients equal attn_bwd's.
     o.backward(do)
     ref = kernels.attn_bwd(*args, causal=True, softmax_scale=0.3, backend=backend)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from ringflash import layout as L
+from ringflash.kernels import CAUSAL, FULL
 
 WORLDS = [1, 2, 3, 4]
 
@@ -92,8 +93,8 @@ def test_schedule_covers_exactly_the_visible_pairs(world, name, causal):
             got = torch.zeros_like(want)
             if step is not None:
                 block = torch.ones(n, n, dtype=torch.bool)[step.q, step.kv]
-                got[step.q, step.kv] = block.tril() if step.causal else block
-                assert not step.causal or s == 0, "only the diagonal block is masked"
+                got[step.q, step.kv] = block.tril() if step.spec.causal else block
+                assert not step.spec.causal or s == 0, "only the diagonal block is masked"
             assert torch.equal(got, want), f"rank {r} step {s}: {step}"
 
 
@@ -104,10 +105,10 @@ def test_zigzag_causal_is_balanced_half_blocks(world):
     n, h = 8, 4
     for r in range(world):
         steps = L.ring_schedule(r, world, n, True, "zigzag")
-        assert steps[0] == L.Step(slice(0, n), slice(0, n), True)
+        assert steps[0] == L.Step(slice(0, n), slice(0, n), CAUSAL)
         for s in range(1, world):
             j = (r - s) % world
-            want = L.Step(slice(0, n), slice(0, h), False) if j < r else L.Step(slice(h, n), slice(0, n), False)
+            want = L.Step(slice(0, n), slice(0, h), FULL) if j < r else L.Step(slice(h, n), slice(0, n), FULL)
             assert steps[s] == want
             q_rows, kv_rows = steps[s].rows(n)
             assert q_rows * kv_rows == n * n // 2
@@ -116,5 +117,5 @@ def test_zigzag_causal_is_balanced_half_blocks(world):
 def test_contiguous_causal_skips_later_blocks():
     steps = L.ring_schedule(1, 4, 8, True, "contiguous")
     # rank 1 sees kv from rank 0 (step 1) fully; ranks 3 and 2 (steps 2, 3) lie in its future.
-    assert steps[1] == L.Step(slice(0, 8), slice(0, 8), False)
+    assert steps[1] == L.Step(slice(0, 8), slice(0, 8), FULL)
     assert steps[2] is None and steps[3] is None

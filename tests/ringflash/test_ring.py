@@ -23,8 +23,10 @@ import torch.distributed as dist
 import ringflash
 from ringflash import RingFlashAttention, ring_flash_attn_func, shard
 from ringflash.comm import TRANSPORTS, RingComm, host_group, ring_comm
-from ringflash.kernels import attn_bwd, attn_fwd, interpreting
+from ringflash.kernels import attn_bwd, attn_fwd, backend_named, interpreting
+from ringflash.layout import ring_schedule
 from ringflash.ops import _check_across_ranks, _signature
+from ringflash.ring import ring_backward, ring_forward
 from tests.dist_utils import REPO, RankFailure, run_ranks, torchrun
 from tests.truth import TOL, attention_f64, lse_err, rel_err
 
@@ -155,39 +157,49 @@ def test_ring_triton_kernels_interpreted(case):
     run_ranks(ring_exactness_worker, case["world"], (case,))
 
 
-def test_ring_with_rounded_partials_at_two_ranks(monkeypatch):
-    # At W = 2 the ring keeps step 0's o and gradients in the dtype its backend made them in
-    # (`kernels.partial_dtype`): the input dtype on cuDNN, which only a GPU runs. Here the
-    # reference kernels stand in, as a backend whose partial results come rounded (forked ranks
-    # inherit the patch), so the ring's plumbing for it runs on every CI stop.
-    import ringflash.ring
+class _RoundedPartials(type(backend_named("reference"))):
+    """The reference kernels as a backend whose partial results come rounded to the inputs' dtype,
+    as cuDNN's do (only a GPU runs cuDNN), recording the dtype each step wrote or read."""
 
-    monkeypatch.setattr(ringflash.ring, "partial_dtype", lambda backend, q: q.dtype)
-    for world, layout, causal in ((2, "zigzag", True), (2, "contiguous", False), (3, "zigzag", True)):
-        run_ranks(ring_exactness_worker, world, (make_case(world, layout, causal, dtype=torch.bfloat16, n_local=16),))
-    # Which dtype step 0 wrote and the last step read: the backend's at W = 2, float32 beyond.
-    seen = []
-    fwd, bwd = ringflash.ring.attn_fwd, ringflash.ring.attn_bwd
+    def __init__(self):
+        self.seen = []
 
-    def spy_fwd(*args, **kw):
-        o, lse = fwd(*args, **kw)
-        seen.append(("fwd", o.dtype if kw["acc"] is None else kw["acc"][0].dtype))
+    def partial_dtype(self, dtype):
+        return dtype
+
+    def fwd_step(self, q, k, v, spec, scale, *, out_dtype=None, acc=None, out=None):
+        o, lse = super().fwd_step(q, k, v, spec, scale, out_dtype=out_dtype, acc=acc, out=out)
+        self.seen.append(("fwd", o.dtype if acc is None else acc[0].dtype))
         return o, lse
 
-    def spy_bwd(*args, **kw):
-        seen.append(("bwd", kw["grad_dtype"] if kw["acc"] is None else kw["acc"][0].dtype))
-        return bwd(*args, **kw)
+    def bwd_step(self, do, q, k, v, o, lse, spec, scale, *, grad_dtype=None, acc=None, **kw):
+        self.seen.append(("bwd", grad_dtype if acc is None else acc[0].dtype))
+        return super().bwd_step(do, q, k, v, o, lse, spec, scale, grad_dtype=grad_dtype, acc=acc, **kw)
 
-    monkeypatch.setattr(ringflash.ring, "attn_fwd", spy_fwd)
-    monkeypatch.setattr(ringflash.ring, "attn_bwd", spy_bwd)
-    for world, want in ((2, torch.bfloat16), (3, torch.float32)):
-        c = make_case(1, n_local=16, dtype=torch.bfloat16)
-        q, k, v, do = global_inputs(c)
-        kw = dict(causal=True, scale=0.25, layout="zigzag", comm=ringflash.NullComm(world - 1, world))
-        o, lse, kv = ringflash.ring.ring_forward(q, k, v, **kw)
-        ringflash.ring.ring_backward(do, q, kv, o, lse, **kw)
-        assert {dt for _, dt in seen} == {want} and len(seen) == 2 * world, (world, seen)
-        seen.clear()
+
+def _rounded_partials_worker(rank, world, c):
+    """The ring loop handed a fake backend and the group's transport: exact, and at W = 2 step 0's
+    results stay in the backend's partial dtype, beyond it in float32."""
+    q, k, v, do = global_inputs(c)
+    truth = attention_f64(q, k, v, c["causal"], None, do)
+    L = c["layout"]
+    ql, kl, vl, dol = (shard(t, 1, rank, world, L) for t in (q, k, v, do))
+    plan = ring_schedule(rank, world, ql.shape[1], c["causal"], L)
+    kern, comm, scale = _RoundedPartials(), ring_comm(None), c["D"] ** -0.5
+    o, lse, kv = ring_forward(ql, kl, vl, plan, scale=scale, kernels=kern, comm=comm)
+    dq, dkv = ring_backward(dol, ql, kv, o, lse, plan, scale=scale, kernels=kern, comm=comm)
+    for name, got in (("o", o), ("dq", dq), ("dk", dkv[0]), ("dv", dkv[1])):
+        err = rel_err(got, shard(truth[name], 1, rank, world, L))
+        assert got.dtype == c["dtype"] and err < TOL[c["dtype"]], f"rank {rank}: {name} error {err}"
+    want = c["dtype"] if world == 2 else torch.float32
+    steps = sum(st is not None for st in plan)
+    assert {dt for _, dt in kern.seen} == {want} and len(kern.seen) == 2 * steps, (world, kern.seen)
+
+
+def test_ring_with_rounded_partials_at_two_ranks():
+    for world, layout, causal in ((2, "zigzag", True), (2, "contiguous", False), (3, "zigzag", True)):
+        case = make_case(world, layout, causal, dtype=torch.bfloat16, n_local=16)
+        run_ranks(_rounded_partials_worker, world, (case,))
 
 
 def test_world_one_without_distributed_is_one_kernel_call():
@@ -431,24 +443,25 @@ def test_harness_reports_rank_tracebacks():
     assert list(err.value.errors) == [1] and "KeyError" in err.value.errors[1], err.value
 
 
+def _null_ring(rank, world, n_local=16, causal=True, layout="zigzag"):
+    """The ring loop's arguments for rank `rank` of `world` with no communication (NullComm)."""
+    return dict(plan=ring_schedule(rank, world, n_local, causal, layout), scale=0.25,
+                kernels=backend_named("reference"), comm=ringflash.NullComm(rank, world))
+
+
 def test_null_comm_runs_the_same_schedule():
     # NullComm (the benchmark's compute-only ring) runs every step's kernels without sending.
-    from ringflash.ring import ring_forward
-
     c = make_case(1, n_local=16)
     q, k, v, _ = global_inputs(c)
-    o, lse, _ = ring_forward(q, k, v, causal=True, scale=0.25, layout="zigzag", comm=ringflash.NullComm(1, 4))
+    o, lse, _ = ring_forward(q, k, v, **_null_ring(1, 4))
     assert o.shape == q.shape and lse.shape == (2, 4, 16) and torch.isfinite(o).all()
 
 
 def test_forward_returns_the_block_it_sent():
     # What the backward takes for k and v: k and v packed, as the ring sent them (one rank: k, v).
-    from ringflash.ring import ring_forward
-
     q, k, v, _ = global_inputs(make_case(1, n_local=16))
-    kw = dict(causal=True, scale=0.25, layout="zigzag")
-    assert torch.equal(ring_forward(q, k, v, comm=ringflash.NullComm(0, 2), **kw)[2], torch.stack((k, v)))
-    alone = ring_forward(q, k, v, comm=ringflash.NullComm(0, 1), **kw)[2]
+    assert torch.equal(ring_forward(q, k, v, **_null_ring(0, 2))[2], torch.stack((k, v)))
+    alone = ring_forward(q, k, v, **_null_ring(0, 1))[2]
     assert alone[0] is k and alone[1] is v
 
 
@@ -456,12 +469,10 @@ def test_forward_returns_the_block_it_sent():
 def test_results_are_contiguous_whatever_q_strides(world):
     # o and dq come back contiguous, as the ops' fake implementations promise torch.compile, even
     # when q is a dense non-contiguous view (a (B, H, N, D) tensor transposed).
-    from ringflash.ring import ring_backward, ring_forward
-
     c = make_case(1, n_local=16)
     q, k, v, do = global_inputs(c)
     q = q.transpose(1, 2).contiguous().transpose(1, 2)
-    kw = dict(causal=True, scale=0.25, layout="zigzag", comm=ringflash.NullComm(0, world))
+    kw = _null_ring(0, world)
     o, lse, kv = ring_forward(q, k, v, **kw)
     dq, dkv = ring_backward(do, q, kv, o, lse, **kw)
     assert not q.is_contiguous() and o.is_contiguous() and dq.is_contiguous() and dkv.is_contiguous()
@@ -571,12 +582,9 @@ def test_ring_comm_contract():
 def test_ring_plan_must_have_every_step_and_compute_step_0():
     # A plan (e.g. a RingMask's) of the wrong length, or one skipping step 0 (which starts the
     # accumulators), is refused by name instead of failing inside the loop.
-    from ringflash.layout import ring_schedule
-    from ringflash.ring import ring_backward, ring_forward
-
     q, k, v, do = global_inputs(make_case(1, n_local=8))
-    kw = dict(causal=False, scale=0.25, layout="contiguous", comm=ringflash.NullComm(0, 2))
-    steps = [(st, None) for st in ring_schedule(0, 2, 8, False, "contiguous")]
+    kw = _null_ring(0, 2, n_local=8, causal=False, layout="contiguous")
+    steps = kw.pop("plan")
     o, lse, kv = ring_forward(q, k, v, plan=steps, **kw)
     for plan in ([None, steps[1]], steps[:1], steps * 2):
         with pytest.raises(ValueError, match="a ring plan needs 2 steps, step 0 computed"):

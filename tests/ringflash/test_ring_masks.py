@@ -22,9 +22,10 @@ import torch._dynamo
 import torch.distributed as dist
 
 import ringflash
-import ringflash.ring as ring_module
 from ringflash import global_positions, ring_flash_attn_func, ring_mask, shard
-from ringflash.kernels import interpreting
+from ringflash.comm import ring_comm
+from ringflash.kernels import Backend, get_backend, interpreting
+from ringflash.ring import ring_backward, ring_forward
 from tests.dist_utils import run_ranks
 from tests.truth import TOL, lse_err, rel_err
 
@@ -98,6 +99,24 @@ def case(world, layout="zigzag", causal=True, docs="odd", window=None, B=2, H=4,
                 dtype=dtype, backend=backend, n=n, seed=seed, device=device)  # fmt: skip
 
 
+class _Counting(Backend):
+    """Another backend's kernels, counting their launches."""
+
+    def __init__(self, inner: Backend):
+        self.inner, self.name, self.calls = inner, inner.name, {"fwd": 0, "bwd": 0}
+
+    def partial_dtype(self, dtype):
+        return self.inner.partial_dtype(dtype)
+
+    def fwd_step(self, *args, **kwargs):
+        self.calls["fwd"] += 1
+        return self.inner.fwd_step(*args, **kwargs)
+
+    def bwd_step(self, *args, **kwargs):
+        self.calls["bwd"] += 1
+        return self.inner.bwd_step(*args, **kwargs)
+
+
 def mask_worker(rank, world, c):
     dev = torch.device(c["device"])
     if dev.type == "cuda":
@@ -114,25 +133,20 @@ def mask_worker(rank, world, c):
     mask = ring_mask(doc, seqlen=n, layout=L, causal=c["causal"], window=c["window"])
     assert mask.skipped == brute_skipped(a, rank, world, L), (mask, brute_skipped(a, rank, world, L))
 
-    calls = {"fwd": 0, "bwd": 0}  # kernel launches of the ring loop (this forked rank only)
-    fwd, bwd = ring_module.attn_fwd, ring_module.attn_bwd
-
-    def count(name, fn):
-        def wrapped(*args, **kwargs):
-            calls[name] += 1
-            return fn(*args, **kwargs)
-
-        return wrapped
-
-    ring_module.attn_fwd, ring_module.attn_bwd = count("fwd", fwd), count("bwd", bwd)
-
     ql, kl, vl = (shard(t, 1, rank, world, L).detach().clone().requires_grad_() for t in (q, k, v))
     # `window=` alone builds (and caches) the same mask inside the call.
     via = dict(causal=True, window=c["window"]) if c.get("via_window") else dict(mask=mask)
     o, lse = ring_flash_attn_func(ql, kl, vl, layout=L, return_lse=True, backend=c["backend"], **via)
     o.backward(shard(do, 1, rank, world, L))
+    # The ring loop on the mask's steps, handed a counting backend: a skipped step launches nothing,
+    # and the loop computes what the op did.
+    kern = _Counting(get_backend(c["backend"], dev))
+    plan, scale, comm = list(mask.steps), c["D"] ** -0.5, ring_comm(None)
+    o2, lse2, kv = ring_forward(ql.detach(), kl.detach(), vl.detach(), plan, scale=scale, kernels=kern, comm=comm)
+    ring_backward(shard(do, 1, rank, world, L), ql.detach(), kv, o2, lse2, plan, scale=scale, kernels=kern, comm=comm)
     want = world - len(mask.skipped)
-    assert calls == {"fwd": want, "bwd": want}, (calls, mask)
+    assert kern.calls == {"fwd": want, "bwd": want}, (kern.calls, mask)
+    torch.testing.assert_close(o2, o.detach(), atol=0, rtol=0)
 
     got = {"o": o, "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}
     assert all(x.dtype == c["dtype"] for x in got.values())
@@ -216,8 +230,8 @@ def test_windows_skip_steps():
 def test_no_documents_no_window_is_the_plain_schedule():
     m = ringflash.masks._build(None, N, 1, 4, "zigzag", True, None, torch.device("cpu"))
     steps = ringflash.layout.ring_schedule(1, 4, N // 4, True, "zigzag")
-    assert [None if s is None else s.step for s in m.steps] == steps
-    assert all(s is None or s.vis is None for s in m.steps) and m.tensors == ()
+    assert list(m.steps) == steps
+    assert all(s is None or s.spec.intervals is None for s in m.steps) and m.tensors == ()
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -229,7 +243,7 @@ def test_one_document_per_row_is_the_plain_schedule(layout, causal):
     for rank in range(4):
         m = ringflash.masks._build(doc, N, rank, 4, layout, causal, None, torch.device("cpu"))
         steps = ringflash.layout.ring_schedule(rank, 4, N // 4, causal, layout)
-        assert [None if s is None else s.step for s in m.steps] == steps, f"rank {rank}: {m}"
+        assert list(m.steps) == steps, f"rank {rank}: {m}"
         assert m.tensors == (), f"rank {rank}: a Visibility where the dense kernels suffice"
 
 

@@ -1,0 +1,213 @@
+"""Kernel backends: one object per implementation, chosen once per call and passed down.
+
+    backend = get_backend(None, q.device)           # the name, or RINGFLASH_KERNEL_BACKEND, or auto
+    o, lse = backend.fwd_step(q, k, v, spec, scale)  # what the ring calls at every step
+
+- `triton`: our FlashAttention-2 kernels (kernels/triton_fwd.py, triton_bwd.py); on a CPU only in
+  Triton's interpreter (`TRITON_INTERPRET=1`), which is how the test suite runs them.
+- `reference`: the same contract in plain PyTorch (kernels/reference.py): the CPU path.
+- `cudnn`: NVIDIA's cuDNN attention through PyTorch (kernels/cudnn.py): CUDA, fp16/bf16, full or
+  causal only. Never chosen by `auto`.
+`auto` is Triton on CUDA tensors and the reference elsewhere.
+
+The step API (`fwd_step`, `bwd_step`) is for block-wise callers such as the ring: it writes into
+or accumulates into given buffers. The flash_attn-style functions on top
+(`kernels.attn_fwd` / `attn_bwd`) return plain new tensors.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+
+from ringflash.kernels.checks import check_grad_out
+from ringflash.kernels.reference import ref_attn_bwd, ref_attn_fwd
+from ringflash.kernels.spec import AttnSpec
+
+__all__ = ["BACKENDS", "Backend", "backend_named", "get_backend", "interpreting"]
+
+BACKENDS = ("auto", "triton", "reference", "cudnn")  # the names `backend=` and the config accept
+ENV = "RINGFLASH_KERNEL_BACKEND"
+
+Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def interpreting() -> bool:
+    """Whether Triton runs in its interpreter (TRITON_INTERPRET=1): the kernels' CPU path."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+class Backend:
+    """One kernel implementation behind the kernel contract (kernels/__init__.py).
+
+    `fwd_step(q, k, v, spec, scale, *, out_dtype=None, acc=None, out=None) -> (o, lse)`:
+      o in `out_dtype` (default q's) and lse `(B, H, Nq)` float32, natural log. `acc=(o_acc,
+      lse_acc)`: merge this block's result into the running float32 accumulator in place (views
+      of larger buffers are fine; `kernels.ref_merge`'s math) and return it. `out`: where the
+      (merged) o goes instead, in its own dtype; o_acc is then only read and may be in
+      `partial_dtype`.
+    `bwd_step(do, q, k, v, o, lse, spec, scale, *, grad_dtype=None, out=None, accumulate=False,
+      acc=None, after_dkdv=None) -> (dq, dk, dv)`: o and lse may be global (a ring's merged
+      ones). `out=(dq, dk, dv)`: write there; `accumulate=True`: add to what out holds;
+      `acc=(...)`: add to these sums and write the totals to out, rounded to `grad_dtype`.
+      `after_dkdv()` is called once dk and dv are final, before dq is computed.
+    """
+
+    name: str
+
+    def supports(self, spec: AttnSpec | None, dtype: torch.dtype | None, head_dim: int | None,
+                 device: torch.device | None = None) -> str | None:
+        """None if this backend runs the call, else why not (a message naming the argument).
+        Arguments not known yet (a config checked before any tensor exists) may be None."""
+        return None
+
+    def check(self, q: torch.Tensor, k: torch.Tensor, spec: AttnSpec) -> None:
+        """Raise (naming the argument) if this backend cannot run attention of q over k under
+        `spec`: what a caller checks before starting work it cannot undo (a ring's transfers)."""
+
+    def partial_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a block's o or gradients come out unrounded in, for inputs of `dtype`."""
+        return torch.float32
+
+    def fwd_step(self, q, k, v, spec: AttnSpec, scale: float | None, *, out_dtype=None, acc=None, out=None):
+        raise NotImplementedError
+
+    def bwd_step(self, do, q, k, v, o, lse, spec: AttnSpec, scale: float | None, *, grad_dtype=None, out=None,
+                 accumulate: bool = False, acc=None, after_dkdv: Callable[[], None] | None = None) -> Grads:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"Backend({self.name!r})"
+
+
+class _Triton(Backend):
+    name = "triton"
+
+    def fwd_step(self, q, k, v, spec, scale, *, out_dtype=None, acc=None, out=None):
+        from ringflash.kernels.triton_fwd import triton_attn_fwd
+
+        return triton_attn_fwd(q, k, v, spec, scale, out_dtype=out_dtype, acc=acc, out=out)
+
+    def bwd_step(self, do, q, k, v, o, lse, spec, scale, *, grad_dtype=None, out=None, accumulate=False, acc=None,
+                 after_dkdv=None):
+        from ringflash.kernels.triton_bwd import triton_attn_bwd
+
+        return triton_attn_bwd(do, q, k, v, o, lse, spec, scale, grad_dtype=grad_dtype, out=out,
+                               accumulate=accumulate, acc=acc, after_dkdv=after_dkdv)
+
+
+class _Unfused(Backend):
+    """A backend whose backward returns new gradients: `bwd_step` writes or adds them to the
+    caller's buffers in a pass after it (the Triton kernels do that on chip)."""
+
+    def _grads(self, do, q, k, v, o, lse, spec, scale, grad_dtype) -> Grads:
+        raise NotImplementedError
+
+    def _add(self, base: torch.Tensor, grad: torch.Tensor, out: torch.Tensor) -> None:
+        if base is out:  # the ring's running sums: added in place
+            out.add_(grad)
+        else:
+            out.copy_(base + grad)
+
+    def bwd_step(self, do, q, k, v, o, lse, spec, scale, *, grad_dtype=None, out=None, accumulate=False, acc=None,
+                 after_dkdv=None):
+        summed = acc is not None or accumulate
+        if out is not None or summed:  # before the work, as the Triton path checks
+            check_grad_out(out, accumulate, q, k, grad_dtype or q.dtype, acc)
+        # Added to a sum: rounded after the sum, once, as on chip.
+        grads = self._grads(do, q, k, v, o, lse, spec, scale, torch.float32 if summed else grad_dtype)
+        if out is None:
+            if after_dkdv is not None:
+                after_dkdv()
+            return tuple(g.to(grad_dtype or q.dtype) for g in grads)
+        base = out if accumulate else (acc or (None, None, None))
+
+        def write(i: int) -> None:
+            if base[i] is None:
+                out[i].copy_(grads[i])
+            else:
+                self._add(base[i], grads[i], out[i])
+
+        write(1)
+        write(2)
+        if after_dkdv is not None:
+            after_dkdv()
+        write(0)
+        return tuple(out)
+
+
+class _Reference(_Unfused):
+    name = "reference"
+
+    def fwd_step(self, q, k, v, spec, scale, *, out_dtype=None, acc=None, out=None):
+        return ref_attn_fwd(q, k, v, spec, scale, out_dtype=out_dtype, acc=acc, out=out)
+
+    def _grads(self, do, q, k, v, o, lse, spec, scale, grad_dtype):
+        return ref_attn_bwd(do, q, k, v, o, lse, spec, scale, grad_dtype=grad_dtype)
+
+
+class _Cudnn(_Unfused):
+    name = "cudnn"
+
+    def supports(self, spec, dtype, head_dim, device=None):
+        from ringflash.kernels.cudnn import cudnn_limits
+
+        return cudnn_limits(spec, dtype, head_dim, device)
+
+    def check(self, q, k, spec):
+        from ringflash.kernels.cudnn import check_cudnn
+
+        check_cudnn(q, k, spec)
+
+    def partial_dtype(self, dtype):
+        return dtype  # cuDNN rounds its results to the inputs' dtype: float32 would hold the same values
+
+    def fwd_step(self, q, k, v, spec, scale, *, out_dtype=None, acc=None, out=None):
+        from ringflash.kernels.cudnn import cudnn_attn_fwd
+
+        return cudnn_attn_fwd(q, k, v, spec, scale, out_dtype=out_dtype, acc=acc, out=out)
+
+    def _grads(self, do, q, k, v, o, lse, spec, scale, grad_dtype):
+        from ringflash.kernels.cudnn import cudnn_attn_bwd
+
+        return cudnn_attn_bwd(do, q, k, v, o, lse, spec, scale)  # rounded by cuDNN whatever grad_dtype
+
+    def _add(self, base, grad, out):
+        from ringflash.kernels.triton_passes import add_into
+
+        add_into(base, grad, out)  # one pass on CUDA, summed in float32 and rounded once
+
+
+_BY_NAME: dict[str, Backend] = {b.name: b for b in (_Triton(), _Reference(), _Cudnn())}
+
+
+def backend_named(name: str) -> Backend | None:
+    """The backend called `name` whatever the device (None for `auto`, which depends on it)."""
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+    return _BY_NAME.get(name)
+
+
+def get_backend(backend: str | Backend | None, device: torch.device) -> Backend:
+    """The `Backend` that runs for tensors on `device`: `backend` by name (`BACKENDS`), or a
+    `Backend` as is, or with None the environment's `RINGFLASH_KERNEL_BACKEND` (default `auto`).
+    Raises ValueError naming the argument or the variable."""
+    if isinstance(backend, Backend):
+        return backend
+    choice, source = backend, "backend"
+    if choice is None:
+        choice, source = os.environ.get(ENV, "auto"), ENV
+    if choice not in BACKENDS:
+        raise ValueError(f"{source} must be one of {BACKENDS}, got {choice!r}")
+    if choice == "auto":
+        choice = "triton" if device.type == "cuda" else "reference"
+    if choice == "cudnn" and device.type != "cuda":
+        raise ValueError(f"{source}='cudnn' needs CUDA tensors, got {device.type} ones: use 'auto' or 'reference'")
+    if choice == "triton" and device.type != "cuda" and not interpreting():
+        raise ValueError(
+            f"backend='triton' on a {device.type} tensor needs the Triton interpreter: "
+            "set TRITON_INTERPRET=1 before importing triton, or use backend='reference'"
+        )
+    return _BY_NAME[choice]

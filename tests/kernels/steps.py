@@ -1,0 +1,24 @@
+"""The backends' step API with the public functions' mask arguments, for tests that check both
+the kernels' results and their write / merge / accumulate modes on the same calls."""
+
+from __future__ import annotations
+
+from ringflash.kernels import AttnSpec, get_backend
+
+
+def _spec(causal, window, visibility) -> AttnSpec:
+    if visibility is not None:
+        return AttnSpec(intervals=visibility, causal=causal, window=window)
+    return AttnSpec(causal=causal, window=window)
+
+
+def fwd_step(q, k, v, *, causal=False, softmax_scale=None, window=None, visibility=None, backend=None, **step):
+    """`Backend.fwd_step` (out_dtype=, acc=, out=) of the backend `backend` names."""
+    return get_backend(backend, q.device).fwd_step(q, k, v, _spec(causal, window, visibility), softmax_scale, **step)
+
+
+def bwd_step(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, window=None, visibility=None, backend=None,
+             **step):
+    """`Backend.bwd_step` (grad_dtype=, out=, accumulate=, acc=, after_dkdv=) of the backend `backend` names."""
+    spec = _spec(causal, window, visibility)
+    return get_backend(backend, q.device).bwd_step(do, q, k, v, o, lse, spec, softmax_scale, **step)
