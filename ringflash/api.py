@@ -16,10 +16,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ringflash import kernels, ops
-from ringflash.comm import resolve_transport, ring_comm
 from ringflash.kernels.checks import check_qkv, resolve_scale
 from ringflash.layout import check_layout, check_splittable
 from ringflash.masks import RingMask, window_mask
+from ringflash.transport import resolve_transport, ring_comm
 
 __all__ = [
     "RingFlashAttention",
@@ -139,7 +139,7 @@ def ring_flash_attn_func(
             model). Its causal, layout, world, rank, local length and device must be the call's
             (ValueError otherwise); a `window` given here must equal the mask's.
         transport: how an NCCL group's blocks travel: `"nccl"` (NCCL send/recv) or `"copy-engine"`
-            (the GPUs' copy engines through torch symmetric memory, ringflash/peer.py: ranks of
+            (the GPUs' copy engines through torch symmetric memory, ringflash/transport: ranks of
             one host; bit-identical, and the transfers take no SMs from attention). None: the
             environment's `RINGFLASH_TRANSPORT`, default `"nccl"`. Every rank must use the same.
 
@@ -147,7 +147,7 @@ def ring_flash_attn_func(
 
     Communication: NCCL for CUDA tensors (or copy engines, `transport`); gloo with CPU tensors, or
     with CUDA tensors staged through pinned host memory (several ranks sharing one GPU). See
-    ringflash/comm.py.
+    ringflash/transport/.
 
     Cross-rank check: before the ring starts, every rank all-gathers a 16-int64 signature (whether
     its own inputs passed validation, q and k shapes, dtype, layout, causal, softmax_scale,
@@ -156,7 +156,7 @@ def ring_flash_attn_func(
     rank rejected its inputs or the signatures differ, every rank raises ValueError, naming the
     field and each rank's value, instead of hanging in a transfer of the wrong size. Cost: one
     tiny all_gather per call on the host (gloo; on an NCCL-only group over a gloo twin of it,
-    `ringflash.comm.host_group`, made on the first call): a round trip between the ranks' CPUs
+    `ringflash.transport.host_group`, made on the first call): a round trip between the ranks' CPUs
     and no wait for the GPU. It waits for the slowest rank's host, ~1 ms of host time a call on
     2xH200, which the GPU feels only where the host barely keeps ahead of it (8k tokens per
     rank: ~0.15 ms a call from an idle GPU, nothing in steady state). `check_ranks=False` skips
@@ -264,7 +264,7 @@ def _unpack(name: str, packed, n: int, heads: str, args: tuple, kwargs: dict) ->
     call = inspect.signature(ring_flash_attn_func).bind(None, None, None, *args, **kwargs)
     call.apply_defaults()
     a = call.arguments
-    comm = None if torch.compiler.is_compiling() else ring_comm(a["group"], a["transport"])
+    comm = None if torch.compiler.is_compiling() else ring_comm(a["group"], resolve_transport(a["transport"]))
     _refuse(error, comm, a["check_ranks"], None, None, a["causal"], a["layout"])
 
 

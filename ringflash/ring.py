@@ -23,7 +23,7 @@ them in (`kernels.partial_dtype`): float32 for the Triton kernels, the input dty
 which round (a float32 copy would hold the same values at twice the bytes).
 
 Communication overlaps compute: the transfer for step s+1 is posted before step s computes
-(two K/V buffers in turn); on NCCL only if its streams have high priority (comm.py's
+(two K/V buffers in turn); on NCCL only if its streams have high priority (ringflash's
 `nccl_options`), or the transfers wait for the attention kernels' SMs. The dK/dV kernel of step
 s ≥ 1 adds into the accumulator that arrived from the previous rank (no scratch, no separate
 `+=`), which is sent on as soon as that kernel is queued, before step s's dQ kernel
@@ -91,7 +91,7 @@ def ring_forward(q, k, v, *, causal: bool, scale: float, layout: str, comm, back
     `(o, lse, kv)`: `o (B, N, H, D)` in q's dtype and `lse (B, H, N)` float32, natural log, both
     over the whole sequence, and what `ring_backward` takes for k and v: the `(2, B, N, Hkv, D)`
     block the ring sent (k and v packed, one message a step), or `(k, v)` on one rank.
-    `comm` is a `RingComm` (or `NullComm`); `backend` goes to `kernels.attn_fwd`.
+    `comm` is a `ringflash.transport.Transport`; `backend` goes to `kernels.attn_fwd`.
     `plan`: per step `(Step, Visibility or None)` or None (skipped), e.g. `RingMask.schedule()`;
     None: `ring_schedule(causal)`. Step 0 must cover every row (it starts the accumulators).
     """
