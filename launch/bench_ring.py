@@ -52,9 +52,9 @@ import torch.distributed as dist
 from benchlib import REPO, attn_flops, markdown_table, parse_tokens, plot_lines, record, time_ms
 
 from ringflash import NullComm, kernels, nccl_options, ring_flash_attn_func, ring_mask
-from ringflash.comm import TRANSPORTS, ring_comm
 from ringflash.kernels import attn_bwd, attn_fwd
 from ringflash.ring import ring_backward, ring_forward
+from ringflash.transport import TRANSPORTS, ring_comm
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _MESH = None

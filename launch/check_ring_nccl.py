@@ -17,7 +17,7 @@ Pass criteria (per tensor, relative Frobenius error on this rank's shard):
     fwd+bwd under torch.cuda.set_sync_debug_mode("error")
     ranks given different shapes (or, with CUDA, transports) all raise ValueError naming the
     field, and the next call is right
-    with CUDA, all of it for each transport (ringflash/comm.py TRANSPORTS: NCCL, copy engine), and
+    with CUDA, all of it for each transport (ringflash.transport.TRANSPORTS: NCCL, copy engine), and
     the copy engine's results bit-identical to NCCL's (with cuDNN, whose backward is not
     deterministic, its forward's)
 Exits non-zero on every rank if any check fails on any rank. Only rank 0 prints.
@@ -37,8 +37,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ringflash import nccl_options, ring_flash_attn_func, shard
-from ringflash.comm import TRANSPORTS
 from ringflash.kernels import attn_bwd, attn_fwd, resolve_backend
+from ringflash.transport import TRANSPORTS
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 CASES = (("zigzag", True), ("contiguous", True), ("zigzag", False))

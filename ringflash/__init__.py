@@ -8,8 +8,8 @@ Packed documents and sliding windows: `mask = ring_mask(doc_ids, group=g, window
 once per batch (doc_ids global, unsharded), then `ring_flash_attn_func(..., mask=mask)`.
 
 Modules: `layout` (sharding and per-step schedule), `masks` (document/window masks per ring
-step), `merge` (float32 (o, lse) merge), `comm`
-(the ring over NCCL or gloo), `ring` (the forward/backward loops, no autograd), `ops` (the ring
+step), `merge` (float32 (o, lse) merge), `transport` (how blocks travel: NCCL or gloo, copy
+engines, or not at all), `ring` (the forward/backward loops, no autograd), `ops` (the ring
 as the custom op `torch.ops.ringflash.ring_attn` with its autograd formula, which `api` calls and
 torch.compile traces as one node), `api`.
 LSE convention everywhere: float32, natural log, shape `(B, H, N)`.
@@ -22,10 +22,10 @@ from ringflash.api import (
     ring_flash_attn_kvpacked_func,
     ring_flash_attn_qkvpacked_func,
 )
-from ringflash.comm import NullComm, RingComm, nccl_options
 from ringflash.layout import LAYOUTS, check_splittable, global_positions, shard, unshard
 from ringflash.masks import RingMask, ring_mask
 from ringflash.merge import merge
+from ringflash.transport import NullComm, RingComm, nccl_options
 
 __all__ = [
     "LAYOUTS",

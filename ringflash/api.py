@@ -16,10 +16,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ringflash import kernels, ops
-from ringflash.comm import resolve_transport, ring_comm
 from ringflash.kernels.checks import check_qkv, resolve_scale
 from ringflash.layout import check_layout, check_splittable
 from ringflash.masks import RingMask, window_mask
+from ringflash.transport import resolve_transport, ring_comm
 
 __all__ = [
     "RingFlashAttention",
@@ -215,7 +215,7 @@ def _unpack(name: str, packed, n: int, heads: str, args: tuple, kwargs: dict) ->
     call = inspect.signature(ring_flash_attn_func).bind(None, None, None, *args, **kwargs)
     call.apply_defaults()
     a = call.arguments
-    comm = None if torch.compiler.is_compiling() else ring_comm(a["group"], a["transport"])
+    comm = None if torch.compiler.is_compiling() else ring_comm(a["group"], resolve_transport(a["transport"]))
     _refuse(error, comm, a["check_ranks"], None, None, a["causal"], a["layout"])
 
 

@@ -41,12 +41,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ringflash.comm import TRANSPORTS, RingComm, ring_comm
 from ringflash.kernels import get_backend
 from ringflash.kernels.checks import SUPPORTED_DTYPES
 from ringflash.layout import LAYOUTS, ring_schedule
 from ringflash.masks import decode
 from ringflash.ring import ring_backward, ring_forward
+from ringflash.transport import TRANSPORTS, Transport, ring_comm
 
 __all__ = ["announce_rejection", "group_name", "ring_attn", "ring_attn_bwd", "ring_attn_eager"]
 
@@ -56,7 +56,7 @@ def group_name(group: dist.ProcessGroup | None) -> str:
     return "" if group is None else group.group_name
 
 
-def _comm(name: str, transport: str = "nccl") -> RingComm:
+def _comm(name: str, transport: str = "nccl") -> Transport:
     if not name:
         return ring_comm(None, transport)
     # Private in torch (2.4 to 2.13 at least) but the supported way to go from name to group: the
@@ -94,7 +94,7 @@ def _signature(ok, q, k, causal, scale, layout, window=None, mask_key=0, transpo
     ]
 
 
-def _check_across_ranks(comm: RingComm, rows_of_self: list[int]) -> None:
+def _check_across_ranks(comm: Transport, rows_of_self: list[int]) -> None:
     rows = comm.all_gather_ints(rows_of_self)
     failed = [r for r, row in enumerate(rows) if row[0] == 0]
     if failed:
@@ -130,12 +130,12 @@ def _check_across_ranks(comm: RingComm, rows_of_self: list[int]) -> None:
         i += width
 
 
-def announce_rejection(comm: RingComm, q, k, causal, layout) -> None:
+def announce_rejection(comm: Transport, q, k, causal, layout) -> None:
     """This rank rejected its inputs: tell the others, who wait in the op's all_gather."""
     comm.all_gather_ints(_signature(False, q, k, causal, None, layout))
 
 
-def _plan(comm: RingComm, q: Tensor, causal: bool, layout: str, mask_plan, mask_vis) -> list:
+def _plan(comm: Transport, q: Tensor, causal: bool, layout: str, mask_plan, mask_vis) -> list:
     """The ring's steps: a mask's (decoded from the op's arguments), or the layout's schedule."""
     if mask_plan:
         return decode(list(mask_plan), list(mask_vis))
@@ -168,11 +168,11 @@ def _ring_attn(
     packed `(2, B, N, Hkv, D)` buffer the ring started from (saved so that the backward's ring
     need not pack again), or an empty tensor on one rank (the backward then takes k and v).
     `mask_vis`, `mask_plan`, `window`, `mask_key`: a `RingMask` (module docstring). `transport`:
-    how the blocks travel (`ringflash.comm.TRANSPORTS`).
+    how the blocks travel (`ringflash.transport.TRANSPORTS`).
     """
     comm = _comm(group_name, transport)
     if check_ranks and comm.world > 1:
-        sig = _signature(True, q, k, causal, softmax_scale, layout, window, mask_key, comm.transport)
+        sig = _signature(True, q, k, causal, softmax_scale, layout, window, mask_key, comm.name)
         _check_across_ranks(comm, sig)
     plan = _plan(comm, q, causal, layout, mask_plan, mask_vis)
     # Autocast off: the merge and accumulators are float32 by design, and the reference kernel's

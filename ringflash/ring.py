@@ -23,7 +23,7 @@ them in (`Backend.partial_dtype`): float32 for the Triton kernels, the input dty
 which round (a float32 copy would hold the same values at twice the bytes).
 
 Communication overlaps compute: the transfer for step s+1 is posted before step s computes
-(two K/V buffers in turn); on NCCL only if its streams have high priority (comm.py's
+(two K/V buffers in turn); on NCCL only if its streams have high priority (ringflash's
 `nccl_options`), or the transfers wait for the attention kernels' SMs. The dK/dV kernel of step
 s ≥ 1 adds into the accumulator that arrived from the previous rank (no scratch, no separate
 `+=`), which is sent on as soon as that kernel is queued, before step s's dQ kernel

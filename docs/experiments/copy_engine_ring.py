@@ -8,7 +8,7 @@ ring.py's buffers come from the heap through a proxy for its `torch` (experiment
 
 A record of the experiment as it ran, against ring.py at 59fc910 (`git checkout 59fc910` to run
 it again): the ring has since asked its comm for `reserve`/`buffer` and sends K and V otherwise,
-so it does not run against the current tree. ringflash/peer.py is the transport it became.
+so it does not run against the current tree. ringflash/transport/copy_engine.py is the transport it became.
 """
 import math
 import os

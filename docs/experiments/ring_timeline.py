@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 import ringflash.ring as ring
-from ringflash import comm as ring_comm_module
-from ringflash import nccl_options, peer, ring_flash_attn_func
+from ringflash import nccl_options, ring_flash_attn_func
+from ringflash.transport import copy_engine, p2p
 
 CALLS, PRIMED = 20, 3
 _marks: list[list[tuple[str, torch.cuda.Event]]] = []  # per call: (name, event) in order
@@ -56,21 +56,21 @@ def instrument() -> None:
         return out
 
     ring.attn_fwd, ring.attn_bwd = attn_fwd, attn_bwd
-    for cls in (ring_comm_module._Transfer, peer._PeerTransfer):
+    for cls in (p2p._Transfer, copy_engine._CopyTransfer):
         def wait(self, _wait=cls.wait):
             _wait(self)
             mark("wait>")
 
         cls.wait = wait
-    send_recv = ring_comm_module.RingComm.send_recv
+    # CopyEngineComm's send_recv, for CUDA blocks, does not go through RingComm's.
+    for cls in (p2p.RingComm, copy_engine.CopyEngineComm):
+        def post(self, *args, _send_recv=cls.send_recv, **kwargs):
+            mark("post<")
+            transfer = _send_recv(self, *args, **kwargs)
+            mark("post>")
+            return transfer
 
-    def post(self, *args, **kwargs):
-        mark("post<")
-        transfer = send_recv(self, *args, **kwargs)
-        mark("post>")
-        return transfer
-
-    ring_comm_module.RingComm.send_recv = post
+        cls.send_recv = post
 
 
 def main() -> None:

@@ -22,11 +22,11 @@ import torch.distributed as dist
 
 import ringflash
 from ringflash import RingFlashAttention, ring_flash_attn_func, shard
-from ringflash.comm import TRANSPORTS, RingComm, host_group, ring_comm
 from ringflash.kernels import attn_bwd, attn_fwd, backend_named, interpreting
 from ringflash.layout import ring_schedule
 from ringflash.ops import _check_across_ranks, _signature
 from ringflash.ring import ring_backward, ring_forward
+from ringflash.transport import TRANSPORTS, ring_comm
 from tests.dist_utils import REPO, RankFailure, run_ranks, torchrun
 from tests.truth import TOL, attention_f64, lse_err, rel_err
 
@@ -289,51 +289,6 @@ def test_subgroup_and_non_member():
     assert run_ranks(_subgroup_worker, 3) == [None, 0, 1]
 
 
-def _ring_comm_worker(rank, world):
-    # One RingComm per group and transport (the ring asks three times a call); what RingComm
-    # rejects is rejected every time, never cached.
-    group = dist.new_group([1, 2])
-    with pytest.raises(TypeError, match=r"group must be a torch\.distributed\.ProcessGroup"):
-        ring_comm("ranks 1 and 2")
-    for _ in range(2):
-        with pytest.raises(ValueError, match="copy-engine needs an NCCL group"):
-            ring_comm(None, "copy-engine")
-    if rank == 0:
-        for _ in range(2):
-            with pytest.raises(ValueError, match="not a member"):
-                ring_comm(group)
-    else:
-        assert ring_comm(group) is ring_comm(group, "nccl") and ring_comm(group) is not ring_comm(None)
-        assert (ring_comm(group).rank, ring_comm(group).world) == (rank - 1, 2)
-    default = ring_comm()
-    assert default is ring_comm(None, "nccl") and (default.rank, default.world) == (rank, world)
-    dist.barrier()  # rank 0 hosts the store: it must not leave while the others still use it
-    return True
-
-
-def test_ring_comm_is_made_once_per_group_and_transport():
-    assert run_ranks(_ring_comm_worker, 3) == [True] * 3
-
-
-def _host_group_worker(rank, world):
-    # An NCCL-only group's check runs over a gloo twin made by the group's own ranks only: here
-    # ranks {0, 1} and {2, 3} each make theirs without the other pair taking part.
-    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    mine = pairs[rank // 2]
-    comm = RingComm(mine)
-    comm._names = {"nccl"}  # as an NCCL group reports itself (this one is gloo, so it can run here)
-    rows = comm.all_gather_ints([rank, 10 * rank])
-    twin = host_group(mine)
-    assert twin is host_group(mine) and twin is not mine, "made once, and a group of its own"
-    assert dist.get_backend(twin) == "gloo" and dist.get_process_group_ranks(twin) == dist.get_process_group_ranks(mine)
-    return rows
-
-
-def test_cross_rank_check_of_nccl_group_runs_on_a_gloo_twin():
-    pair0, pair1 = [[0, 0], [1, 10]], [[2, 20], [3, 30]]
-    assert run_ranks(_host_group_worker, 4) == [pair0, pair0, pair1, pair1]
-
-
 def _transport_worker(rank, world, env, arg, match):
     if env is not None:
         os.environ["RINGFLASH_TRANSPORT"] = env
@@ -478,26 +433,6 @@ def test_results_are_contiguous_whatever_q_strides(world):
     assert not q.is_contiguous() and o.is_contiguous() and dq.is_contiguous() and dkv.is_contiguous()
 
 
-def test_null_comm_moves_nothing_and_keeps_its_buffers():
-    # The compute-only ring times kernels alone: no copy stands in for a transfer, and the
-    # receive buffers (random, finite) are made once, again only when the shape changes.
-    null = ringflash.NullComm(0, 2)
-    buf = null.buffer("kv0", (2, 3), torch.bfloat16, torch.device("cpu"))
-    before = buf.clone()
-    null.send_recv(torch.ones(2, 3, dtype=torch.bfloat16), buf).wait()
-    assert torch.equal(buf, before) and torch.isfinite(buf).all() and buf.abs().sum() > 0
-    assert null.buffer("kv0", (2, 3), torch.bfloat16, torch.device("cpu")) is buf
-    assert null.buffer("kv0", (4, 3), torch.bfloat16, torch.device("cpu")).shape == (4, 3)
-
-
-def test_nccl_options_ask_for_high_priority_streams():
-    if not dist.is_nccl_available():
-        with pytest.raises(RuntimeError, match="nccl_options: this build of torch has no NCCL"):
-            ringflash.nccl_options()
-    else:
-        assert ringflash.nccl_options().is_high_priority_stream
-
-
 # ---- GPU: several gloo ranks sharing one GPU, CUDA tensors, Triton kernels ---------------------------
 
 GPU_CASES = [
@@ -531,52 +466,6 @@ def test_ring_nccl_two_gpus(backend):
     # Two NCCL ranks, bf16, 64k tokens per rank, both transports: launch/check_ring_nccl.py.
     proc = torchrun(REPO / "launch" / "check_ring_nccl.py", "--backend", backend, timeout=900)
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
-
-
-# ---- RingComm's own contract, below the ring loop ----------------------------------------------------
-
-
-def _comm_contract_worker(rank, world):
-    comm = ring_comm()
-    x = torch.arange(6.0).reshape(2, 3) + 100 * rank
-    # Buffers gloo would misread (or wait on forever) are refused before anything is posted.
-    for send, recv, match in (
-        (x.t(), torch.empty(3, 2), "must be contiguous"),
-        (x, torch.empty(3, 2), "must match"),
-        (x, torch.empty(2, 3, dtype=torch.float64), "must match"),
-    ):
-        with pytest.raises(ValueError, match=match):
-            comm.send_recv(send, recv)
-    # Two transfers in flight, posted in opposite orders by neighbouring ranks: the tags pair each
-    # receive with its own send (same sizes, so a mix-up would pass unnoticed by gloo).
-    ra, rb = torch.empty_like(x), torch.empty_like(x)
-    posts = [(x, ra, 0), (-x, rb, 1)]
-    for transfer in [comm.send_recv(*p) for p in (posts if rank % 2 == 0 else posts[::-1])]:
-        transfer.wait()
-    prev = torch.arange(6.0).reshape(2, 3) + 100 * ((rank - 1) % world)
-    assert torch.equal(ra, prev) and torch.equal(rb, -prev), "received from the previous rank, by tag"
-    # An NCCL group's small collective runs on its gloo twin (an NCCL one would wait for the GPU).
-    nccl_like = RingComm()
-    nccl_like._names = {"nccl"}  # as an NCCL group reports itself (this one is gloo, so it can run here)
-    used, all_gather = [], dist.all_gather
-    dist.all_gather = lambda out, t, group=None: used.append(group) or all_gather(out, t, group=group)
-    try:
-        rows = nccl_like.all_gather_ints([rank, -rank])
-    finally:
-        dist.all_gather = all_gather
-    assert rows == [[r, -r] for r in range(world)] and used == [host_group(None)]
-    # The cache is per transport: a cached NCCL-transport comm is not handed out for copy-engine.
-    with pytest.raises(ValueError, match="copy-engine needs an NCCL group"):
-        ring_comm(None, "copy-engine")
-    # A list of ranks (not hashable) gets RingComm's error, not the cache's.
-    with pytest.raises(TypeError, match=r"group must be a torch\.distributed\.ProcessGroup or None, got list"):
-        ring_comm([0, 1, 2])
-    dist.barrier()
-    return True
-
-
-def test_ring_comm_contract():
-    assert run_ranks(_comm_contract_worker, 3) == [True] * 3
 
 
 def test_ring_plan_must_have_every_step_and_compute_step_0():

@@ -23,9 +23,9 @@ import torch.distributed as dist
 
 import ringflash
 from ringflash import global_positions, ring_flash_attn_func, ring_mask, shard
-from ringflash.comm import ring_comm
 from ringflash.kernels import Backend, get_backend, interpreting
 from ringflash.ring import ring_backward, ring_forward
+from ringflash.transport import ring_comm
 from tests.dist_utils import run_ranks
 from tests.truth import TOL, lse_err, rel_err
 

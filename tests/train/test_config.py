@@ -28,8 +28,8 @@ def test_defaults_are_valid():
 def test_choices_are_the_librarys():
     # train/config.py spells them out so that loading a config imports no torch; they must stay
     # what the ring accepts.
-    from ringflash.comm import TRANSPORTS
     from ringflash.layout import LAYOUTS
+    from ringflash.transport import TRANSPORTS
 
     choices = {f.name: f.metadata["choices"] for f in dataclasses.fields(ParallelConfig)}
     assert set(choices["layout"]) == set(LAYOUTS)

@@ -1,0 +1,67 @@
+"""The one interface every transport implements: what the ring loop (ringflash/ring.py) is handed.
+
+A transport is a small object bound to one process group. The ring loop calls only the methods
+below and never asks which transport it holds, so a new way of moving bytes is a new class here,
+not a branch in the loop.
+
+Where an all-to-all goes: head parallelism (Ulysses) swaps "my tokens, all heads" for "all
+tokens, my heads" and back around attention. It joins as one more method of the same object,
+`all_to_all(send, recv, tag) -> Transfer` (each rank's `send` cut into `world` equal chunks
+along its first dim, chunk j to rank j; `recv` gathers chunk `rank` of every rank, in rank
+order), implemented by each transport (the group's own all_to_all, copy-engine puts into every
+peer's slice of a symmetric buffer, nothing for `NullComm`). The ring never calls it, so adding
+it changes nothing of the ring; a head-parallel layer is handed the same object.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Transfer", "Transport"]
+
+
+class Transfer(Protocol):
+    """A posted transfer; `wait()` completes it for the current stream (no host sync required)."""
+
+    def wait(self) -> None: ...
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """The ring's communicator over `group`: rank `rank` of `world`, moving blocks the way `name` says.
+
+    `name` is the transport's entry in `ringflash.transport.TRANSPORTS` (what the cross-rank
+    check compares), `"null"` for the stand-in with no communication.
+    """
+
+    rank: int
+    world: int
+    group: dist.ProcessGroup | None
+    name: str
+
+    def send_recv(self, send: torch.Tensor, recv: torch.Tensor, tag: int = 0) -> Transfer:
+        """Post `send` to rank `rank + 1` and the previous rank's block into `recv`; return at once.
+
+        Buffers contiguous and alike; neither written until `wait()`, `recv` not read either.
+        Transfers in flight together take different `tag`s.
+        """
+        ...
+
+    def buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A buffer to receive into, by name: new memory, or one the transport keeps between calls."""
+        ...
+
+    def keep(self, t: torch.Tensor) -> torch.Tensor:
+        """`t`, safe to outlive the ring call: a copy if it lives in a buffer the next call reuses."""
+        ...
+
+    def reserve(self, kv: torch.Tensor) -> None:
+        """Room for a ring call over `kv (2, B, N, Hkv, D)` blocks, made before anything is posted."""
+        ...
+
+    def all_gather_ints(self, values: list[int]) -> list[list[int]]:
+        """Every rank's `values` (same length everywhere), in rank order, without waiting for the GPU."""
+        ...
