@@ -108,7 +108,8 @@ def render(by_benchmark: dict[str, list[dict]]) -> str:
         "Newest run first within each benchmark. What the figures mean and what was learnt from them: "
         "`docs/PERF_NOTES.md`.",
         "",
-        "Runs before 2026-11-24 were converted from the hand-kept, chronological markdown file: their "
+        "Runs before 2026-11-24 were converted from the hand-kept, chronological markdown file (by "
+        "`launch/convert_benchmarks_md.py`, a one-off script kept in commit b91a71c): their "
         "words \"above\" and \"below\" refer to that file's order (oldest first), and their figures keep "
         "the digits that file printed.",
         "",

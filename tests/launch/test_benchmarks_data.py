@@ -83,7 +83,8 @@ def test_generated_file_is_up_to_date():
     assert benchmarks_md.main(["--check"]) == 0, "run: python launch/benchmarks_md.py"
 
 
-# Converted from the hand-kept BENCHMARKS.md (56 sections; two introductions folded into the run after them).
+# Converted from the hand-kept BENCHMARKS.md by the one-off launch/convert_benchmarks_md.py (commit b91a71c):
+# 56 sections, two introductions folded into the run after them.
 HISTORY = {"kernels": 12, "ring": 34, "steps": 2, "merge": 1, "training": 5}
 
 
