@@ -134,7 +134,7 @@ def main() -> None:
     record("kernels", f"Kernels: bf16 attention, B·N = {args.tokens}, H·D = {args.hidden}", headers, rows,
            args=dict(dtype="bf16", tokens=args.tokens, hidden=args.hidden, head_dims=args.head_dims,
                      seqlens=args.seqlens),
-           peers=[name for name in impls if name != "ringflash"],
+           peers=list(dict.fromkeys(row[0] for row in rows if row[0] != "ringflash")),  # those that ran
            ceilings={"matmul_tflops": matmul_tflops(), "copy_tbps": copy_tbps()}, directory=record_to)
 
 
