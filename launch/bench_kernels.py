@@ -1,8 +1,9 @@
 """Kernel benchmark: ringflash's Triton kernels against torch SDPA (flash, cuDNN) and FlexAttention.
 
-    python launch/bench_kernels.py                      # the full table, appended to BENCHMARKS.md
+    python launch/bench_kernels.py                      # the full table, appended to benchmarks/kernels.jsonl
     python launch/bench_kernels.py --seqlens 4096 --head-dims 128 --no-flex   # quicker
     python launch/bench_kernels.py --masks              # packed documents and sliding windows
+    python launch/benchmarks_md.py                      # then: BENCHMARKS.md and docs/bench_kernels.png
 
 bf16, B·N = 32k tokens, H·D = 2048, causal and not. FLOPs in FlashAttention's convention
 (forward 4·B·H·N²·D, halved when causal; backward 2.5× forward). Each implementation is timed in
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from benchlib import REPO, attn_flops, markdown_table, plot_lines, record, time_ms
+from benchlib import BENCHMARKS_DIR, attn_flops, markdown_table, record, time_ms
 
 from ringflash.kernels import varlen_visibility
 from ringflash.kernels.masks import dense_visibility
@@ -61,7 +62,7 @@ def _flex(q, k, v, do, causal):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     # One compile per shape: three sequence lengths make 12, more than dynamo's recompile limit
-    # (8), past which flex_attention runs uncompiled and fails (an earlier run lost its D = 128 rows).
+    # (8), past which flex_attention runs uncompiled and fails on the later shapes.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     compiled = torch.compile(flex_attention, dynamic=False)
     N = q.shape[2]
@@ -92,17 +93,19 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32768, help="B·N")
     ap.add_argument("--hidden", type=int, default=2048, help="H·D")
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (it compiles for ~1 min)")
-    ap.add_argument("--plot", default=str(REPO / "docs" / "bench_kernels.png"))
+    ap.add_argument("--record-to", type=Path, default=BENCHMARKS_DIR, help="directory of the JSON-lines records")
+    ap.add_argument("--no-record", action="store_true", help="print only")
     ap.add_argument("--masks", action="store_true",
                     help="instead: packed documents and sliding windows against dense causal (ours only)")
     args = ap.parse_args()
+    record_to = None if args.no_record else args.record_to
     if args.masks:
-        return masks(args.seqlens[-1], args.head_dims[-1], args.hidden)
+        return masks(args.seqlens[-1], args.head_dims[-1], args.hidden, record_to)
 
     impls = {"ringflash": _ours, "sdpa-flash": _sdpa("flash"), "sdpa-cudnn": _sdpa("cudnn")}
     if not args.no_flex:
         impls["flex"] = _flex
-    rows, points = [], []
+    rows = []
     for D in args.head_dims:
         for N in args.seqlens:
             for causal in (True, False):
@@ -124,23 +127,18 @@ def main() -> None:
                 base = measured.get("sdpa-flash", (float("nan"),) * 3)[2]
                 for name, (tf, tb, tfb) in measured.items():
                     rows.append((name, D, N, B, H, "yes" if causal else "no", tf, tb, tfb, tfb / base))
-                    points.append((name, D, causal, N, tfb))
                 print(markdown_table(["impl", "D", "N", "B", "H", "causal", "fwd", "bwd", "fwd+bwd", "vs flash"],
                                      rows[-len(measured):]), flush=True)
-    ceiling, copy = matmul_tflops(), copy_tbps()
-    table = markdown_table(
-        ["impl", "D", "N", "B", "H", "causal", "fwd TFLOP/s", "bwd TFLOP/s", "fwd+bwd TFLOP/s",
-         "fwd+bwd ÷ sdpa-flash"], rows)
-    record(f"Kernels: bf16 attention, B·N = {args.tokens}, H·D = {args.hidden}", table,
-           notes=f"Ceilings in the same run: dense bf16 matmul (8192³) {ceiling:.0f} TFLOP/s; device copy "
-                 f"(1 GiB, read + written) {copy:.2f} TB/s.")
-    panels = {}
-    for name, D, causal, N, tfb in points:
-        panels.setdefault(f"D={D}, {'causal' if causal else 'full'}", []).append((name, N, tfb))
-    plot_lines(dict(sorted(panels.items())), Path(args.plot), "sequence length", "fwd+bwd TFLOP/s")
+    headers = ["impl", "D", "N", "B", "H", "causal", "fwd TFLOP/s", "bwd TFLOP/s", "fwd+bwd TFLOP/s",
+               "fwd+bwd ÷ sdpa-flash"]
+    record("kernels", f"Kernels: bf16 attention, B·N = {args.tokens}, H·D = {args.hidden}", headers, rows,
+           args=dict(dtype="bf16", tokens=args.tokens, hidden=args.hidden, head_dims=args.head_dims,
+                     seqlens=args.seqlens),
+           peers=list(dict.fromkeys(row[0] for row in rows if row[0] != "ringflash")),  # those that ran
+           ceilings={"matmul_tflops": matmul_tflops(), "copy_tbps": copy_tbps()}, directory=record_to)
 
 
-def masks(N: int, D: int, hidden: int) -> None:
+def masks(N: int, D: int, hidden: int, record_to: Path | None) -> None:
     """One packed sequence of N tokens: dense causal, documents (uniform and mixed lengths) and
     sliding windows. TFLOP/s count only the (query, key) pairs the mask keeps, so a kernel that
     skips the hidden blocks keeps its dense rate while its time falls with the work."""
@@ -170,9 +168,11 @@ def masks(N: int, D: int, hidden: int) -> None:
         flops = 4.0 * pairs * H * D
         base = base or t_f + t_b
         rows.append((name, flops / t_f * 1e-9, 2.5 * flops / t_b * 1e-9, t_f + t_b, base / (t_f + t_b)))
-    record(f"Kernels: masks on one packed sequence, bf16, N = {N}, H = {H}, D = {D}",
-           markdown_table(["mask", "fwd TFLOP/s", "bwd TFLOP/s", "fwd+bwd ms", "speed-up vs dense causal"], rows),
-           notes="TFLOP/s over the (query, key) pairs the mask keeps; blocks it hides are skipped.")
+    record("kernels", f"Kernels: masks on one packed sequence, bf16, N = {N}, H = {H}, D = {D}",
+           ["mask", "fwd TFLOP/s", "bwd TFLOP/s", "fwd+bwd ms", "speed-up vs dense causal"], rows,
+           args=dict(dtype="bf16", masks=True, N=N, H=H, D=D),
+           notes="TFLOP/s over the (query, key) pairs the mask keeps; blocks it hides are skipped.",
+           directory=record_to)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """What the fused merge saves: one ring step's forward as kernel + separate merge against
 `attn_fwd(acc=...)`, which merges into the ring's float32 accumulators inside the kernel.
 
-    python launch/bench_merge.py            # one GPU; appends to BENCHMARKS.md
+    python launch/bench_merge.py            # one GPU; appends to benchmarks/merge.jsonl
 
 The shapes are the non-diagonal steps of a zigzag causal ring (bf16, H = 16, D = 128): all of this
 rank's queries against half of a block's keys, and half of its queries against all of the keys.
@@ -10,9 +10,10 @@ rank's queries against half of a block's keys, and half of its queries against a
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
-from benchlib import attn_flops, markdown_table, record, time_ms
+from benchlib import BENCHMARKS_DIR, attn_flops, record, time_ms
 
 from ringflash.kernels import attn_fwd, ref_merge
 
@@ -40,26 +41,26 @@ def main() -> None:
     ap.add_argument("--tokens-per-rank", type=int, nargs="+", default=[8192, 32768])
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--no-record", action="store_true")
+    ap.add_argument("--no-record", action="store_true", help="print only")
+    ap.add_argument("--record-to", type=Path, default=BENCHMARKS_DIR, help="directory of the JSON-lines records")
     args = ap.parse_args()
     rows = []
     for n in args.tokens_per_rank:
         for n_q, n_k in ((n, n // 2), (n // 2, n)):
             sep, fus = step_times(n_q, n_k, args.heads, args.head_dim)
             tflops = attn_flops(1, args.heads, n_q, n_k, args.head_dim, causal=False) / fus / 1e9
-            rows.append((n, f"{n_q}×{n_k}", f"{sep:.3f}", f"{fus:.3f}", f"{sep - fus:.3f}", f"{sep / fus:.3f}",
-                         f"{tflops:.0f}"))
+            rows.append((n, f"{n_q}×{n_k}", sep, fus, sep - fus, sep / fus, tflops))
     headers = ("tokens/rank", "q rows × keys", "kernel + merge ms", "fused ms", "saved ms", "ratio", "fused TFLOP/s")
-    table = markdown_table(headers, rows)
-    if args.no_record:
-        print(table)
-    else:
-        record(
-            f"Fused merge: one zigzag ring step's forward, bf16, H={args.heads}, D={args.head_dim}",
-            table,
-            "kernel + merge = `attn_fwd(out_dtype=float32)` then `kernels.ref_merge` (the pre-fusion ring step); "
-            "fused = `attn_fwd(acc=(o, lse))`.",
-        )
+    record(
+        "merge",
+        f"Fused merge: one zigzag ring step's forward, bf16, H={args.heads}, D={args.head_dim}",
+        headers,
+        rows,
+        args=dict(dtype="bf16", tokens_per_rank=args.tokens_per_rank, heads=args.heads, head_dim=args.head_dim),
+        notes="kernel + merge = `attn_fwd(out_dtype=float32)` then `kernels.ref_merge` (the pre-fusion ring step); "
+        "fused = `attn_fwd(acc=(o, lse))`.",
+        directory=None if args.no_record else args.record_to,
+    )
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ Per tokens-per-rank N (global sequence W·N), bf16, causal, D = 128, H = 16 (H·
   each kernel backend (`kernels.attn_fwd`'s `backend=`); "ringflash [cudnn]" is our ring on
   cuDNN's attention kernels (kernels/cudnn.py), its efficiency relative to cuDNN on one GPU.
 - efficiency = (single/W) ÷ ring fwd+bwd (the definition of ring-flash-attn's README).
-- hop: one K/V transfer alone per transport, ms and GB/s (in the notes under the table): the
+- hop: one K/V transfer alone per transport, ms and GB/s (the record's `ceilings`): the
   bandwidth the overlap has to work with.
 - torch CP: `torch.distributed.tensor.experimental.context_parallel` (head-tail load balancing,
   torch's default rotate method unless --cp-rotate) with the SDPA flash and cuDNN backends;
@@ -33,7 +33,9 @@ travel (ringflash/masks.py's cost model), so ring − compute-only shows what th
 Ring timings use a fixed iteration count on every rank (collectives must match), run back to
 back between CUDA events; the median of 5 such runs, and the slowest rank's. Single-device timings use
 `benchlib.time_ms`. Without CUDA, timings use time.perf_counter (smoke runs only).
-Rank 0 prints the table and appends it to BENCHMARKS.md (not for --quick or --no-record).
+Rank 0 prints the table and appends it to benchmarks/ring.jsonl (not for --no-record, nor for --quick
+unless --record-to names a directory); `python launch/benchmarks_md.py` then regenerates BENCHMARKS.md
+and docs/bench_ring.png.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from benchlib import REPO, attn_flops, markdown_table, parse_tokens, plot_lines, record, time_ms
+from benchlib import BENCHMARKS_DIR, attn_flops, parse_tokens, record, time_ms
 
 from ringflash import NullComm, kernels, nccl_options, ring_flash_attn_func, ring_mask
 from ringflash.kernels import attn_bwd, attn_fwd
@@ -81,10 +83,9 @@ def time_collective(fn, iters: int, warmup: int, repeats: int = 5) -> float:
     would add the CPU's launch latency to each one, which single-device timings do not pay.
     For the same reason the start event is queued behind `PRIMING_CALLS` untimed calls: the
     steady state of a run, where the host is ahead of the GPU. Recorded on an idle GPU, it
-    would also time the host's lead being built up: at 8k tokens per rank the host spends
-    3.8-4.6 ms on a call (cross-rank check included) against the GPU's ~5 ms, so it takes a few
-    calls to get ahead, and until then the GPU waits for launches (2xH200, 10 calls: 5.1-5.3 ms
-    from an idle GPU, 4.9-5.1 behind one or three calls; docs/PERF_NOTES.md, "Tenth session").
+    would also time the host's lead being built up: at small sizes the host's time per call is
+    close to the GPU's, so it takes a few calls to get ahead, and until then the GPU waits for
+    launches (docs/PERF_NOTES.md, "The host and the benchmark's timing").
     """
     for _ in range(warmup):
         fn()
@@ -297,7 +298,7 @@ def bench_masks(args, n_local, layout, dev, dtype) -> list[list]:
         fwd, fwd_bwd, compute = bench_ring(args, n_local, layout, dev, dtype, mask=mask)
         dense = dense or fwd_bwd
         skipped = 0 if mask is None else len(mask.skipped)
-        rows.append([n_local, layout, name, f"{frac:.3f}", skipped, fwd, fwd_bwd, compute, dense / fwd_bwd])
+        rows.append([n_local, layout, name, frac, skipped, fwd, fwd_bwd, compute, dense / fwd_bwd])
         if dist.get_rank() == 0:
             print(f"{n_local} tokens/rank {layout} {name}: fwd+bwd {fwd_bwd:.3g} ms, {dense / fwd_bwd:.2f}x dense")
     return rows
@@ -405,10 +406,12 @@ def main() -> None:
         default="high",
         help="the NCCL group's stream priority: high (ringflash.nccl_options(), as train/ uses) or default",
     )
-    p.add_argument("--quick", action="store_true", help="tiny shapes, 2 iterations, no record: a smoke run")
-    p.add_argument("--no-record", action="store_true", help="print only; do not append to BENCHMARKS.md")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny shapes, 2 iterations, no record unless --record-to: a smoke run")
+    p.add_argument("--no-record", action="store_true", help="print only; do not append to the records")
+    p.add_argument("--record-to", type=Path, default=None,
+                   help=f"directory of the JSON-lines records (default {BENCHMARKS_DIR}, none for --quick)")
     p.add_argument("--profile", action="store_true", help="torch.profiler kernel tables: ring, compute only, single")
-    p.add_argument("--plot", default=str(REPO / "docs" / "bench_ring.png"), help="TFLOP/s per GPU against tokens/rank")
     p.add_argument("--masks", action="store_true", help="dense causal vs packed documents vs a window (see above)")
     p.add_argument("--doc-min", type=parse_tokens, default=parse_tokens("1k"), help="--masks: shortest document")
     p.add_argument("--doc-max", type=parse_tokens, default=parse_tokens("64k"), help="--masks: longest document")
@@ -419,6 +422,7 @@ def main() -> None:
         args.tokens_per_rank, args.heads, args.head_dim, args.iters, args.warmup = [256], 2, 32, 2, 1
         args.doc_min, args.doc_max, args.window = 5, 200, 32
     args.kv_heads = args.kv_heads or args.heads
+    args.record_to = None if args.no_record else args.record_to or (None if args.quick else BENCHMARKS_DIR)
 
     cuda = torch.cuda.is_available()
     transports = args.transports.split(",") if args.transports else (list(TRANSPORTS) if cuda else ["nccl"])
@@ -429,6 +433,7 @@ def main() -> None:
     for b in backends:
         if b not in kernels.BACKENDS or (b in ("triton", "cudnn") and not cuda):
             p.error(f"--kernel-backends: each must be one of {kernels.BACKENDS} (triton, cudnn need CUDA), got {b!r}")
+    args.transports, args.kernel_backends = ",".join(transports), ",".join(backends)  # as resolved, for the record
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if cuda:
         torch.cuda.set_device(local_rank)
@@ -449,8 +454,8 @@ def main() -> None:
             n_global = n * world
             for transport in transports:
                 ms, nbytes = bench_hop(args, n, dev, dtype, transport)
-                hops.append(f"{n} tokens/rank, {transport}: {ms:.3g} ms for {nbytes / 2**20:.3g} MiB "
-                            f"({nbytes / ms / 1e6:.3g} GB/s)")
+                hops.append({"tokens_per_rank": n, "transport": transport, "ms": float(f"{ms:.4g}"),
+                             "MiB": nbytes / 2**20, "GB/s": float(f"{nbytes / ms / 1e6:.4g}")})
             flops = attn_flops(args.batch, args.heads, n_global, n_global, args.head_dim, True, "fwd_bwd") / world
             for backend in backends:
                 single = bench_single(args, n_global, dev, dtype, backend) / world
@@ -462,7 +467,7 @@ def main() -> None:
                     tflops = flops / fwd_bwd / 1e9
                     impl = "ringflash" + ("" if backend in ("auto", "triton") else f" [{backend}]")
                     impl += "" if transport == "nccl" else f" ({transport})"
-                    row = [n, impl, layout, fwd, fwd_bwd, "" if compute is None else compute, single, single / fwd_bwd]
+                    row = [n, impl, layout, fwd, fwd_bwd, compute, single, single / fwd_bwd]
                     rows.append([*row, tflops])
                     if rank == 0:
                         print(f"{n} tokens/rank {impl} {layout}: fwd+bwd {fwd_bwd:.3g} ms, "
@@ -475,7 +480,7 @@ def main() -> None:
                         print(f"torch CP ({sdpa}) n/a: {why}")
                 else:
                     own = bench_single_sdpa(args, n_global, dev, dtype, sdpa) / world
-                    rows.append([n, f"torch CP ({sdpa})", "head-tail", "", ms, "", own, own / ms, flops / ms / 1e9])
+                    rows.append([n, f"torch CP ({sdpa})", "head-tail", None, ms, None, own, own / ms, flops / ms / 1e9])
             if cuda:
                 torch.cuda.empty_cache()
         if rank == 0:
@@ -490,7 +495,6 @@ def main() -> None:
                 "efficiency",
                 "TFLOP/s/GPU",
             ]
-            table = markdown_table(headers, rows)
             title = (
                 f"Ring attention, {world} ranks ({dist.get_backend()}), {args.dtype}, causal, "
                 f"B={args.batch} H={args.heads} Hkv={args.kv_heads} D={args.head_dim}"
@@ -506,16 +510,12 @@ def main() -> None:
                 "impl says copy-engine (transport='copy-engine'); ring and torch CP times: "
                 + (f"steady state, {PRIMING_CALLS} untimed calls queued before each timed run." if cuda else
                    "host wall clock.")
-                + " One K/V hop alone (sent to the next rank while the previous rank's arrives, nothing else "
-                "running, the slowest rank's): " + "; ".join(hops) + "."
+                + " One K/V hop alone: sent to the next rank while the previous rank's arrives, nothing else "
+                "running, the slowest rank's."
             )
-            if args.quick or args.no_record:
-                print(f"## {title}\n\n{table}\n\n{notes}")
-            else:
-                record(title, table, notes)
-                series = [(f"{impl} {layout}", n, tf) for n, impl, layout, *_, tf in rows if tf != "n/a"]
-                plot_lines({f"{world} ranks, causal, D={args.head_dim}": series}, Path(args.plot), "tokens per rank",
-                           "fwd+bwd TFLOP/s per GPU")
+            record("ring", title, headers, rows, args=_record_args(args, world), notes=notes,
+                   peers=sorted({r[1] for r in rows if r[1].startswith("torch CP") and r[4] != "n/a"}),
+                   ceilings={"kv_hop_alone": hops}, directory=args.record_to)
         # Tear down together: a rank that destroys its gloo group while rank 0 still writes the
         # table made the other abort at exit now and then ("terminate called ...").
         dist.barrier()
@@ -533,7 +533,6 @@ def _main_masks(args, dev, dtype, layouts) -> None:
     if dist.get_rank() == 0:
         headers = ["tokens/rank", "layout", "mask", "visible", "skipped (rank 0)", "fwd ms", "fwd+bwd ms",
                    "compute-only ms", "vs dense"]  # fmt: skip
-        table = markdown_table(headers, rows)
         title = (
             f"Ring attention with document/window masks, {dist.get_world_size()} ranks ({dist.get_backend()}), "
             f"{args.dtype}, causal, B={args.batch} H={args.heads} Hkv={args.kv_heads} D={args.head_dim}"
@@ -544,10 +543,16 @@ def _main_masks(args, dev, dtype, layouts) -> None:
             f"rank; documents log-uniform in [{args.doc_min}, {args.doc_max}] tokens, seed 0; cross-rank input check: "
             f"{'on' if args.check_ranks else 'off'}."
         )
-        if args.quick or args.no_record:
-            print(f"## {title}\n\n{table}\n\n{notes}")
-        else:
-            record(title, table, notes)
+        record("ring", title, headers, rows, args=_record_args(args, dist.get_world_size()), notes=notes,
+               directory=args.record_to)
+
+
+def _record_args(args, world: int) -> dict:
+    """The run's shapes and options, as its record keeps them."""
+    keep = ("tokens_per_rank", "batch", "heads", "kv_heads", "head_dim", "dtype", "layouts", "iters", "warmup",
+            "check_ranks", "kernel_backends", "transports", "cp_rotate", "nccl_priority", "masks", "doc_min",
+            "doc_max", "window", "quick")
+    return {"world": world, "causal": True, **{k: getattr(args, k) for k in keep}}
 
 
 if __name__ == "__main__":

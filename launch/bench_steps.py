@@ -1,6 +1,6 @@
 """Where the ring's compute goes, kernel by kernel: its per-step calls against one GPU's whole problem.
 
-    python launch/bench_steps.py --tokens-per-rank 8k,32k          # one GPU; appends to BENCHMARKS.md
+    python launch/bench_steps.py --tokens-per-rank 8k,32k          # one GPU; appends to benchmarks/steps.jsonl
     python launch/bench_steps.py --tokens-per-rank 32k --world 4 --no-record
 
 For N tokens per rank on W ranks (zigzag, causal, bf16, B = 1, H = 16, D = 128) this times, with
@@ -21,9 +21,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from pathlib import Path
 
 import torch
-from benchlib import markdown_table, parse_tokens, record
+from benchlib import BENCHMARKS_DIR, parse_tokens, record
 
 from ringflash import NullComm
 from ringflash.kernels import attn_bwd, attn_fwd
@@ -79,7 +80,8 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--no-record", action="store_true", help="print only; do not append to BENCHMARKS.md")
+    ap.add_argument("--no-record", action="store_true", help="print only")
+    ap.add_argument("--record-to", type=Path, default=BENCHMARKS_DIR, help="directory of the JSON-lines records")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_steps.py times CUDA kernels with torch.profiler: it needs a CUDA GPU")
@@ -102,21 +104,19 @@ def main() -> None:
         base = sum(median["single ÷ W"].values())
         for name, ms in median.items():
             total = sum(ms.values())
-            rows.append([n, name, *(f"{ms[k]:.3f}" for k in KERNELS.values()), f"{total:.3f}", f"{total / base:.3f}"])
+            rows.append([n, name, *(ms[k] for k in KERNELS.values()), total, total / base])
         del cases
         torch.cuda.empty_cache()
     headers = ["tokens/rank", "what", *(f"{k} ms" for k in KERNELS.values()), "total ms", "÷ single/W"]
-    table = markdown_table(headers, rows)
     title = f"Ring step kernels vs one GPU, W={args.world} zigzag causal, bf16, H={args.heads}, D={args.head_dim}"
     notes = (
         "Kernel time only (torch.profiler), median of rounds that interleave the cases; rank r's steps are "
         "ringflash/ring.py's ring_forward and ring_backward with NullComm (no transfers); the copies and casts "
         "around the kernels are not counted."
     )
-    if args.no_record:
-        print(table)
-    else:
-        record(title, table, notes)
+    record("steps", title, headers, rows, notes=notes, directory=None if args.no_record else args.record_to,
+           args=dict(dtype="bf16", layout="zigzag", causal=True, world=args.world, heads=args.heads,
+                     head_dim=args.head_dim, tokens_per_rank=args.tokens_per_rank, rounds=args.rounds))
 
 
 if __name__ == "__main__":

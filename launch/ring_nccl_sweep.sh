@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Ring efficiency at small per-rank lengths under NCCL settings that trade p2p bandwidth for SMs.
-# Hypothesis (docs/PERF_NOTES.md): NCCL's p2p kernels take SMs from the attention kernels they overlap.
+# Hypothesis (docs/PERF_NOTES.md, "NCCL channels and CTAs"): NCCL's p2p kernels take SMs from the attention kernels they overlap.
 #   bash launch/ring_nccl_sweep.sh 8k   (on a 2-GPU machine)
 set -u
 tokens="${1:-8k}"

@@ -2,8 +2,9 @@
 
     python launch/tune_kernels.py [--head-dims 64 128] [--seqlens 4096 16384]
 
-Fills `kernels/tuning.py`'s TUNED table by hand from its output (and the reasoning goes into
-docs/PERF_NOTES.md). Needs a CUDA GPU. Writes the full table as JSON to --out if given.
+Fills `kernels/tuning.py`'s TUNED table by hand from its output (the sweeps and what they taught:
+docs/PERF_NOTES.md, "Tiles"). Needs a CUDA GPU. A tool, not a benchmark: it records nothing under
+benchmarks/; --out writes every timing as JSON.
 """
 
 from __future__ import annotations

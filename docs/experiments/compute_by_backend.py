@@ -13,12 +13,11 @@ H = 16, D = 128). Calls are queued back to back between CUDA events (median of 5
 column is the host's time to queue one ring call (rank 0; no transfers, no cross-rank check):
 where it nears the GPU's, the ring waits for its host. The backends alternate for three rounds,
 because the GPU's clock drifts under sustained load. (Queued behind ~100 ms of
-`torch.cuda._sleep`, every time here drops by 4–8%, single/W as much as the ring: "Fifteenth
-session"; the prefilled times of host_overhead.py are optimistic in the same way.) The
+`torch.cuda._sleep`, every time here drops by 4–8%, single/W as much as the ring: docs/PERF_NOTES.md,
+"GPU clocks"; the prefilled times of host_overhead.py are optimistic in the same way.) The
 2×H200 numbers that count come from `launch/bench_ring.py`; this is what one GPU can say about
-them (docs/PERF_NOTES.md, "Fourteenth session"). `--profile` lists instead, per case, each kernel's
-GPU time per call (torch.profiler over 10 calls): where a ring call's time goes beyond single/W
-("Fifteenth session").
+them (docs/PERF_NOTES.md, "cuDNN backend"). `--profile` lists instead, per case, each kernel's
+GPU time per call (torch.profiler over 10 calls): where a ring call's time goes beyond single/W.
 """
 
 import argparse

@@ -1,4 +1,5 @@
-"""Experiment: is the ring at a given size waiting for its host? (docs/PERF_NOTES.md, "Tenth session")
+"""Experiment: is the ring at a given size waiting for its host?
+(docs/PERF_NOTES.md, "The host and the benchmark's timing")
 
     torchrun --standalone --nproc_per_node=2 docs/experiments/host_overhead.py 8192 label
 

@@ -10,7 +10,7 @@ queued back to back behind 3 untimed ones, as `bench_ring` times them; the table
 the median ms between consecutive events. A span between two kernel launches is GPU work the
 ring queues there (casts, copies, memsets, signal kernels) or a wait; a span over a kernel call
 is the kernel, plus anything it waited for. No profiler, so the host keeps its lead. Run it from
-the tree under test. (docs/PERF_NOTES.md, "Eleventh session", has what it found.)
+the tree under test. (docs/PERF_NOTES.md, "Where a ring call's GPU time goes", has what it found.)
 """
 
 import os

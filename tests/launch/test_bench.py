@@ -2,18 +2,25 @@
 
 Timings mean nothing here (gloo, tiny shapes, host wall clock); what is checked is that every
 part of `launch/bench_ring.py --quick` runs and reports: the ring and compute-only rows, the
-efficiency, and one K/V hop alone.
+efficiency, and one K/V hop alone; and that a smoke run records nothing unless told where.
 """
 
 from __future__ import annotations
 
+import json
 import re
 
 from tests.dist_utils import REPO, torchrun
 
 
+def _recorded_state() -> dict:
+    """BENCHMARKS.md and every file under benchmarks/, as bytes."""
+    files = [REPO / "BENCHMARKS.md", *sorted((REPO / "benchmarks").glob("*"))]
+    return {p: p.read_bytes() for p in files if p.is_file()}
+
+
 def test_bench_ring_quick_runs_over_gloo(tmp_path):
-    record = (REPO / "BENCHMARKS.md").read_bytes()
+    before = _recorded_state()
     out = torchrun(REPO / "launch" / "bench_ring.py", "--quick", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("| 256 | ringflash |")]
@@ -21,16 +28,23 @@ def test_bench_ring_quick_runs_over_gloo(tmp_path):
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert all(float(c) > 0 for c in cells[3:]), row  # fwd, fwd+bwd, compute-only, single/W, efficiency, TFLOP/s
-    assert re.search(r"One K/V hop alone .*: 256 tokens/rank, nccl: [0-9.e+-]+ ms for 0\.0625 MiB", out.stdout)
+    assert re.search(r"One K/V hop alone \(256 tokens/rank, nccl\): [0-9.e+-]+ ms for 0\.0625 MiB", out.stdout, re.I)
     assert "## Ring attention" in out.stdout  # printed,
-    assert (REPO / "BENCHMARKS.md").read_bytes() == record  # not recorded
+    assert _recorded_state() == before  # not recorded
+    assert not list(tmp_path.glob("**/*.jsonl"))
 
 
-def test_bench_ring_rows_per_kernel_backend(tmp_path):
+def test_bench_ring_rows_per_kernel_backend_recorded_where_asked(tmp_path):
     out = torchrun(REPO / "launch" / "bench_ring.py", "--quick", "--layouts", "zigzag", "--no-torch-cp",
-                   "--kernel-backends", "auto,reference", cwd=tmp_path)  # fmt: skip
+                   "--kernel-backends", "auto,reference", "--record-to", tmp_path / "rec", cwd=tmp_path)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     impls = [line.split("|")[2].strip() for line in out.stdout.splitlines() if line.startswith("| 256 | ringflash")]
     assert impls == ["ringflash", "ringflash [reference]"], out.stdout
+    (line,) = (tmp_path / "rec" / "ring.jsonl").read_text().splitlines()  # rank 0 alone writes, once
+    rec = json.loads(line)
+    assert rec["benchmark"] == "ring" and rec["title"].startswith("Ring attention, 2 ranks (gloo)")
+    assert [r["impl"] for r in rec["results"]] == impls and rec["peers"] == []
+    assert rec["args"]["kernel_backends"] == "auto,reference" and rec["args"]["transports"] == "nccl"
+    assert rec["ceilings"]["kv_hop_alone"][0]["tokens_per_rank"] == 256
     bad = torchrun(REPO / "launch" / "bench_ring.py", "--quick", "--kernel-backends", "cudnn", cwd=tmp_path)
     assert bad.returncode != 0 and "--kernel-backends: each must be one of" in bad.stderr, bad.stderr[-3000:]
