@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from benchlib import BENCHMARKS_DIR, attn_flops, markdown_table, record, time_ms
 
-from ringflash.kernels import varlen_visibility
+from ringflash.kernels import AttnSpec, varlen_visibility
 from ringflash.kernels.masks import dense_visibility
 from ringflash.kernels.triton_bwd import triton_attn_bwd
 from ringflash.kernels.triton_fwd import triton_attn_fwd
@@ -32,9 +32,10 @@ def _ours(q, k, v, do, causal):
     # (B, H, N, D) inputs viewed as (B, N, H, D) with the same storage would be strided; give our
     # kernels their native contiguous layout instead, as SDPA gets its own.
     q, k, v, do = (t.transpose(1, 2).contiguous() for t in (q, k, v, do))
-    o, lse = triton_attn_fwd(q, k, v, causal=causal)
-    fwd = lambda: triton_attn_fwd(q, k, v, causal=causal)
-    bwd = lambda: triton_attn_bwd(do, q, k, v, o, lse, causal=causal)
+    spec = AttnSpec(causal=causal)
+    o, lse = triton_attn_fwd(q, k, v, spec)
+    fwd = lambda: triton_attn_fwd(q, k, v, spec)
+    bwd = lambda: triton_attn_bwd(do, q, k, v, o, lse, spec)
     return fwd, bwd
 
 
@@ -157,11 +158,11 @@ def masks(N: int, D: int, hidden: int, record_to: Path | None) -> None:
     rows, base = [], None
     for name, spec in cases.items():
         if spec is None:
-            kw, pairs = dict(causal=True), N * (N + 1) / 2
+            kw, pairs = dict(spec=AttnSpec(causal=True)), N * (N + 1) / 2
         else:
             vis = (dense_visibility(N, window=spec, device="cuda") if isinstance(spec, int)
                    else varlen_visibility(spec.to("cuda", torch.int32), N, causal=True))
-            kw, pairs = dict(visibility=vis), (vis.kv_hi - vis.kv_lo).double().sum().item()
+            kw, pairs = dict(spec=AttnSpec(intervals=vis)), (vis.kv_hi - vis.kv_lo).double().sum().item()
         o, lse = triton_attn_fwd(q, k, v, **kw)
         t_f = time_ms(lambda kw=kw: triton_attn_fwd(q, k, v, **kw))
         t_b = time_ms(lambda kw=kw, o=o, lse=lse: triton_attn_bwd(do, q, k, v, o, lse, **kw))

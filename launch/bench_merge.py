@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from benchlib import BENCHMARKS_DIR, attn_flops, record, time_ms
 
-from ringflash.kernels import attn_fwd, ref_merge
+from ringflash.kernels import FULL, get_backend, ref_merge
 
 
 def step_times(n_q: int, n_k: int, heads: int, head_dim: int) -> tuple[float, float]:
@@ -23,15 +23,16 @@ def step_times(n_q: int, n_k: int, heads: int, head_dim: int) -> tuple[float, fl
     dev, dt = "cuda", torch.bfloat16
     q = torch.randn(1, n_q, heads, head_dim, device=dev, dtype=dt)
     k, v = (torch.randn(1, n_k, heads, head_dim, device=dev, dtype=dt) for _ in range(2))
-    o0, lse0 = attn_fwd(q, k, v, out_dtype=torch.float32)  # a realistic running accumulator
+    kern = get_backend("triton", q.device)
+    o0, lse0 = kern.fwd_step(q, k, v, FULL, None, out_dtype=torch.float32)  # a realistic running accumulator
     o, lse = o0.clone(), lse0.clone()
 
     def separate():
-        o_blk, lse_blk = attn_fwd(q, k, v, out_dtype=torch.float32)
+        o_blk, lse_blk = kern.fwd_step(q, k, v, FULL, None, out_dtype=torch.float32)
         ref_merge(o, lse, o_blk, lse_blk)
 
     def fused():
-        attn_fwd(q, k, v, out_dtype=torch.float32, acc=(o, lse))
+        kern.fwd_step(q, k, v, FULL, None, acc=(o, lse))
 
     return time_ms(separate), time_ms(fused)
 
@@ -57,7 +58,7 @@ def main() -> None:
         headers,
         rows,
         args=dict(dtype="bf16", tokens_per_rank=args.tokens_per_rank, heads=args.heads, head_dim=args.head_dim),
-        notes="kernel + merge = `attn_fwd(out_dtype=float32)` then `kernels.ref_merge` (the pre-fusion ring step); "
+        notes="kernel + merge = `fwd_step(out_dtype=float32)` then `kernels.ref_merge` (the pre-fusion ring step); "
         "fused = `attn_fwd(acc=(o, lse))`.",
         directory=None if args.no_record else args.record_to,
     )

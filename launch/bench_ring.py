@@ -55,6 +55,7 @@ from benchlib import BENCHMARKS_DIR, attn_flops, parse_tokens, record, time_ms
 
 from ringflash import NullComm, kernels, nccl_options, ring_flash_attn_func, ring_mask
 from ringflash.kernels import attn_bwd, attn_fwd
+from ringflash.layout import ring_schedule
 from ringflash.ring import ring_backward, ring_forward
 from ringflash.transport import TRANSPORTS, ring_comm
 
@@ -150,12 +151,12 @@ def bench_ring(args, n_local, layout, dev, dtype, mask=None, transport="nccl", c
         torch.autograd.grad(o, (q, k, v), do)
 
     null = NullComm(rank, world)
-    plan = None if mask is None else mask.schedule()
-    step_opts = dict(causal=True, scale=D**-0.5, layout=layout, comm=null, plan=plan, backend=backend)
+    plan = ring_schedule(rank, world, n_local, True, layout) if mask is None else list(mask.steps)
+    step_opts = dict(scale=D**-0.5, kernels=kernels.get_backend(backend, q.device), comm=null)
 
     def compute_only():
-        o, lse, kv = ring_forward(q.detach(), k.detach(), v.detach(), **step_opts)
-        ring_backward(do, q.detach(), kv, o, lse, **step_opts)
+        o, lse, kv = ring_forward(q.detach(), k.detach(), v.detach(), plan, **step_opts)
+        ring_backward(do, q.detach(), kv, o, lse, plan, **step_opts)
 
     if args.profile:
         _profile(fwd_bwd, f"ring fwd+bwd ({transport}), {layout}, {n_local} tokens/rank")

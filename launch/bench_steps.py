@@ -27,7 +27,8 @@ import torch
 from benchlib import BENCHMARKS_DIR, parse_tokens, record
 
 from ringflash import NullComm
-from ringflash.kernels import attn_bwd, attn_fwd
+from ringflash.kernels import attn_bwd, attn_fwd, get_backend
+from ringflash.layout import ring_schedule
 from ringflash.ring import ring_backward, ring_forward
 
 KERNELS = {"_attn_fwd_kernel": "fwd", "_bwd_dkdv": "dK/dV", "_bwd_dq": "dQ"}
@@ -48,11 +49,12 @@ def _single(n_global: int, heads: int, head_dim: int):
 def _rank_steps(rank: int, world: int, n: int, heads: int, head_dim: int):
     """Rank `rank`'s ring forward and backward, without communication (bench_ring's compute-only)."""
     q, k, v, do = (torch.randn(1, n, heads, head_dim, device=DEVICE, dtype=torch.bfloat16) for _ in range(4))
-    opts = dict(causal=True, scale=head_dim**-0.5, layout="zigzag", comm=NullComm(rank, world))
+    plan = ring_schedule(rank, world, n, True, "zigzag")
+    opts = dict(scale=head_dim**-0.5, kernels=get_backend(None, q.device), comm=NullComm(rank, world))
 
     def run():
-        o, lse, kv = ring_forward(q, k, v, **opts)
-        ring_backward(do, q, kv, o, lse, **opts)
+        o, lse, kv = ring_forward(q, k, v, plan, **opts)
+        ring_backward(do, q, kv, o, lse, plan, **opts)
 
     return run
 

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ringflash import nccl_options, ring_flash_attn_func, shard
-from ringflash.kernels import attn_bwd, attn_fwd, resolve_backend
+from ringflash.kernels import attn_bwd, attn_fwd, get_backend
 from ringflash.transport import TRANSPORTS
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -88,7 +88,7 @@ def main() -> int:
     try:
         B, N, H, Hkv, D = args.batch, args.tokens_per_rank * world, args.heads, args.kv_heads, args.head_dim
         dtype, dev = DTYPES[args.dtype], torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-        kernels_used = resolve_backend(backend, dev)
+        kernels_used = get_backend(backend, dev).name
         # Bit-identity across transports: all five results, or with a backend whose backward is not
         # deterministic (cuDNN's) the forward's two.
         compared = 2 if kernels_used == "cudnn" else 5

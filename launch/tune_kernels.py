@@ -15,6 +15,7 @@ import json
 import torch
 from benchlib import attn_flops, markdown_table, time_ms
 
+from ringflash.kernels import AttnSpec
 from ringflash.kernels.launch_utils import block_d, tma_ok
 from ringflash.kernels.triton_bwd import triton_attn_bwd
 from ringflash.kernels.triton_fwd import triton_attn_fwd
@@ -23,8 +24,8 @@ from ringflash.kernels.tuning import KERNELS, candidates, tile_for
 
 def _runner(kernel, tile, q, k, v, do, o, lse, causal):
     if kernel == "fwd":
-        return lambda: triton_attn_fwd(q, k, v, causal=causal, tile=tile)
-    return lambda: triton_attn_bwd(do, q, k, v, o, lse, causal=causal, tiles={kernel: tile})
+        return lambda: triton_attn_fwd(q, k, v, AttnSpec(causal=causal), tile=tile)
+    return lambda: triton_attn_bwd(do, q, k, v, o, lse, AttnSpec(causal=causal), tiles={kernel: tile})
 
 
 def main() -> None:
@@ -45,7 +46,7 @@ def main() -> None:
                 g = torch.Generator(device="cuda").manual_seed(0)
                 q, k, v, do = (torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
                                for _ in range(4))
-                o, lse = triton_attn_fwd(q, k, v, causal=causal)
+                o, lse = triton_attn_fwd(q, k, v, AttnSpec(causal=causal))
                 for kernel in KERNELS:
                     mode = "fwd" if kernel == "fwd" else "bwd"
                     timed = []

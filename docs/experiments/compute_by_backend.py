@@ -28,7 +28,8 @@ import time
 import torch
 
 from ringflash import NullComm
-from ringflash.kernels import attn_bwd, attn_fwd
+from ringflash.kernels import attn_bwd, attn_fwd, get_backend
+from ringflash.layout import ring_schedule
 from ringflash.ring import ring_backward, ring_forward
 
 H, D = 16, 128
@@ -61,11 +62,12 @@ def _inputs(n: int):
 
 def ring_call(n: int, rank: int, world: int, backend: str):
     q, k, v, do = _inputs(n)
-    opts = dict(causal=True, scale=D**-0.5, layout="zigzag", comm=NullComm(rank, world), backend=backend)
+    plan = ring_schedule(rank, world, n, True, "zigzag")
+    opts = dict(scale=D**-0.5, kernels=get_backend(backend, torch.device("cuda")), comm=NullComm(rank, world))
 
     def call():
-        o, lse, kv = ring_forward(q, k, v, **opts)
-        ring_backward(do, q, kv, o, lse, **opts)
+        o, lse, kv = ring_forward(q, k, v, plan, **opts)
+        ring_backward(do, q, kv, o, lse, plan, **opts)
 
     return call
 

@@ -3,8 +3,8 @@
     torchrun --standalone --nproc_per_node=2 docs/experiments/ring_timeline.py 8192
 
 A CUDA event is recorded on the compute stream before and after every kernel call, transfer
-post and transfer wait of `ring_forward` / `ring_backward` (their `attn_fwd`, `attn_bwd` and the
-`RingComm` methods, wrapped here), and around the forward and the whole fwd+bwd of
+post and transfer wait of `ring_forward` / `ring_backward` (the Triton backend's step calls and
+the transports' methods, wrapped here), and around the forward and the whole fwd+bwd of
 `ring_flash_attn_func` (causal zigzag bf16, H = 16, D = 128, cross-rank check on). 20 calls are
 queued back to back behind 3 untimed ones, as `bench_ring` times them; the table gives, per rank,
 the median ms between consecutive events. A span between two kernel launches is GPU work the
@@ -20,8 +20,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-import ringflash.ring as ring
 from ringflash import nccl_options, ring_flash_attn_func
+from ringflash.kernels import backend_named
 from ringflash.transport import copy_engine, p2p
 
 CALLS, PRIMED = 20, 3
@@ -36,7 +36,8 @@ def mark(name: str) -> None:
 
 def instrument() -> None:
     """Wrap the ring's kernel calls and transfers so that each records an event before and after."""
-    fwd, bwd = ring.attn_fwd, ring.attn_bwd
+    kern = backend_named("triton")
+    fwd, bwd = kern.fwd_step, kern.bwd_step
 
     def attn_fwd(*args, **kwargs):
         mark("fwd<")
@@ -55,7 +56,7 @@ def instrument() -> None:
         mark("dq>")
         return out
 
-    ring.attn_fwd, ring.attn_bwd = attn_fwd, attn_bwd
+    kern.fwd_step, kern.bwd_step = attn_fwd, attn_bwd  # the instance every call resolves "triton" to
     for cls in (p2p._Transfer, copy_engine._CopyTransfer):
         def wait(self, _wait=cls.wait):
             _wait(self)

@@ -327,7 +327,7 @@ def test_kernel_backward_is_bit_deterministic(backend, dtype):
 
 def _ring_twice(rank, world, dtype):
     c = make_case(world, "zigzag", True, n_local=8, dtype=dtype)
-    from test_ring import global_inputs
+    from tests.ringflash.test_ring import global_inputs
 
     q, k, v, do = (ringflash.shard(t, 1, rank, world) for t in global_inputs(c))
     runs = []
