@@ -57,10 +57,11 @@ class Backend:
 
     name: str
 
-    def supports(self, spec: AttnSpec | None, dtype: torch.dtype | None, head_dim: int | None,
+    def supports(self, kind: str | None, dtype: torch.dtype | None, head_dim: int | None,
                  device: torch.device | None = None) -> str | None:
-        """None if this backend runs the call, else why not (a message naming the argument).
-        Arguments not known yet (a config checked before any tensor exists) may be None."""
+        """None if this backend runs attention of this `kind` (an `AttnSpec.kind`: full, causal,
+        window, intervals), dtype and head dim, else why not (a message naming the argument).
+        What is not known yet (a config checked before any tensor exists) may be None."""
         return None
 
     def check(self, q: torch.Tensor, k: torch.Tensor, spec: AttnSpec) -> None:
@@ -151,10 +152,10 @@ class _Reference(_Unfused):
 class _Cudnn(_Unfused):
     name = "cudnn"
 
-    def supports(self, spec, dtype, head_dim, device=None):
+    def supports(self, kind, dtype, head_dim, device=None):
         from ringflash.kernels.cudnn import cudnn_limits
 
-        return cudnn_limits(spec, dtype, head_dim, device)
+        return cudnn_limits(kind, dtype, head_dim, device)
 
     def check(self, q, k, spec):
         from ringflash.kernels.cudnn import check_cudnn

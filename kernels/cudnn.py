@@ -44,12 +44,12 @@ MASKS_NEED_TRITON = (
 )
 
 
-def cudnn_limits(spec: AttnSpec | None, dtype: torch.dtype | None, head_dim: int | None,
+def cudnn_limits(kind: str | None, dtype: torch.dtype | None, head_dim: int | None,
                  device: torch.device | None = None) -> str | None:
     """Why cuDNN cannot run this (a message naming the argument), or None: the backend's
     `supports`. Any argument may be None (not known yet: not checked). cuDNN's own limits as
     PyTorch's SDPA checks them (`sdp_utils.cpp`), since this calls the op directly."""
-    if spec is not None and not spec.dense:
+    if kind is not None and kind not in ("full", "causal"):
         return MASKS_NEED_TRITON
     if dtype is not None and dtype not in (torch.float16, torch.bfloat16):
         return f"backend='cudnn' takes float16 or bfloat16 inputs, got {dtype}"

@@ -249,7 +249,7 @@ class RingFlashAttention(nn.Module):
             resolve_transport(transport)
         if backend is not None:
             named = kernels.backend_named(backend)  # raises on an unknown name
-            why = named and named.supports(kernels.AttnSpec(causal=causal, window=window), None, None)
+            why = named and named.supports(kernels.AttnSpec(causal=causal, window=window).kind, None, None)
             if why:
                 raise ValueError(why)
         self.group, self.layout, self.causal = group, layout, causal

@@ -21,6 +21,10 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
+from ringflash.kernels import BACKENDS, backend_named
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10: the same parser, published as tomli
@@ -122,7 +126,9 @@ class ParallelConfig:
         "How a sequence is cut over the cp ranks: zigzag balances causal work, contiguous is the plain split.",
         ("zigzag", "contiguous"),
     )
-    backend: str = opt("auto", "Process-group backend; auto means nccl on CUDA, gloo on CPU.", ("auto", "nccl", "gloo"))
+    dist_backend: str = opt(
+        "auto", "Process-group backend; auto means nccl on CUDA, gloo on CPU.", ("auto", "nccl", "gloo")
+    )
     timeout_s: float = opt(
         600.0,
         "Process-group timeout in seconds: a collective or ring transfer that waits longer (a rank "
@@ -135,12 +141,12 @@ class ParallelConfig:
         "RINGFLASH_TRANSPORT.",
         ("nccl", "copy-engine"),
     )
-    kernels: str = opt(
+    kernel_backend: str = opt(
         "auto",
         "Attention kernels: auto (Triton on CUDA, the PyTorch reference on CPU), triton, reference, or cudnn "
         "(cuDNN's, through PyTorch: faster on Hopper; CUDA only, causal attention without model.window or "
-        "data.pack_documents). Overrides RINGFLASH_KERNEL_BACKEND unless auto.",
-        ("auto", "triton", "reference", "cudnn"),
+        "data.pack_documents). auto defers to RINGFLASH_KERNEL_BACKEND if set.",
+        BACKENDS,
     )
 
 
@@ -379,26 +385,21 @@ def validate(cfg: Config) -> None:
                 f"data.warmup_seq_steps ({d.warmup_seq_steps}) must be in [1, train.steps = {t.steps}] "
                 "when data.warmup_seq_len is set"
             )
-    # With kernels = auto the ring reads RINGFLASH_KERNEL_BACKEND: check what will run.
-    from_env = p.kernels == "auto" and os.environ.get("RINGFLASH_KERNEL_BACKEND") == "cudnn"
-    if p.kernels == "cudnn" or from_env:
-        source = "RINGFLASH_KERNEL_BACKEND=cudnn (parallel.kernels = auto)" if from_env else "parallel.kernels: cudnn"
-        if m.window or d.pack_documents:
-            raise ConfigError(
-                f"{source} runs plain causal attention; model.window and data.pack_documents need triton"
-            )
-        if t.device == "cpu":
-            raise ConfigError(f"{source} needs train.device = cuda")
-        if t.dtype == "float32":
-            raise ConfigError(f"{source} needs train.dtype = bfloat16 (or auto on CUDA), not float32")
-        head_dim = m.dim // m.n_heads
-        if head_dim % 8 or head_dim > 256:
-            raise ConfigError(
-                f"{source} needs a head dim (model.dim / model.n_heads = {head_dim}) that is a multiple of 8, "
-                "at most 128 (256 on Hopper with cuDNN 9.10 or newer)"
-            )
-    if p.transport == "copy-engine" and p.backend == "gloo":
-        raise ConfigError("parallel.transport: copy-engine needs GPUs and NCCL, not parallel.backend = gloo")
+    # The kernels' own limits, from their backend (kernels/backends.py), before any tensor exists.
+    name, source = kernel_backend(p)
+    backend = backend_named(name)
+    if backend is not None:
+        kind = "intervals" if d.pack_documents else "window" if m.window else "causal"
+        dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(t.dtype)
+        why = backend.supports(kind, dtype, m.dim // m.n_heads)
+        if why is not None:
+            raise ConfigError(f"{source} = {name}: {why} (model.window, data.pack_documents, train.dtype, "
+                              "model.dim / model.n_heads)")
+        if name == "cudnn" and t.device == "cpu":
+            raise ConfigError(f"{source} = cudnn needs train.device = cuda")
+    if p.transport == "copy-engine" and p.dist_backend == "gloo":
+        raise ConfigError("parallel.transport: copy-engine needs GPUs and NCCL, not parallel.dist_backend = gloo")
+
     if d.eod_token < -1:
         raise ConfigError(f"data.eod_token: must be -1 (auto) or a token id >= 0, got {d.eod_token}")
     if d.pack_documents:
@@ -440,3 +441,14 @@ def describe() -> str:
 
 def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
+
+
+def kernel_backend(p: ParallelConfig) -> tuple[str, str]:
+    """(the kernel backend's name, where it came from): `parallel.kernel_backend`, or with auto
+    `RINGFLASH_KERNEL_BACKEND` if set. Read once, here; the model is handed the name."""
+    if p.kernel_backend != "auto" or "RINGFLASH_KERNEL_BACKEND" not in os.environ:
+        return p.kernel_backend, "parallel.kernel_backend"
+    name = os.environ["RINGFLASH_KERNEL_BACKEND"]
+    if name not in BACKENDS:
+        raise ConfigError(f"RINGFLASH_KERNEL_BACKEND must be one of {BACKENDS}, got {name!r}")
+    return name, "RINGFLASH_KERNEL_BACKEND (parallel.kernel_backend = auto)"

@@ -26,7 +26,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ringflash
-from ringflash.train.config import Config, ConfigError, ParallelConfig, to_dict
+from ringflash import kernels
+from ringflash.train.config import Config, ConfigError, ParallelConfig, kernel_backend, to_dict
 
 
 @dataclass
@@ -148,11 +149,11 @@ def distributed(cfg: ParallelConfig, device: str = "auto", timeout_s: float | No
     dev = resolve_device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if dev.type == "cuda" else "gloo")
+    backend = cfg.dist_backend if cfg.dist_backend != "auto" else ("nccl" if dev.type == "cuda" else "gloo")
     if backend == "nccl" and dev.type != "cuda":
-        raise ConfigError("parallel.backend: nccl needs train.device = cuda")
-    if cfg.kernels == "cudnn" and dev.type != "cuda":
-        raise ConfigError("parallel.kernels: cudnn needs train.device = cuda")
+        raise ConfigError("parallel.dist_backend: nccl needs train.device = cuda")
+    if kernel_backend(cfg)[0] == "cudnn" and dev.type != "cuda":
+        raise ConfigError("parallel.kernel_backend = cudnn needs train.device = cuda")
     if cfg.transport == "copy-engine" and backend != "nccl":
         raise ConfigError(f"parallel.transport: copy-engine needs GPUs and NCCL; this run uses {backend}")
     started = not dist.is_initialized()
@@ -214,6 +215,9 @@ def parallelize(model: nn.Module, pc: ParallelContext, cfg: Config) -> nn.Module
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+    # Resolved once, for every layer: the ring is handed the backend's name, not left to read the environment.
+    device = next(model.parameters()).device
+    backend = kernels.get_backend(kernel_backend(cfg.parallel)[0], device).name
     for i, block in enumerate(model.blocks):
         # One code path for every cp: with a world-1 group the ring is a single local kernel call.
         # The cross-rank check stays on: shapes agree by construction (check_same_config), but
@@ -227,7 +231,7 @@ def parallelize(model: nn.Module, pc: ParallelContext, cfg: Config) -> nn.Module
             causal=True,
             window=cfg.model.window or None,
             transport=cfg.parallel.transport,
-            backend=None if cfg.parallel.kernels == "auto" else cfg.parallel.kernels,
+            backend=backend,
         )
         if cfg.train.compile:
             # Only the parts without communication: norms and SwiGLU are memory-bound chains of

@@ -204,8 +204,9 @@ def test_refuses_masks_and_float32_naming_them():
         cudnn_attn_fwd(q, k, v, FULL)
     # What a config can be told before any tensor exists.
     cudnn = backend_named("cudnn")
-    assert cudnn.supports(AttnSpec(causal=True), torch.bfloat16, 128) is None
-    assert "windows and document masks" in cudnn.supports(AttnSpec(causal=True, window=4), None, None)
+    assert cudnn.supports("causal", torch.bfloat16, 128) is None
+    assert "windows and document masks" in cudnn.supports("window", None, None)
+    assert "windows and document masks" in cudnn.supports("intervals", None, None)
     assert "float16 or bfloat16" in cudnn.supports(None, torch.float32, None)
     assert "multiple of 8" in cudnn.supports(None, None, 60)
 

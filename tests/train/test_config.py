@@ -129,15 +129,17 @@ def test_missing_file():
         (["--data.kind=text", "--data.path=x", "--data.pack_documents=true", "--data.eod_token=256"], "eod_token"),
         (["--data.eod_token=-2"], r"data.eod_token: must be -1 \(auto\)"),
         (["--model.window=-1"], r"model.window: must be >= 0"),
-        (["--parallel.transport=copy-engine", "--parallel.backend=gloo"], "parallel.transport: copy-engine needs"),
-        (["--parallel.kernels=cudnn", "--model.window=64"], "parallel.kernels: cudnn runs plain causal attention"),
-        (["--parallel.kernels=cudnn", "--train.device=cpu"], "parallel.kernels: cudnn needs train.device = cuda"),
-        (["--parallel.kernels=cudnn", "--data.kind=text", "--data.path=x", "--data.pack_documents=true"],
-         "parallel.kernels: cudnn runs plain causal attention"),
-        (["--parallel.kernels=cudnn", "--train.device=cuda", "--train.dtype=float32"],
-         r"needs train.dtype = bfloat16 \(or auto on CUDA\), not float32"),
-        (["--parallel.kernels=cudnn", "--train.device=cuda", "--model.dim=240", "--model.n_heads=4"],
-         r"head dim \(model.dim / model.n_heads = 60\) that is a multiple of 8"),
+        (["--parallel.transport=copy-engine", "--parallel.dist_backend=gloo"], "parallel.transport: copy-engine needs"),
+        (["--parallel.kernel_backend=cudnn", "--model.window=64"],
+         "parallel.kernel_backend = cudnn: backend='cudnn' runs causal or full attention only"),
+        (["--parallel.kernel_backend=cudnn", "--train.device=cpu"],
+         "parallel.kernel_backend = cudnn needs train.device = cuda"),
+        (["--parallel.kernel_backend=cudnn", "--data.kind=text", "--data.path=x", "--data.pack_documents=true"],
+         "parallel.kernel_backend = cudnn: backend='cudnn' runs causal or full attention only"),
+        (["--parallel.kernel_backend=cudnn", "--train.device=cuda", "--train.dtype=float32"],
+         r"takes float16 or bfloat16 inputs, got torch.float32"),
+        (["--parallel.kernel_backend=cudnn", "--train.device=cuda", "--model.dim=240", "--model.n_heads=4"],
+         r"q.shape\[3\] \(head_dim\) a multiple of 8, got 60"),
         (["--checkpoint.keep=0"], r"checkpoint.keep: must be >= 1, got 0"),
         (["--model.dim=96", "--model.n_heads=32"], r"model.dim \(96\) must be n_heads \(32\) times an even head_dim"),
         (["--train.warmup_steps=-1"], r"train.warmup_steps: must be >= 0, got -1"),
@@ -149,13 +151,20 @@ def test_inconsistent_values(args, match):
         load_config(None, args)
 
 
-def test_kernels_auto_checks_what_the_environment_chooses(monkeypatch):
-    # kernels = auto leaves the choice to RINGFLASH_KERNEL_BACKEND, which the ring reads: a cuDNN
-    # choice made there is checked as if the config had made it, and the error says where it came from.
+def test_kernel_backend_auto_checks_what_the_environment_chooses(monkeypatch):
+    # kernel_backend = auto defers to RINGFLASH_KERNEL_BACKEND, read once when the config is checked:
+    # a cuDNN choice made there is checked as if the config had made it, and the error says where it
+    # came from; the model is handed the resolved name (kernel_backend).
+    from ringflash.train.config import kernel_backend
+
     monkeypatch.setenv("RINGFLASH_KERNEL_BACKEND", "cudnn")
-    with pytest.raises(ConfigError, match=r"^RINGFLASH_KERNEL_BACKEND=cudnn \(parallel.kernels = auto\) runs plain"):
+    with pytest.raises(ConfigError, match=r"^RINGFLASH_KERNEL_BACKEND \(parallel.kernel_backend = auto\) = cudnn: "):
         load_config(None, ["--model.window=64", "--train.device=cuda"])
-    load_config(None, ["--parallel.kernels=triton", "--model.window=64"])  # the config's own choice wins
+    cfg = load_config(None, ["--parallel.kernel_backend=triton", "--model.window=64"])  # the config's own choice wins
+    assert kernel_backend(cfg.parallel)[0] == "triton"
+    monkeypatch.setenv("RINGFLASH_KERNEL_BACKEND", "flash")
+    with pytest.raises(ConfigError, match=r"RINGFLASH_KERNEL_BACKEND must be one of"):
+        load_config(None, [])
 
 
 @pytest.mark.parametrize(
@@ -300,9 +309,9 @@ def test_parse_overrides_forms():
 
 @pytest.mark.parametrize(
     "cfg, match",
-    [(ParallelConfig(backend="nccl"), "parallel.backend: nccl needs train.device = cuda"),
+    [(ParallelConfig(dist_backend="nccl"), "parallel.dist_backend: nccl needs train.device = cuda"),
      (ParallelConfig(transport="copy-engine"), "parallel.transport: copy-engine needs GPUs and NCCL; .* gloo"),
-     (ParallelConfig(kernels="cudnn"), "parallel.kernels: cudnn needs train.device = cuda")],
+     (ParallelConfig(kernel_backend="cudnn"), "parallel.kernel_backend = cudnn needs train.device = cuda")],
 )
 def test_cpu_run_refuses_gpu_only_settings(cfg, match):
     # Checked before any process group is made: nothing to tear down, nothing hangs.
