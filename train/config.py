@@ -64,8 +64,10 @@ class ModelConfig:
 class DataConfig:
     kind: str = opt(
         "passkey",
-        "passkey (synthetic, no download), text (bytes of a file or directory) or bin (nanoGPT uint16 token files).",
-        ("passkey", "text", "bin"),
+        "passkey (synthetic, no download), text (bytes of a file or directory), bin (nanoGPT uint16 token "
+        "files) or recall (synthetic: a marker and a 2-digit value hidden in random letters, asked for at the end; "
+        "the first run's task, learned in minutes on a CPU).",
+        ("passkey", "text", "bin", "recall"),
     )
     path: str = opt(
         "",
@@ -114,8 +116,10 @@ class DataConfig:
         "that the steps at the full seq_len then stretch to long range.",
     )
     warmup_seq_steps: int = opt(0, "Steps of the sequence-length warm-up (see warmup_seq_len).")
-    eval_buckets: int = opt(8, "Passkey depth buckets; a multiple of 2·cp puts every bucket in one rank's shard.")
-    eval_samples: int = opt(16, "Passkey evaluation sequences per depth bucket (0: no evaluation).")
+    eval_buckets: int = opt(
+        8, "Passkey and recall depth buckets; a multiple of 2·cp puts every bucket in one rank's shard."
+    )
+    eval_samples: int = opt(16, "Passkey and recall evaluation sequences per depth bucket (0: no evaluation).")
 
 
 @dataclass
@@ -169,7 +173,7 @@ class TrainConfig:
     activation_checkpointing: bool = opt(False, "Recompute each block in the backward pass.")
     compile: bool = opt(False, "torch.compile the norms and SwiGLU of each block; attention stays eager.")
     seed: int = opt(0, "Seed of the parameter init (identical on every rank).")
-    eval_every: int = opt(0, "Passkey evaluation every N steps and at the end (0: only at the end).")
+    eval_every: int = opt(0, "Passkey and recall evaluation every N steps and at the end (0: only at the end).")
     max_minutes: float = opt(
         0.0,
         "Stop (evaluate, save) after this many minutes of training, a safety "

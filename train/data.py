@@ -1,4 +1,5 @@
-"""Training data: a synthetic passkey task (the default), byte-level text, nanoGPT token files.
+"""Training data: a synthetic passkey task (the default), a synthetic recall task (a needle in random
+letters, `RecallTask`), byte-level text, nanoGPT token files.
 
 Every source maps a sample index to one sequence, `(inputs (L,), labels (L,))` int64, labels
 shifted by one and -100 where no loss is taken. With `data.pack_documents` a text or bin source
@@ -59,6 +60,7 @@ class PasskeyTask:
     def __init__(self, cfg: DataConfig):
         self.L, self.digits, self.buckets = cfg.seq_len, cfg.passkey_digits, cfg.eval_buckets
         self.loss_on, self.seed = cfg.passkey_loss, cfg.seed
+        self.answer_len = self.digits  # what evaluation scores: the last answer_len tokens
         self.gap, self.repeats = cfg.passkey_gap, cfg.passkey_repeats
         self.key_len = len(KEY.format(key="0" * self.digits))
         self.repeat_len = len(REPEAT.format(key="0" * self.digits))
@@ -124,6 +126,76 @@ class PasskeyTask:
     def eval_set(self, bucket: int, n: int) -> list[PasskeySample]:
         """`n` fixed evaluation sequences with keys spread evenly over depth bucket `bucket`."""
         rng = random.Random(f"passkey-eval:{self.seed}:{bucket}")
+        positions = self.key_range(bucket)
+        return [self.make(rng, positions[(2 * i + 1) * len(positions) // (2 * n)]) for i in range(n)]
+
+
+@dataclass
+class RecallSample:
+    tokens: torch.Tensor  # (L + 1,) int64 bytes; the last `digits` tokens are the answer
+    key_pos: int  # position of the value's first digit after the marker inside the haystack
+    bucket: int  # depth bucket of key_pos: floor(key_pos · buckets / L)
+
+
+class RecallTask:
+    """A needle in a haystack of random letters: a marker and a random value, at some depth, asked
+    for at the very end (`seq_len + 1` bytes):
+
+        qhzkwpjvbe@37tyxmcoalpwqdunr ... fjsiqgebkcmw@37
+                  ^ key_pos                          ^ the answer: the last `digits` bytes
+
+    The passkey task without its sentences: the haystack is unpredictable, so the loss is taken
+    on the answer alone, and the answer can only come from the needle's copy (the marker never
+    occurs in the haystack, the digits never outside the value). The answer is predicted on the
+    cp rank that holds the sequence's end; a needle on another rank is found only through the ring.
+
+    Training samples come from the random stream `recall:<seed>:<index>`, evaluation samples from
+    `recall-eval:<seed>:<bucket>`: each evaluation sequence has a value and haystack of its own.
+    """
+
+    MARKER, LETTERS, DIGITS = "@", "abcdefghijklmnopqrstuvwxyz", "0123456789"
+
+    def __init__(self, cfg: DataConfig, digits: int = 2):
+        self.L, self.buckets, self.seed, self.digits = cfg.seq_len, cfg.eval_buckets, cfg.seed, digits
+        self.answer_len = digits  # what evaluation scores: the last answer_len tokens
+        if self.L // self.buckets < 2 * (digits + 1):
+            raise ConfigError(
+                f"data.seq_len ({self.L}) too short for recall with {self.buckets} buckets: each bucket "
+                f"({self.L // self.buckets} tokens) must hold the needle and the query ({2 * (digits + 1)} tokens)"
+            )
+
+    def make(self, rng: random.Random, key_pos: int) -> RecallSample:
+        """The sequence whose value's first digit sits at `key_pos`, haystack and value drawn from `rng`."""
+        value = "".join(rng.choice(self.DIGITS) for _ in range(self.digits))
+        hay = "".join(rng.choice(self.LETTERS) for _ in range(self.L + 1))
+        needle = self.MARKER + value
+        at = key_pos - 1  # the marker's position
+        seq = hay[:at] + needle + hay[at + len(needle) : self.L - self.digits] + needle
+        return RecallSample(_bytes(seq), key_pos, key_pos * self.buckets // self.L)
+
+    def key_range(self, bucket: int | None = None) -> range:
+        """Feasible first-digit positions (the needle ends before the query), optionally in one depth
+        bucket, with the whole needle inside it."""
+        lo, hi = 1, self.L - 2 * self.digits - 1
+        if bucket is not None:
+            lo = max(lo, math.ceil(bucket * self.L / self.buckets) + 1)
+            hi = min(hi, math.ceil((bucket + 1) * self.L / self.buckets) - self.digits)
+        return range(lo, hi + 1)
+
+    def labels(self, sample: RecallSample) -> torch.Tensor:
+        """Next-token labels `(L,)`: IGNORE except on the answer."""
+        labels = sample.tokens[1:].clone()
+        labels[: -self.digits] = IGNORE
+        return labels
+
+    def __call__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rng = random.Random(f"recall:{self.seed}:{index}")
+        sample = self.make(rng, rng.choice(self.key_range()))
+        return sample.tokens[:-1], self.labels(sample)
+
+    def eval_set(self, bucket: int, n: int) -> list[RecallSample]:
+        """`n` fixed evaluation sequences with needles spread evenly over depth bucket `bucket`."""
+        rng = random.Random(f"recall-eval:{self.seed}:{bucket}")
         positions = self.key_range(bucket)
         return [self.make(rng, positions[(2 * i + 1) * len(positions) // (2 * n)]) for i in range(n)]
 
@@ -224,6 +296,10 @@ def build_sources(cfg: DataConfig, vocab_size: int) -> tuple:
 def build_source(cfg: DataConfig, vocab_size: int):
     """The sample source named by `cfg.kind`; a callable `index -> (inputs (L,), labels (L,))`,
     or `(inputs, labels, doc_ids (L,))` with `cfg.pack_documents`."""
+    if cfg.kind == "recall":
+        if vocab_size < 256:
+            raise ConfigError(f"model.vocab_size ({vocab_size}) must be >= 256 for byte-level recall")
+        return RecallTask(cfg)
     if cfg.kind == "passkey":
         if vocab_size < 256:
             raise ConfigError(f"model.vocab_size ({vocab_size}) must be >= 256 for byte-level passkey")

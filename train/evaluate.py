@@ -1,7 +1,7 @@
-"""Passkey retrieval accuracy by depth of the key, with every sequence sharded like in training.
+"""Retrieval accuracy (passkey, recall) by depth of the key, with every sequence sharded like in training.
 
-A sequence counts as retrieved when the argmax at every answer position is the right digit
-(under teacher forcing, which equals greedy decoding exactly when all digits are right). The
+A sequence counts as retrieved when the argmax at every answer position is the right token
+(under teacher forcing, which equals greedy decoding exactly when all of them are right). The
 answer sits at the end of the sequence, on one cp rank, while the key sits at any depth, on any
 rank: a bucket whose keys live on another rank than the answer measures the ring's reach.
 """
@@ -14,25 +14,61 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ringflash.train.data import IGNORE, PasskeyTask
+from ringflash.train.data import IGNORE, PasskeyTask, RecallTask
 from ringflash.train.parallel import ParallelContext, attention_mask, shard_batch
 
 
-def bucket_owners(task: PasskeyTask, cp: int, layout: str) -> list[int]:
-    """The cp rank that holds the first key digit of each depth bucket's evaluation samples."""
+def _position_owners(L: int, cp: int, layout: str) -> torch.Tensor:
+    """`(L,)` the cp rank that holds each position of a sequence of `L` tokens."""
     import ringflash
 
-    n_local = task.L // cp
-    owner = torch.empty(task.L, dtype=torch.long)
+    owner = torch.empty(L, dtype=torch.long)
     for r in range(cp):
-        owner[ringflash.global_positions(n_local, r, cp, layout=layout)] = r
+        owner[ringflash.global_positions(L // cp, r, cp, layout=layout)] = r
+    return owner
+
+
+def bucket_owners(task: PasskeyTask | RecallTask, cp: int, layout: str) -> list[int]:
+    """The cp rank that holds the first key token of each depth bucket's evaluation samples."""
+    owner = _position_owners(task.L, cp, layout)
     return [int(owner[task.key_range(b)[len(task.key_range(b)) // 2]]) for b in range(task.buckets)]
+
+
+def query_owner(task: PasskeyTask | RecallTask, cp: int, layout: str) -> int:
+    """The cp rank that predicts the answer: it holds the sequence's last input position."""
+    return int(_position_owners(task.L, cp, layout)[task.L - 1])
+
+
+def accuracy_by_owner(acc: list[float], owners: list[int]) -> dict[int, float]:
+    """Mean accuracy over the buckets whose keys each rank holds (buckets have equal samples)."""
+    return {r: sum(a for a, o in zip(acc, owners) if o == r) / owners.count(r) for r in sorted(set(owners))}
+
+
+def report(
+    name: str, acc: list[float], task: PasskeyTask | RecallTask, cp: int, layout: str, samples: int
+) -> list[str]:
+    """The closing table: accuracy per depth bucket, where its keys are, which rank holds them."""
+    owners, query = bucket_owners(task, cp, layout), query_owner(task, cp, layout)
+    lines = [
+        f"{name} accuracy on {samples} unseen sequences per depth bucket; the query, at the end, is on rank {query}:"
+    ]
+    for b, (a, r) in enumerate(zip(acc, owners)):
+        lo, hi = task.key_range(b)[0], task.key_range(b)[-1]
+        where = "the query's rank" if r == query else "another rank, across the ring"
+        lines.append(f"  bucket {b}: key at tokens {lo:>5d}-{hi:<5d} held by rank {r} ({where}): {a:.2f}")
+    by_rank = accuracy_by_owner(acc, owners)
+    lines.append(
+        "  by the rank holding the key: "
+        + ", ".join(f"rank {r} {a:.2f}" for r, a in by_rank.items())
+        + f" | lowest bucket {min(acc):.2f}"
+    )
+    return lines
 
 
 @torch.no_grad()
 def evaluate_passkey(
     model: nn.Module,
-    task: PasskeyTask,
+    task: PasskeyTask | RecallTask,
     pc: ParallelContext,
     layout: str,
     samples_per_bucket: int,
@@ -40,8 +76,8 @@ def evaluate_passkey(
     autocast: contextlib.AbstractContextManager,
     window: int = 0,
 ) -> list[float]:
-    """Retrieval accuracy per depth bucket (the same list on every rank). `window`: the model's
-    sliding window (`model.window`, 0: none), applied as in training."""
+    """Retrieval accuracy per depth bucket (the same list on every rank) of a passkey or recall task.
+    `window`: the model's sliding window (`model.window`, 0: none), applied as in training."""
     was_training = model.training
     model.eval()
     mask = attention_mask(None, task.L, pc, layout, window)  # None without a window; one for every batch
@@ -52,13 +88,13 @@ def evaluate_passkey(
         for i in range(0, len(mine), batch_size):
             tokens = torch.stack([s.tokens for s in mine[i : i + batch_size]])  # (B, L + 1)
             labels = tokens[:, 1:].clone()
-            labels[:, : -task.digits] = IGNORE  # score the answer only, whatever the training loss
+            labels[:, : -task.answer_len] = IGNORE  # score the answer only, whatever the training loss
             x, y, pos = shard_batch(tokens[:, :-1], labels, pc, layout)
             with autocast:
                 logits = model(x, pos, mask=mask)  # (B, L/cp, vocab)
             hits = ((logits.argmax(-1) == y) & (y != IGNORE)).sum(1)  # (B,) digits right on this rank
             dist.all_reduce(hits, group=pc.cp_group)  # the answer may straddle shards
-            correct[b] += (hits == task.digits).sum()
+            correct[b] += (hits == task.answer_len).sum()
     dist.all_reduce(correct, group=pc.dp_group)
     model.train(was_training)
     return (correct.float() / samples_per_bucket).tolist()

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 
 from ringflash.train.checkpoint import Checkpointer, complete_checkpoints
 from ringflash.train.config import Config, ConfigError, resolve_eod_token, to_dict
-from ringflash.train.data import IGNORE, DataLoader, PasskeyTask, build_sources
-from ringflash.train.evaluate import bucket_owners, evaluate_passkey
+from ringflash.train.data import IGNORE, DataLoader, PasskeyTask, RecallTask, build_sources
+from ringflash.train.evaluate import accuracy_by_owner, bucket_owners, evaluate_passkey, report
 from ringflash.train.metrics import Logger, flops_per_token, matmul_params, peak_memory_gib, peak_tflops
 from ringflash.train.model import Transformer
 from ringflash.train.parallel import (
@@ -142,7 +142,7 @@ def _loop(cfg: Config, pc: ParallelContext, on_exit: contextlib.ExitStack) -> Tr
     loader = DataLoader(
         source, cfg.data.batch_size, t.grad_accum, pc.dp_rank, pc.dims.dp, warmup_source, cfg.data.warmup_seq_steps
     )
-    passkey = source if isinstance(source, PasskeyTask) and cfg.data.eval_samples > 0 else None
+    passkey = source if isinstance(source, (PasskeyTask, RecallTask)) and cfg.data.eval_samples > 0 else None
 
     # ---- model, optimizer, schedule (identical init on every rank; DDP also broadcasts rank 0's)
     torch.manual_seed(t.seed)
@@ -199,6 +199,9 @@ def _loop(cfg: Config, pc: ParallelContext, on_exit: contextlib.ExitStack) -> Tr
         }
         log.print(f"checkpoint: {ckpt.save(at, model, optimizer, train_state)}")
 
+    name = cfg.data.kind  # passkey or recall: the printed name and the TensorBoard tag prefix
+    owners = bucket_owners(passkey, pc.dims.cp, cfg.parallel.layout) if passkey is not None else []
+
     def evaluate(at: int) -> list[float]:
         acc = evaluate_passkey(
             raw,
@@ -210,12 +213,15 @@ def _loop(cfg: Config, pc: ParallelContext, on_exit: contextlib.ExitStack) -> Tr
             autocast,
             window=cfg.model.window,
         )
-        log.scalars(at, {f"passkey/acc_bucket{i}": a for i, a in enumerate(acc)})
-        log.scalars(at, {"passkey/acc_mean": sum(acc) / len(acc), "passkey/acc_min": min(acc)})
+        by_rank = accuracy_by_owner(acc, owners)
+        log.scalars(at, {f"{name}/acc_bucket{i}": a for i, a in enumerate(acc)})
+        log.scalars(at, {f"{name}/acc_mean": sum(acc) / len(acc), f"{name}/acc_min": min(acc)})
+        log.scalars(at, {f"{name}/acc_key_on_rank{r}": a for r, a in by_rank.items()})
         log.print(
-            f"step {at:6d} | passkey accuracy by depth bucket: "
+            f"step {at:6d} | {name} accuracy by depth bucket: "
             + " ".join(f"{a:.2f}" for a in acc)
-            + f" | min {min(acc):.2f}"
+            + f" | min {min(acc):.2f} | key on "
+            + ", ".join(f"rank {r}: {a:.2f}" for r, a in by_rank.items())
         )
         return acc
 
@@ -246,8 +252,7 @@ def _loop(cfg: Config, pc: ParallelContext, on_exit: contextlib.ExitStack) -> Tr
     if loader.warmup_steps:
         log.print(f"sequence-length warm-up: {cfg.data.warmup_seq_len} tokens/seq for {loader.warmup_steps} steps")
     if passkey is not None:
-        owners = bucket_owners(passkey, pc.dims.cp, cfg.parallel.layout)
-        log.print("passkey depth buckets held by cp ranks: " + " ".join(map(str, owners)))
+        log.print(f"{name} depth buckets held by cp ranks: " + " ".join(map(str, owners)))
 
     # ---- the loop
     result = TrainResult(final_step=step)
@@ -317,4 +322,18 @@ def _loop(cfg: Config, pc: ParallelContext, on_exit: contextlib.ExitStack) -> Tr
     if cfg.checkpoint.enabled and step != last_saved:
         save(step)
     result.final_step, result.model = step, raw
+    losses = list(result.losses.values())
+    minutes, seconds = divmod(round(time.perf_counter() - t_start), 60)
+    resumed = f" (resumed at step {step - len(losses)})" if len(losses) < step else ""
+    log.print(
+        f"summary: trained {len(losses)} steps{resumed} in {minutes}m{seconds:02d}s on {pc.dims.world_size} "
+        f"{dev.type} processes (cp = {pc.dims.cp}, dp = {pc.dims.dp}); loss {losses[0]:.4f} -> {losses[-1]:.4f}"
+    )
+    if result.passkey is not None:
+        for line in report(name, result.passkey, passkey, pc.dims.cp, cfg.parallel.layout, cfg.data.eval_samples):
+            log.print(line)
+    if log.writer is not None:
+        log.print(f"TensorBoard logs: {log.writer.get_logdir()} (view: tensorboard --logdir {cfg.logging.dir})")
+    if cfg.checkpoint.enabled:
+        log.print(f"checkpoint of step {step}: {ckpt_dir / f'step_{step:08d}'}")
     return result
