@@ -1,9 +1,8 @@
 """cuDNN's fused attention behind the kernel contract: the opt-in `backend="cudnn"`.
 
 NVIDIA's cuDNN kernels, which PyTorch ships and calls for SDPA, run attention faster than our
-Triton kernels on Hopper (causal D = 128, N = 16k on an H100, one run of bench_kernels: 580 / 514
-TFLOP/s forward / backward against our 484 / 379; ours reach 522–537 / 379–393 across runs:
-BENCHMARKS.md). This backend calls the same cuDNN op as SDPA
+Triton kernels on Hopper, the backward most (`benchmarks/kernels.jsonl`). This backend calls the
+same cuDNN op as SDPA
 (`aten._scaled_dot_product_cudnn_attention` and its backward) on views of our `(B, N, H, D)`
 tensors, with `(o, lse)` in and out as the contract wants, so the ring can run its steps on them.
 

@@ -26,10 +26,10 @@ def heaviest_first(n_sms):
     The GPU starts programs in launch order (axis 0 fastest), and each kernel maps rank 0 to its
     heaviest tile: under a causal mask tiles differ in work up to N/BLOCK times. One head at a
     time, a grid with few tiles per head leaves the last head's heavy tiles to start when the
-    grid is nearly done and run alone: a tail of ~10% at N = 8k, B·H = 16 on 132 SMs. So ranks
-    sweep several heads at a time, the fewest (a power of two) whose tiles fill the `n_sms` SMs
-    (4 at 4k, 2 at 8k, 1 from 16k on, with 128-row tiles): more would only split the L2 between
-    heads (the 32k ring steps ran 1% slower with 4; docs/PERF_NOTES.md, "Launch order").
+    grid is nearly done and run alone: an exposed tail. So ranks sweep several heads at a time,
+    the fewest (a power of two) whose tiles fill the `n_sms` SMs (4 at 4k, 2 at 8k, 1 from 16k
+    on, with 128-row tiles): more would only split the L2 between heads (docs/PERF_NOTES.md,
+    "Launch order").
     """
     n_tiles = tl.num_programs(0)
     fit = tl.maximum(n_sms // n_tiles, 1)

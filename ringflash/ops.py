@@ -249,8 +249,8 @@ def _setup_context(ctx, inputs, keyword_only_inputs, output):
     ctx.kwargs = {key: val for key, val in keyword_only_inputs.items() if key not in drop}
     ctx.mark_non_differentiable(lse, kv)
     # lse and kv never get a gradient: without this autograd would hand the backward zeros the
-    # size of kv, a 64 MB memset per call at 8k tokens per rank, 16 kv heads of 128, bf16 (27 us
-    # on an H200). o's gradient may then be None too (`_grads`).
+    # size of kv, a memset as large as K and V per call. o's gradient may then be None too
+    # (`_grads`).
     ctx.set_materialize_grads(False)
 
 
@@ -271,9 +271,8 @@ class _EagerRingAttn(torch.autograd.Function):
     """The ops' functions under a plain autograd.Function: what eager calls run.
 
     Same forward, backward and saved tensors as `ring_attn`, without torch.library's dispatch
-    (argument defaults, pytrees, the Dynamo guard around the implementation). At 8k tokens per
-    rank on 2xH200, where the host barely keeps ahead of the GPU, the host's time per fwd+bwd
-    went from 4.8-4.9 to 3.8-3.9 ms (copy engine, cross-rank check on; docs/PERF_NOTES.md).
+    (argument defaults, pytrees, the Dynamo guard around the implementation): host time that small
+    blocks make the GPU wait for (docs/PERF_NOTES.md, "The host and the benchmark's timing").
     Under torch.compile `ring_flash_attn_func` calls the op, which Dynamo sees as one node.
     """
 

@@ -10,7 +10,11 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
+
 from tests.dist_utils import REPO, torchrun
+
+pytestmark = pytest.mark.slow  # torchrun launches of the benchmark script
 
 
 def _recorded_state() -> dict:

@@ -124,7 +124,8 @@ def _compiled_model_worker(rank, world, compile_backend, layout, device="cpu", c
 
 
 @pytest.mark.parametrize(
-    "compile_backend,layout", [("aot_eager", "zigzag"), ("aot_eager", "contiguous"), ("inductor", "zigzag")]
+    "compile_backend,layout",
+    [("aot_eager", "zigzag"), ("aot_eager", "contiguous"), pytest.param("inductor", "zigzag", marks=pytest.mark.slow)],
 )
 def test_compiled_transformer_matches_eager(compile_backend, layout):
     args = (compile_backend, layout)

@@ -231,6 +231,7 @@ def _one_rank_skips_the_op(rank, world, port: int, timeout_s: float):
     return str(err.value).splitlines()[0]
 
 
+@pytest.mark.slow
 def test_rank_that_skips_the_op_makes_every_rank_raise(tmp_path):
     # Rank 0 waits in the op's cross-rank check until parallel.timeout_s, then raises; rank 1,
     # arriving late, finds its peer gone and raises too. Nobody hangs (the harness would say so).
@@ -264,6 +265,7 @@ def _resume_after_the_kill(rank, world, tmp: Path):
         assert torch.equal(a, b), name
 
 
+@pytest.mark.slow
 def test_kill_during_save_keeps_previous_checkpoint_and_resumes_exactly(tmp_path):
     with pytest.raises(RankFailure) as err:
         run_ranks(_killed_while_saving, 2, args=(tmp_path / "run",), timeout_s=30)
@@ -282,6 +284,7 @@ def _reference_run(rank, world, overrides):
     return train(load_config(None, overrides)).losses
 
 
+@pytest.mark.slow
 def test_torchrun_restart_resumes_bit_exact(tmp_path):
     """A rank SIGKILLed mid-run under torchrun --max-restarts=1: the job restarts, resumes the last
     complete checkpoint, replays the lost steps identically, and ends equal to an uninterrupted run."""

@@ -203,6 +203,7 @@ def test_bad_data_path_fails_before_training(tmp_path):
         run_ranks(_train_in_ranks, 1, args=(cfg,))
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_loss_falls(tmp_path):
     out = torchrun(
         REPO / "launch" / "train.py",
@@ -236,6 +237,7 @@ def test_torchrun_two_ranks_loss_falls(tmp_path):
     assert {"recall/acc_bucket3", "recall/acc_min", "recall/acc_key_on_rank1"} <= set(events.Tags()["scalars"])
 
 
+@pytest.mark.slow
 def test_torchrun_rejects_cp_not_dividing_world(tmp_path):
     out = torchrun(
         REPO / "launch" / "train.py",
