@@ -12,6 +12,8 @@ and says where the sum overestimates (the gradients and the activations never pe
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 
 import torch
@@ -48,9 +50,10 @@ def live_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None)
     }
 
 
-def memory_line(measured: dict[str, int], shards: int) -> str:
-    """The log's line of `live_bytes`: what the rank holds, and over how many ranks it is sharded."""
-    how = f"sharded over {shards} ranks (FSDP2)" if shards > 1 else "replicated on every rank"
+def memory_line(measured: dict[str, int], shards: int | None) -> str:
+    """The log's line of `live_bytes`: what the rank holds, and over how many ranks FSDP2 shards it
+    (`shards`; None: DDP, replicated)."""
+    how = "DDP, replicated on every rank" if shards is None else f"FSDP2 over {shards} rank{'s' * (shards > 1)}"
     parts = ", ".join(f"{k} {_human(v)}" for k, v in measured.items())
     return f"memory per rank: {parts} (total {_human(sum(measured.values()))}), {how}"
 
@@ -116,19 +119,14 @@ def predict(
     weights, gradients, optimizer, working_weights (FSDP's gathered blocks and root, or autocast's
     bf16 weight copies plus DDP's gradient buckets), activations, ring and peak (the sum).
     """
-    from ringflash.train.model import Transformer
-
     if dtype not in _BYTES:
         raise ValueError(f"dtype must be one of {', '.join(_BYTES)}, got {dtype!r}")
-    with torch.device("meta"):
-        model = Transformer(model_cfg)
+    shapes, block, matmul = _shapes(tuple(dataclasses.asdict(model_cfg).items()))
     b, shards = _BYTES[dtype], dp * cp if fsdp else 1
-    params = list(model.parameters())  # float32 masters; a tied weight once
+    params = [torch.Size(s) for s in shapes]  # float32 masters; a tied weight once
     numel = sum(p.numel() for p in params)
-    local = sum(_shard_numel(p.shape, shards, rank) for p in params)
-    block = sum(p.numel() for p in model.blocks[0].parameters())
+    local = sum(_shard_numel(p, shards, rank) for p in params)
     root = numel - block * model_cfg.n_layers
-    matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
 
     out = {"weights": 4 * local, "gradients": 4 * local}
     # AdamW: exp_avg and exp_avg_sq like the shard, and a float32 `step` per parameter tensor.
@@ -156,6 +154,20 @@ def predict(
     return out
 
 
+@functools.lru_cache(maxsize=32)
+def _shapes(fields: tuple) -> tuple[tuple[tuple[int, ...], ...], int, int]:
+    """Our model's parameter shapes (built on the meta device: no memory), one block's parameter
+    count and the matmul weights' count."""
+    from ringflash.train.model import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(ModelConfig(**dict(fields)))
+    shapes = tuple(tuple(p.shape) for p in model.parameters())
+    block = sum(p.numel() for p in model.blocks[0].parameters())
+    matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    return shapes, block, matmul
+
+
 def ring_bytes_per_token(cfg: ModelConfig, dtype: str, cp: int) -> float:
     """The ring backward's buffers per local token, the largest of one attention call (ringflash/ring.py):
     two K/V receive buffers, two float32 dK/dV accumulators, float32 dQ, and the rounded dQ, dK/dV
@@ -167,3 +179,40 @@ def ring_bytes_per_token(cfg: ModelConfig, dtype: str, cp: int) -> float:
     receive = min(2, cp - 1) * kv_block
     accumulators = 2 * (2 * kv * 4)
     return receive + accumulators + 4 * d + b * d + 2 * kv_block
+
+
+# Llama-like shapes (head_dim 128, 8 K/V heads, untied embeddings) for the fits table.
+SIZES = {
+    "1B": dict(dim=2048, n_layers=16, n_heads=16, n_kv_heads=8, ffn_dim=8192),
+    "3B": dict(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim=8192),
+    "8B": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336),
+    "14B": dict(dim=5120, n_layers=48, n_heads=40, n_kv_heads=8, ffn_dim=13824),
+    "32B": dict(dim=5120, n_layers=64, n_heads=40, n_kv_heads=8, ffn_dim=27648),
+    "70B": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672),
+}
+
+
+def fits_table(gpus: int, gpu_gib: float, contexts: list[int], vocab_size: int, headroom: float = 0.9) -> str:
+    """Markdown: predicted peak GiB per GPU of each SIZES model at each context, with cp = gpus
+    (one sequence over every GPU), FSDP2 and activation checkpointing; ✓ where it stays under
+    `headroom` of `gpu_gib` (the rest: the allocator's fragmentation, NCCL, the CUDA context)."""
+    head = f"| model (vocab {vocab_size}) | params | " + " | ".join(f"{L // 1024}k" for L in contexts) + " |"
+    lines = [head, "|" + "---|" * (len(contexts) + 2)]
+    for name, shape in SIZES.items():
+        cfg = ModelConfig(vocab_size=vocab_size, tie_embeddings=False, **shape)
+        n = sum(math.prod(s) for s in _shapes(tuple(dataclasses.asdict(cfg).items()))[0])
+        cells = []
+        for L in contexts:
+            peak = predict(cfg, L, dp=1, cp=gpus, fsdp=True, activation_checkpointing=True)["peak"] / 2**30
+            cells.append(f"{peak:,.0f} {'✓' if peak <= headroom * gpu_gib else '✗'}")
+        lines.append(f"| {name} | {n / 1e9:.1f}B | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    # python -m ringflash.train.memory [GPUS] [GIB]: the fits table of docs/memory.md
+    import sys
+
+    gpus, gib = int(sys.argv[1]) if len(sys.argv) > 1 else 8, float(sys.argv[2]) if len(sys.argv) > 2 else 139.0
+    for vocab in (256, 128256):
+        print(fits_table(gpus, gib, [32768, 131072, 524288, 1048576], vocab), end="\n\n")

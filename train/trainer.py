@@ -278,7 +278,7 @@ def _loop(cfg: Config, pc: ParallelContext, on_exit: contextlib.ExitStack) -> Tr
         optimizer.step()
         scheduler.step()
         if step == result.final_step:  # the first step of this launch: gradients and AdamW states are live
-            log.print(memory_line(live_bytes(raw, optimizer), pc.dims.world_size if cfg.parallel.fsdp else 1))
+            log.print(memory_line(live_bytes(raw, optimizer), pc.dims.world_size if cfg.parallel.fsdp else None))
         optimizer.zero_grad(set_to_none=True)
         step += 1
         dt = time.perf_counter() - t0

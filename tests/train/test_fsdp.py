@@ -92,6 +92,14 @@ def test_fsdp_equals_ddp_and_shards_memory(overrides):
     assert min(per_rank) >= (ddp["params"] + ddp["optimizer"]) / 4 * 0.85
 
 
+@pytest.mark.slow
+def test_fsdp_composes_with_compile_and_checkpointing():
+    # The loop's partial compile (norms, SwiGLU) inside checkpoint-wrapped, sharded blocks: inductor
+    # compiles C++ on the CPU, seconds per graph, so one rank (FSDP's hooks run all the same).
+    overrides = ["--data.passkey_loss=all", "--train.compile=true", "--train.activation_checkpointing=true"]
+    run_ranks(_fsdp_vs_ddp, 1, args=(overrides,), timeout_s=240)
+
+
 def test_transformer_blocks_of_ours_and_hugging_face_models():
     class Inner(nn.Module):
         def __init__(self):
