@@ -332,9 +332,9 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> torch
     `full_tensor()` sums the squares over the shards, so every rank clips by the global norm.
     """
     params = [p for p in parameters if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
+    if not any(isinstance(p.grad, DTensor) for p in params):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)  # DDP: every rank holds every gradient
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0).full_tensor()
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm
 
