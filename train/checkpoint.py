@@ -13,13 +13,20 @@ resolved the same checkpoint, and its parameter names and shapes must be this mo
 checkpoint of another model shape names the differing `model.*` settings). What cannot be used
 raises `CheckpointError` (a `ConfigError`: the launcher prints it as one line).
 
+Another world size is not refused: DCP stores every tensor with its global shape and each rank
+reads the pieces its own shards need, so a checkpoint of 4 ranks resumes on 2 and the reverse,
+DDP's replicated tensors into FSDP2's shards and the reverse. The data continue from the global
+sample index (train/data.py, `DataLoader`); with the same global batch the continuing run draws
+the same samples every step as an uninterrupted one, and matches it to float32 rounding (the
+order of the sums over ranks differs). At the same world size a resume is bit-exact.
+
 Fault injection for tests and `launch/soak.py`: `RINGFLASH_FAULT=save:STEP:RANK[:ATTEMPT]` kills
 rank RANK with SIGKILL while it saves step STEP, after its shards are written and before the
 checkpoint is published, in torchrun attempt ATTEMPT (default 0; `TORCHELASTIC_RESTART_COUNT`).
 
-Contents: model and optimizer (DCP's FQN-keyed state dicts, so DDP, compile and activation
-checkpointing wrappers do not change the keys), the training state (step, scheduler, data
-position) and each rank's RNG states under a per-rank key.
+Contents: model and optimizer (DCP's FQN-keyed state dicts, so DDP, FSDP2, compile and activation
+checkpointing wrappers do not change the keys; FSDP2's DTensors are saved as their shards), the
+training state (step, scheduler, data position) and each rank's RNG states under a per-rank key.
 """
 
 from __future__ import annotations

@@ -152,6 +152,27 @@ class ParallelConfig:
         "data.pack_documents). auto defers to RINGFLASH_KERNEL_BACKEND if set.",
         BACKENDS,
     )
+    fsdp: bool = opt(
+        False,
+        "Shard parameters, gradients and AdamW states over all dp × cp ranks (FSDP2, fully_shard per "
+        "transformer block and at the root) instead of replicating them (DDP). Per rank: 16 bytes a "
+        "parameter under DDP, 16 / (dp·cp) under FSDP, for an all-gather per block in the forward and "
+        "again in the backward and a reduce-scatter per block (1.5× DDP's all-reduce traffic). Choose "
+        "FSDP when the weights and optimizer states crowd out activations (from ~1B parameters on 80 GB, "
+        "docs/memory.md); keep DDP for small models, where it is faster.",
+    )
+    fsdp_param_dtype: str = opt(
+        "auto",
+        "FSDP only: the dtype parameters are all-gathered and computed in (the sharded float32 masters "
+        "stay float32); auto follows train.dtype (bfloat16 on CUDA, float32 on CPU).",
+        ("auto", "bfloat16", "float32"),
+    )
+    fsdp_reduce_dtype: str = opt(
+        "float32",
+        "FSDP only: the dtype gradients are reduce-scattered in; float32 keeps the sum over ranks exact "
+        "to float32, bfloat16 halves its traffic.",
+        ("float32", "bfloat16"),
+    )
 
 
 @dataclass

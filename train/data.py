@@ -322,27 +322,40 @@ def build_source(cfg: DataConfig, vocab_size: int):
 class DataLoader:
     """Micro-batches for one data-parallel rank, resumable exactly from `state_dict()`.
 
-    Sample index of sequence i in micro-step m of step s: ((s·accum + m)·dp + dp_rank)·B + i, so
-    dp ranks see disjoint samples and all cp ranks of one dp group see the same ones. Steps before
-    `warmup_steps` draw from `warmup_source` (shorter sequences), later ones from `source`.
+    Sample index of sequence i in micro-step m of step s: S0 + (((s − s0)·accum + m)·dp + dp_rank)·B + i,
+    so dp ranks see disjoint samples and all cp ranks of one dp group see the same ones; step s
+    draws the G = B·accum·dp samples that follow the previous step's. The origin (s0, S0) is
+    (0, 0) unless the run resumed with another batch geometry. Steps before `warmup_steps` draw
+    from `warmup_source` (shorter sequences), later ones from `source`.
+
+    The data position is the global sample index (the first sample of the next step): a run
+    resumed with another dp (another world size), grad_accum or batch_size continues from it, so it
+    sees the samples an uninterrupted run would have seen next, and with the same global batch G
+    (e.g. dp halved and grad_accum doubled) every step draws exactly the same set of samples.
     """
 
     def __init__(
         self, source, batch_size: int, grad_accum: int, dp_rank: int, dp_size: int,
         warmup_source=None, warmup_steps: int = 0,
-    ):
+    ):  # fmt: skip
         self.source, self.B, self.accum = source, batch_size, grad_accum
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.warmup_source, self.warmup_steps = warmup_source, warmup_steps if warmup_source else 0
         self.step = 0  # the next step to produce
+        self.origin = (0, 0)  # (step, global sample index) from which this geometry counts
 
     def source_at(self, step: int):
         return self.warmup_source if step < self.warmup_steps else self.source
 
+    def sample_at(self, step: int) -> int:
+        """The global index of step `step`'s first sample."""
+        s0, first = self.origin
+        return first + (step - s0) * self.accum * self.dp_size * self.B
+
     def batch(self, step: int, micro: int) -> tuple[torch.Tensor, ...]:
         """Full (unsharded) `inputs, labels (B, L)` int64 of one micro-step, and `doc_ids (B, L)`
         when the source packs documents."""
-        first = ((step * self.accum + micro) * self.dp_size + self.dp_rank) * self.B
+        first = self.sample_at(step) + (micro * self.dp_size + self.dp_rank) * self.B
         source = self.source_at(step)
         samples = [source(first + i) for i in range(self.B)]
         return tuple(torch.stack(column) for column in zip(*samples, strict=True))
@@ -354,12 +367,22 @@ class DataLoader:
         return micros
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "batch_size": self.B, "grad_accum": self.accum, "dp_size": self.dp_size}
+        return {
+            "step": self.step,
+            "sample": self.sample_at(self.step),
+            "origin": list(self.origin),
+            "batch_size": self.B,
+            "grad_accum": self.accum,
+            "dp_size": self.dp_size,
+        }
 
     def load_state_dict(self, state: dict) -> None:
-        mine = self.state_dict()
-        for k in ("batch_size", "grad_accum", "dp_size"):
-            if state[k] != mine[k]:
-                # A different batch geometry maps steps to other samples: the run would not continue.
-                raise ConfigError(f"resume: checkpoint has data {k} = {state[k]}, this run has {mine[k]}")
+        """Continue at `state`'s step and global sample index, whatever this loader's batch geometry."""
+        geometry = ("batch_size", "grad_accum", "dp_size")
+        if all(state[k] == getattr(self, a) for k, a in zip(geometry, ("B", "accum", "dp_size"))):
+            self.origin = tuple(state.get("origin", (0, 0)))  # the same numbering: a bit-exact resume
+        else:
+            # Another geometry numbers steps' samples differently: count on from the saved position.
+            saved = state["step"] * state["batch_size"] * state["grad_accum"] * state["dp_size"]
+            self.origin = (state["step"], state.get("sample", saved))  # (checkpoints before "sample": no origin)
         self.step = state["step"]

@@ -4,18 +4,22 @@ Rank layout: rank = dp_rank · cp + cp_rank, so the ranks of one ring are neighb
 NVLink) and data parallelism spans the outer dimension.
 
     with distributed(cfg.parallel, cfg.train.device) as pc:   # torn down in `finally`
-        model = parallelize(Transformer(cfg.model).to(pc.device), pc, cfg)
+        model = parallelize(Transformer(cfg.model).to(pc.device), pc, cfg)   # DDP or FSDP2
         mask = attention_mask(doc_ids, inputs.shape[1], pc, cfg.parallel.layout, cfg.model.window)
         x, y, pos = shard_batch(inputs, labels, pc, cfg.parallel.layout)
         logits = model(x, pos, mask=mask)
+        with no_sync(model, not last_micro_step): ...            # either wrapper's gradient sync
+        grad_norm = clip_grad_norm(model.parameters(), max_norm)  # over every shard
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import inspect
 import os
 import warnings
+from collections.abc import Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -23,6 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ringflash
@@ -87,6 +93,15 @@ class ParallelContext:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def dp_cp_mesh(self) -> DeviceMesh:
+        """The 1-D mesh of every rank, dp and cp flattened: what gradients are reduced over.
+
+        (`_flatten` is DeviceMesh's own, private in name only: torchtitan builds its FSDP meshes
+        with it; flattening again returns the mesh made the first time.)
+        """
+        return self.mesh["dp", "cp"]._flatten("dp_cp")
 
 
 def resolve_device(device: str) -> torch.device:
@@ -207,10 +222,11 @@ def check_same_config(cfg: Config) -> None:
 
 
 def parallelize(model: nn.Module, pc: ParallelContext, cfg: Config) -> nn.Module:
-    """Ring attention over the cp group, then compile, activation checkpointing and DDP.
+    """Ring attention over the cp group, then compile, activation checkpointing and DDP or FSDP2.
 
     The order matters: checkpointing wraps blocks that already hold the ring (and compiled
-    parts), and DDP wraps everything last so that it sees the final parameters. The ranks must
+    parts), and DDP (or FSDP2, `parallel.fsdp`) wraps everything last so that it sees the final
+    parameters. FSDP2 shards `model` in place and returns it; DDP returns a wrapper. The ranks must
     run the same configuration (the trainer checks it first of all, `check_same_config`).
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -243,11 +259,84 @@ def parallelize(model: nn.Module, pc: ParallelContext, cfg: Config) -> nn.Module
             # Non-reentrant checkpointing replays the ring (and its communication) in backward;
             # every rank replays the same blocks in the same order, so the collectives still match.
             model.blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+    if cfg.parallel.fsdp:
+        return shard_model(model, pc.dp_cp_mesh, fsdp_policy(cfg, pc.device))
     # DDP over the *whole* world, not just dp: cp ranks hold different tokens of the same
     # sequences, so their gradients are partial sums that must be added too. DDP averages over
     # the world size; `train.trainer` scales the loss by it so the result is the global mean.
     device_ids = [pc.device.index] if pc.device.type == "cuda" else None
     return DDP(model, device_ids=device_ids, process_group=dist.group.WORLD)
+
+
+def transformer_blocks(model: nn.Module) -> nn.ModuleList:
+    """The model's list of transformer blocks: `model.blocks` (ours) or `model.model.layers`
+    (Hugging Face decoder models: Llama, Qwen, Mistral, ...)."""
+    for path in ("blocks", "model.layers"):
+        with contextlib.suppress(AttributeError):
+            blocks = model.get_submodule(path)
+            if isinstance(blocks, nn.ModuleList):
+                return blocks
+    raise TypeError(
+        f"parallel.fsdp: cannot find the transformer blocks of {type(model).__name__}: "
+        "expected a ModuleList at model.blocks or model.model.layers"
+    )
+
+
+def fsdp_policy(cfg: Config, device: torch.device) -> MixedPrecisionPolicy:
+    """`parallel.fsdp_param_dtype` and `fsdp_reduce_dtype` as FSDP2's policy (auto: train.dtype's)."""
+    param = cfg.parallel.fsdp_param_dtype
+    if param == "auto":
+        param = cfg.train.dtype if cfg.train.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    reduce = cfg.parallel.fsdp_reduce_dtype
+    return MixedPrecisionPolicy(param_dtype=getattr(torch, param), reduce_dtype=getattr(torch, reduce))
+
+
+def shard_model(model: nn.Module, mesh: DeviceMesh, policy: MixedPrecisionPolicy) -> nn.Module:
+    """FSDP2 in place: each transformer block its own unit, the rest (embedding, final norm, head) the root's.
+
+    A block's parameters are all-gathered just before its forward and freed after it (again in the
+    backward), so a rank holds one block unsharded at a time (two with prefetch), not the model.
+    The root keeps its parameters gathered from forward to backward (FSDP2's default for the root,
+    which the backward needs first): with a tied embedding that is the vocabulary matrix, once.
+    Gradients are reduce-scattered over `mesh` and averaged over its size, as DDP averages over
+    the world: the trainer's loss scaling gives the global mean either way. Call it after the
+    blocks are swapped, compiled and checkpoint-wrapped, so each unit is the final block.
+    """
+    for block in transformer_blocks(model):
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+@contextmanager
+def no_sync(model: nn.Module, skip: bool = True):
+    """Accumulate gradients locally, without reducing them over the ranks, while `skip` (all but the
+    last micro-step): DDP's `no_sync`, FSDP2's `set_requires_gradient_sync(False)`."""
+    if not skip:
+        yield
+    elif isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        with model.no_sync():
+            yield
+
+
+def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Clip to `max_norm` the norm of all gradients together; return that norm (a plain 0-dim tensor).
+
+    Under FSDP each rank holds shards (DTensors): the norm of a DTensor is a partial one, and
+    `full_tensor()` sums the squares over the shards, so every rank clips by the global norm.
+    """
+    params = [p for p in parameters if p.grad is not None]
+    if not any(isinstance(p.grad, DTensor) for p in params):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)  # DDP: every rank holds every gradient
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0).full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
 
 
 def shard_batch(

@@ -4,7 +4,7 @@
 
 Loss normalisation. The loss of a step is the mean over *every* labelled token of the step: all
 micro-steps, all dp ranks, all cp shards. Each rank computes the sum over its own tokens and
-scales it by world / (global token count); DDP then averages gradients over the world, so the
+scales it by world / (global token count); DDP (or FSDP2) then averages gradients over the world, so the
 result is exactly the gradient of the global mean, whatever cp is. That is what makes a cp = 2
 run equal a cp = 1 run on the same batch, even when (as in passkey) the labelled tokens all sit
 on one rank.
@@ -27,13 +27,16 @@ from ringflash.train.checkpoint import Checkpointer, complete_checkpoints
 from ringflash.train.config import Config, ConfigError, resolve_eod_token, to_dict
 from ringflash.train.data import IGNORE, DataLoader, PasskeyTask, RecallTask, build_sources
 from ringflash.train.evaluate import accuracy_by_owner, bucket_owners, evaluate_passkey, report
+from ringflash.train.memory import live_bytes, memory_line
 from ringflash.train.metrics import Logger, flops_per_token, matmul_params, peak_memory_gib, peak_tflops
 from ringflash.train.model import Transformer
 from ringflash.train.parallel import (
     ParallelContext,
     attention_mask,
     check_same_config,
+    clip_grad_norm,
     distributed,
+    no_sync,
     parallelize,
     shard_batch,
 )
@@ -102,14 +105,14 @@ def forward_backward(
     n_tokens = sum(int((micro[1] != IGNORE).sum()) for micro in micros)
     n_tokens = torch.tensor(n_tokens, dtype=torch.float32, device=pc.device)
     dist.all_reduce(n_tokens, group=pc.dp_group)  # every cp rank already counted the whole sequences
-    scale = pc.dims.world_size / n_tokens.clamp(min=1)  # DDP divides by the world size
+    scale = pc.dims.world_size / n_tokens.clamp(min=1)  # DDP and FSDP2 divide by the world size
     loss_sum = torch.zeros((), device=pc.device)
     for i, (inputs, labels, *doc_ids) in enumerate(micros):
         mask = attention_mask(doc_ids[0] if doc_ids else None, inputs.shape[1], pc, layout, window)
         x, y, pos = shard_batch(inputs, labels, pc, layout)
         last = i == len(micros) - 1
-        # Gradients are all-reduced once, after the last micro-step.
-        with contextlib.nullcontext() if last else model.no_sync():
+        # Gradients are reduced once, after the last micro-step.
+        with no_sync(model, not last):
             with autocast:
                 logits = model(x, pos, mask=mask)  # (B, L/cp, vocab)
             local = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE, reduction="sum")
@@ -265,7 +268,7 @@ def _loop(cfg: Config, pc: ParallelContext, on_exit: contextlib.ExitStack) -> Tr
         tokens_per_step, flops_per_step = step_cost(step, micros)
         loss = forward_backward(model, micros, pc, cfg.parallel.layout, autocast, cfg.model.window)
         clip = t.grad_clip if t.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(raw.parameters(), clip)
+        grad_norm = clip_grad_norm(raw.parameters(), clip)  # the global norm, over FSDP's shards too
         loss_f, norm_f = loss.item(), grad_norm.item()  # identical on every rank (all-reduced)
         if not (math.isfinite(loss_f) and math.isfinite(norm_f)):
             # Raised before the update and before any save: the last checkpoint stays the last good one.
@@ -279,6 +282,8 @@ def _loop(cfg: Config, pc: ParallelContext, on_exit: contextlib.ExitStack) -> Tr
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
+        if step == result.final_step:  # the first step of this launch: gradients and AdamW states are live
+            log.print(memory_line(live_bytes(raw, optimizer), pc.dims.world_size if cfg.parallel.fsdp else None))
         optimizer.zero_grad(set_to_none=True)
         step += 1
         dt = time.perf_counter() - t0
