@@ -258,7 +258,7 @@ def _same_batch_shape(context: RingContext, ok: bool, B: int, N: int) -> None:
     rows = ring_comm(context.group, resolve_transport(context.transport)).all_gather_ints([int(ok), B, N])
     failed = [r for r, row in enumerate(rows) if not row[0]]
     if failed and ok:
-        raise ValueError(f"shard_batch: rank(s) {failed} of the group rejected their batch (see the error raised there)")
+        raise ValueError(f"shard_batch: rank(s) {failed} of the group rejected their batch (see the error there)")
     shapes = {tuple(row[1:]) for row in rows if row[0]}
     if len(shapes) > 1:
         raise ValueError(
@@ -382,7 +382,7 @@ def ring_attention_forward(
     try:
         _refuse_features(module, attention_mask, dropout, kwargs)
         if masks is not None and not isinstance(masks, RingMasks):
-            raise TypeError(f"ring_masks must be a ringflash.hf.RingMasks (from shard_batch), got {type(masks).__name__}")
+            raise TypeError(f"ring_masks must be a ringflash.hf.RingMasks (shard_batch's), got {type(masks).__name__}")
         if q.shape[1] != k.shape[1]:
             raise ValueError(
                 f"{k.shape[1]} keys for {q.shape[1]} queries: ring attention runs without a KV cache "

@@ -250,6 +250,27 @@ def parallelize(model: nn.Module, pc: ParallelContext, cfg: Config) -> nn.Module
     return DDP(model, device_ids=device_ids, process_group=dist.group.WORLD)
 
 
+def parallelize_hf(model: nn.Module, pc: ParallelContext, cfg: Config) -> nn.Module:
+    """`parallelize` for a transformers model (`model.kind = hf`, a `train.hf_model.HFCausalLM`):
+    its layers' attention becomes ringflash.hf's over the cp group; then compile, activation
+    checkpointing (HF's own, non-reentrant) and DDP over the whole world, as for the small model."""
+    import ringflash.hf
+
+    device = next(model.parameters()).device
+    backend = kernels.get_backend(kernel_backend(cfg.parallel)[0], device).name
+    model.context = ringflash.hf.RingContext(pc.cp_group, cfg.parallel.layout, backend, cfg.parallel.transport)
+    model.hf.set_attn_implementation(ringflash.hf.ATTN_IMPLEMENTATION)
+    if cfg.train.compile:  # the norms and MLPs of every decoder layer; attention stays eager, as above
+        for layer in model.hf.base_model.layers:
+            for name in ("input_layernorm", "post_attention_layernorm", "mlp"):
+                if hasattr(layer, name):
+                    setattr(layer, name, torch.compile(getattr(layer, name)))
+    if cfg.train.activation_checkpointing:
+        model.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    device_ids = [pc.device.index] if pc.device.type == "cuda" else None
+    return DDP(model, device_ids=device_ids, process_group=dist.group.WORLD)
+
+
 def shard_batch(
     inputs: torch.Tensor,
     labels: torch.Tensor,

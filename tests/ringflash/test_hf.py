@@ -11,6 +11,7 @@ sequence. Bad input fails on every rank with a clear message.
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -27,8 +28,8 @@ VOCAB, N = 128, 48  # 48 splits over 2·2 and 2·3 zigzag chunks
 
 
 def tiny_config(kind: str, **extra):
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rope_theta=500.0)  # fmt: skip
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, rope_theta=500.0)  # fmt: skip
     if kind == "llama":
         return transformers.LlamaConfig(**common, **extra)
     if kind == "qwen2":  # layer 0 full, layer 1 sliding (max_window_layers = 1)
@@ -79,9 +80,9 @@ def reference_loss(ref, batch: dict, case: str) -> torch.Tensor:
     if case != "packed":
         kw = {"attention_mask": batch["attention_mask"]} if "attention_mask" in batch else {}
         return ref(input_ids=batch["input_ids"], labels=batch["labels"], **kw).loss
-    starts = (batch["position_ids"][0] == 0).nonzero().flatten().tolist() + [N]
+    starts = [*(batch["position_ids"][0] == 0).nonzero().flatten().tolist(), N]
     total, count = 0.0, 0
-    for a, b in zip(starts[:-1], starts[1:]):
+    for a, b in itertools.pairwise(starts):
         logits = ref(input_ids=batch["input_ids"][:, a:b]).logits[0, :-1]
         target = batch["labels"][0, a + 1 : b]
         total = total + F.cross_entropy(logits, target, ignore_index=-100, reduction="sum")
