@@ -14,6 +14,7 @@ unknown sections or keys and values of the wrong type raise `ConfigError` naming
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -52,6 +53,22 @@ class ModelConfig:
     norm_eps: float = opt(1e-5, "RMSNorm epsilon.")
     tie_embeddings: bool = opt(True, "Share the token embedding with the output projection.")
     init_std: float = opt(0.02, "Std of the normal init; residual projections get std/sqrt(2·n_layers).")
+    kind: str = opt(
+        "small",
+        "small: this repository's transformer (the fields above); hf: a transformers causal LM (pip install "
+        "'ringflash[hf]') from hf_config, [model.hf] keys or hf_pretrained, never downloaded (train/hf_model.py).",
+        ("small", "hf"),
+    )
+    hf_config: str = opt("", "kind = hf: a local config.json (or a directory holding one); random init.")
+    hf_pretrained: str = opt("", "kind = hf: a local directory for from_pretrained (config and weights).")
+    hf: dict = field(
+        default_factory=dict,
+        metadata={
+            "help": "kind = hf: [model.hf] config keys (model_type, hidden_size, ...), over hf_config's or "
+            "hf_pretrained's; on the command line --model.hf.KEY=VALUE (a TOML value).",
+            "choices": None,
+        },
+    )
     window: int = opt(
         0,
         "Sliding-window attention: 0 means full causal attention; w > 0 lets each token see itself and "
@@ -244,6 +261,10 @@ def _fields(section) -> dict[str, tuple[dataclasses.Field, type]]:
 
 def _coerce(key: str, value, typ: type, from_cli: bool):
     """`value` as `typ`, or ConfigError. CLI values arrive as strings and are parsed here."""
+    if typ is dict:  # a table of config keys ([model.hf]); entries are set one by one from the CLI
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a table ([{key}] in TOML, --{key}.KEY=VALUE on the command line)")
+        return dict(value)
     if from_cli:
         try:
             if typ is bool:
@@ -263,6 +284,13 @@ def _coerce(key: str, value, typ: type, from_cli: bool):
 
 def _set(cfg: Config, key: str, value, from_cli: bool) -> None:
     parts = key.split(".")
+    if len(parts) == 3 and isinstance(getattr(getattr(cfg, parts[0], None), parts[1], None), dict):
+        # section.table.entry (--model.hf.hidden_size=64): the value is read as TOML, else kept as a string
+        if from_cli:
+            with contextlib.suppress(tomllib.TOMLDecodeError):
+                value = tomllib.loads(f"v = {value}")["v"]
+        getattr(getattr(cfg, parts[0]), parts[1])[parts[2]] = value
+        return
     if len(parts) != 2:
         raise ConfigError(f"{key}: expected section.key (one of {', '.join(_sections())})")
     section_name, name = parts
@@ -391,6 +419,15 @@ def validate(cfg: Config) -> None:
         _check_range(key, value, interval)
     if m.dim % m.n_heads or (m.dim // m.n_heads) % 2:
         raise ConfigError(f"model.dim ({m.dim}) must be n_heads ({m.n_heads}) times an even head_dim")
+    if m.kind == "small" and (m.hf_config or m.hf_pretrained or m.hf):
+        raise ConfigError("model.hf_config, model.hf_pretrained and [model.hf] apply to model.kind = hf only")
+    if m.kind == "hf":
+        if m.hf_config and m.hf_pretrained:
+            raise ConfigError("model.hf_config and model.hf_pretrained: give one (the directory has its config)")
+        if not (m.hf_config or m.hf_pretrained or "model_type" in m.hf):
+            raise ConfigError("model.kind = hf: set model.hf_config, model.hf_pretrained or [model.hf] model_type")
+        if m.window:
+            raise ConfigError("model.window: with model.kind = hf the windows are the HF config's (sliding_window)")
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(f"model.n_kv_heads ({m.n_kv_heads}) must divide model.n_heads ({m.n_heads})")
     chunks = 2 * p.cp if p.layout == "zigzag" else p.cp

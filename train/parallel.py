@@ -269,9 +269,10 @@ def parallelize(model: nn.Module, pc: ParallelContext, cfg: Config) -> nn.Module
 
 
 def transformer_blocks(model: nn.Module) -> nn.ModuleList:
-    """The model's list of transformer blocks: `model.blocks` (ours) or `model.model.layers`
-    (Hugging Face decoder models: Llama, Qwen, Mistral, ...)."""
-    for path in ("blocks", "model.layers"):
+    """The model's list of transformer blocks: `model.blocks` (ours), `model.model.layers`
+    (Hugging Face decoder models: Llama, Qwen, Mistral, ...) or `model.hf.model.layers` (such a
+    model in the training loop's wrapper, train/hf_model.py)."""
+    for path in ("blocks", "model.layers", "hf.model.layers"):
         with contextlib.suppress(AttributeError):
             blocks = model.get_submodule(path)
             if isinstance(blocks, nn.ModuleList):
@@ -337,6 +338,29 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> torch
     norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0).full_tensor()
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm
+
+
+def parallelize_hf(model: nn.Module, pc: ParallelContext, cfg: Config) -> nn.Module:
+    """`parallelize` for a transformers model (`model.kind = hf`, a `train.hf_model.HFCausalLM`):
+    its layers' attention becomes ringflash.hf's over the cp group; then compile, activation
+    checkpointing (HF's own, non-reentrant) and DDP over the whole world or FSDP2, as for the small model."""
+    import ringflash.hf
+
+    device = next(model.parameters()).device
+    backend = kernels.get_backend(kernel_backend(cfg.parallel)[0], device).name
+    model.context = ringflash.hf.RingContext(pc.cp_group, cfg.parallel.layout, backend, cfg.parallel.transport)
+    model.hf.set_attn_implementation(ringflash.hf.ATTN_IMPLEMENTATION)
+    if cfg.train.compile:  # the norms and MLPs of every decoder layer; attention stays eager, as above
+        for layer in model.hf.base_model.layers:
+            for name in ("input_layernorm", "post_attention_layernorm", "mlp"):
+                if hasattr(layer, name):
+                    setattr(layer, name, torch.compile(getattr(layer, name)))
+    if cfg.train.activation_checkpointing:
+        model.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.parallel.fsdp:
+        return shard_model(model, pc.dp_cp_mesh, fsdp_policy(cfg, pc.device))
+    device_ids = [pc.device.index] if pc.device.type == "cuda" else None
+    return DDP(model, device_ids=device_ids, process_group=dist.group.WORLD)
 
 
 def shard_batch(

@@ -27,9 +27,9 @@ from ringflash.train.checkpoint import Checkpointer, complete_checkpoints
 from ringflash.train.config import Config, ConfigError, resolve_eod_token, to_dict
 from ringflash.train.data import IGNORE, DataLoader, PasskeyTask, RecallTask, build_sources
 from ringflash.train.evaluate import accuracy_by_owner, bucket_owners, evaluate_passkey, report
+from ringflash.train.hf_model import build_model
 from ringflash.train.memory import live_bytes, memory_line
 from ringflash.train.metrics import Logger, flops_per_token, matmul_params, peak_memory_gib, peak_tflops
-from ringflash.train.model import Transformer
 from ringflash.train.parallel import (
     ParallelContext,
     attention_mask,
@@ -38,6 +38,7 @@ from ringflash.train.parallel import (
     distributed,
     no_sync,
     parallelize,
+    parallelize_hf,
     shard_batch,
 )
 
@@ -95,12 +96,14 @@ def forward_backward(
     layout: str,
     autocast: contextlib.AbstractContextManager,
     window: int = 0,
+    mask_fn=None,
 ) -> torch.Tensor:
     """Accumulate the gradient of the step's global-mean loss; return that loss (0-dim, every rank).
 
     `micros` are this dp rank's full `(B, L)` micro-batches, `(inputs, labels)` or, with packed
     documents, `(inputs, labels, doc_ids)`; each is sharded over cp here, after its attention mask
-    (documents and/or `window`, `model.window`) is built from the global batch.
+    (documents and/or `window`, `model.window`) is built from the global batch, by
+    `mask_fn(doc_ids, seq_len)` if given (an HF model's per-layer windows: `HFCausalLM.masks`).
     """
     n_tokens = sum(int((micro[1] != IGNORE).sum()) for micro in micros)
     n_tokens = torch.tensor(n_tokens, dtype=torch.float32, device=pc.device)
@@ -108,7 +111,10 @@ def forward_backward(
     scale = pc.dims.world_size / n_tokens.clamp(min=1)  # DDP and FSDP2 divide by the world size
     loss_sum = torch.zeros((), device=pc.device)
     for i, (inputs, labels, *doc_ids) in enumerate(micros):
-        mask = attention_mask(doc_ids[0] if doc_ids else None, inputs.shape[1], pc, layout, window)
+        if mask_fn is not None:
+            mask = mask_fn(doc_ids[0] if doc_ids else None, inputs.shape[1])
+        else:
+            mask = attention_mask(doc_ids[0] if doc_ids else None, inputs.shape[1], pc, layout, window)
         x, y, pos = shard_batch(inputs, labels, pc, layout)
         last = i == len(micros) - 1
         # Gradients are reduced once, after the last micro-step.
@@ -149,8 +155,10 @@ def _loop(cfg: Config, pc: ParallelContext, on_exit: contextlib.ExitStack) -> Tr
 
     # ---- model, optimizer, schedule (identical init on every rank; DDP also broadcasts rank 0's)
     torch.manual_seed(t.seed)
-    raw = Transformer(cfg.model).to(dev)
-    model = parallelize(raw, pc, cfg)
+    raw = build_model(cfg).to(dev)
+    hf = cfg.model.kind == "hf"
+    model = (parallelize_hf if hf else parallelize)(raw, pc, cfg)
+    mask_fn = raw.masks if hf else None
     optimizer = build_optimizer(raw, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     autocast = autocast_for(cfg, dev)
@@ -230,6 +238,7 @@ def _loop(cfg: Config, pc: ParallelContext, on_exit: contextlib.ExitStack) -> Tr
 
     # ---- what a step costs, for throughput and MFU (at the step's sequence length)
     world, n_matmul = pc.dims.world_size, matmul_params(raw)
+    shape = getattr(raw, "flops_config", cfg.model)  # layers, width and window for the attention FLOPs
 
     def step_cost(at: int, micros=None) -> tuple[int, float]:
         """Tokens and model FLOPs of step `at`, all ranks together. With packed documents the
@@ -237,8 +246,8 @@ def _loop(cfg: Config, pc: ParallelContext, on_exit: contextlib.ExitStack) -> Tr
         L = cfg.data.warmup_seq_len if at < loader.warmup_steps else cfg.data.seq_len
         tokens = pc.dims.dp * t.grad_accum * cfg.data.batch_size * L
         if micros is None or not cfg.data.pack_documents:
-            return tokens, flops_per_token(cfg.model, n_matmul, L) * tokens
-        local = sum(flops_per_token(cfg.model, n_matmul, L, doc_ids) * doc_ids.numel() for *_, doc_ids in micros)
+            return tokens, flops_per_token(shape, n_matmul, L) * tokens
+        local = sum(flops_per_token(shape, n_matmul, L, doc_ids) * doc_ids.numel() for *_, doc_ids in micros)
         return tokens, pc.dims.dp * local
 
     peak = peak_tflops(dev, cfg.logging.peak_tflops)
@@ -266,7 +275,7 @@ def _loop(cfg: Config, pc: ParallelContext, on_exit: contextlib.ExitStack) -> Tr
         t0 = time.perf_counter()
         micros = loader.next()
         tokens_per_step, flops_per_step = step_cost(step, micros)
-        loss = forward_backward(model, micros, pc, cfg.parallel.layout, autocast, cfg.model.window)
+        loss = forward_backward(model, micros, pc, cfg.parallel.layout, autocast, cfg.model.window, mask_fn)
         clip = t.grad_clip if t.grad_clip > 0 else float("inf")
         grad_norm = clip_grad_norm(raw.parameters(), clip)  # the global norm, over FSDP's shards too
         loss_f, norm_f = loss.item(), grad_norm.item()  # identical on every rank (all-reduced)

@@ -228,7 +228,8 @@ def test_configs_name_their_device():
     # "auto" would quietly train the ~100M-parameter models on the CPU of a machine without a GPU,
     # and run the README's 2-process CPU command on a machine's GPUs (two of them, or fail on one).
     devices = {p.name: load_config(p).train.device for p in CONFIGS}
-    assert devices == {p.name: "cuda" if p.name.startswith("gpu") else "cpu" for p in CONFIGS}
+    on_gpu = lambda p: p.name.startswith("gpu") or p.stem.endswith("_gpu")  # gpu1.toml, hf_llama_1b_gpu.toml
+    assert devices == {p.name: "cuda" if on_gpu(p) else "cpu" for p in CONFIGS}
 
 
 def test_more_processes_than_gpus_is_refused_by_name(monkeypatch):

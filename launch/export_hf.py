@@ -1,0 +1,33 @@
+"""Export a `[model] kind = "hf"` training checkpoint for transformers (`save_pretrained`):
+
+    python launch/export_hf.py --checkpoint runs/X/checkpoints/step_00000100 --out runs/X/hf
+    AutoModelForCausalLM.from_pretrained("runs/X/hf")      # then loads it, no ringflash needed
+
+One process, no torchrun: the checkpoint's shards are read whatever world size wrote them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ringflash.train.config import ConfigError
+from ringflash.train.hf_model import export_pretrained
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", required=True, help="a complete checkpoint directory (step_XXXXXXXX)")
+    parser.add_argument("--out", required=True, help="the directory to write (config.json, model.safetensors)")
+    args = parser.parse_args(argv)
+    try:
+        out = export_pretrained(args.checkpoint, args.out)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"exported {args.checkpoint} -> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

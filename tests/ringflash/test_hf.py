@@ -1,0 +1,270 @@
+"""ringflash.hf: transformers models through the ring equal the same models with HF's own attention.
+
+Tiny random-init Llama, Qwen2/Qwen3 and Mistral configs in float32 on gloo ranks (cp = 2, 3;
+zigzag and contiguous): the loss and every parameter's gradient, summed over the cp ranks,
+equal `attn_implementation="sdpa"` on the whole sequence in one process; packed documents
+(position_ids restarting at 0) equal the documents run one by one; sliding windows (Mistral's,
+Qwen2's per-layer `layer_types`) equal HF's windowed sdpa, with windows shorter than the
+sequence. Bad input fails on every rank with a clear message.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="ringflash.hf needs transformers (pip install '.[hf]')")
+
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import ringflash.hf as rh  # noqa: E402
+from tests.dist_utils import RankFailure, run_ranks  # noqa: E402
+
+VOCAB, N = 128, 48  # 48 splits over 2·2 and 2·3 zigzag chunks
+
+
+def tiny_config(kind: str, **extra):
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, rope_theta=500.0)  # fmt: skip
+    if kind == "llama":
+        return transformers.LlamaConfig(**common, **extra)
+    if kind == "qwen2":  # layer 0 full, layer 1 sliding (max_window_layers = 1)
+        return transformers.Qwen2Config(**{**common, "use_sliding_window": True, "sliding_window": 7,
+                                           "max_window_layers": 1, **extra})  # fmt: skip
+    if kind == "qwen3":
+        return transformers.Qwen3Config(**common, head_dim=16, **extra)
+    if kind == "mistral":
+        return transformers.MistralConfig(**{**common, "sliding_window": 9, **extra})
+    if kind == "gemma2":
+        return transformers.Gemma2Config(**common, head_dim=16, **extra)
+    raise ValueError(kind)
+
+
+def models(kind: str, **extra):
+    """(ring model, sdpa reference) with equal weights, float32."""
+    cfg = tiny_config(kind, **extra)
+    torch.manual_seed(0)
+    ring = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=rh.ATTN_IMPLEMENTATION)
+    ref = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="sdpa")
+    ref.load_state_dict(ring.state_dict())
+    return ring, ref
+
+
+def make_batch(case: str) -> dict:
+    g = torch.Generator().manual_seed(1)
+    if case == "packed":  # DataCollatorWithFlattening: one row, positions restart, -100 at each document start
+        lengths = [13, 5, 22, 8]
+        ids = torch.randint(0, VOCAB, (1, N), generator=g)
+        pos = torch.cat([torch.arange(n) for n in lengths])[None]
+        labels = ids.clone()
+        labels[pos == 0] = -100
+        return {"input_ids": ids, "labels": labels, "position_ids": pos}
+    ids = torch.randint(0, VOCAB, (2, N), generator=g)
+    labels = ids.clone()
+    labels[0, :5] = -100  # some tokens take no loss
+    batch = {"input_ids": ids, "labels": labels}
+    if case == "padded":  # right padding, as a tokenizer's collator pads for training
+        mask = torch.ones(2, N, dtype=torch.long)
+        mask[1, 40:] = 0
+        labels[1, 40:] = -100
+        batch["attention_mask"] = mask
+    return batch
+
+
+def reference_loss(ref, batch: dict, case: str) -> torch.Tensor:
+    """The single-process loss: the whole sequence, or for packed rows each document on its own."""
+    if case != "packed":
+        kw = {"attention_mask": batch["attention_mask"]} if "attention_mask" in batch else {}
+        return ref(input_ids=batch["input_ids"], labels=batch["labels"], **kw).loss
+    starts = [*(batch["position_ids"][0] == 0).nonzero().flatten().tolist(), N]
+    total, count = 0.0, 0
+    for a, b in itertools.pairwise(starts):
+        logits = ref(input_ids=batch["input_ids"][:, a:b]).logits[0, :-1]
+        target = batch["labels"][0, a + 1 : b]
+        total = total + F.cross_entropy(logits, target, ignore_index=-100, reduction="sum")
+        count += int((target != -100).sum())
+    return total / count
+
+
+def _vs_sdpa(rank, world, kind, layout, case, extra):
+    torch.manual_seed(0)
+    ring, ref = models(kind, **extra)
+    batch = make_batch(case)
+    shard = rh.shard_batch(batch, dist.group.WORLD, layout, config=ring.config)
+    loss = ring(**shard).loss  # this rank's token losses / the global count
+    loss.backward()
+    dist.all_reduce(loss := loss.detach())
+    want = reference_loss(ref, batch, case)
+    want.backward()
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(ring.named_parameters(), ref.parameters(), strict=True):
+        g = p.grad.clone()
+        dist.all_reduce(g)  # cp ranks hold different tokens: their gradients add up
+        torch.testing.assert_close(g, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    if case == "packed":  # HF's own packed handling agrees too, but only without a KV cache: with
+        # one (use_cache defaults to True, even in training) it ignores the restarts silently.
+        torch.testing.assert_close(ref(**batch, use_cache=False).loss, want, rtol=1e-5, atol=1e-6)
+    return float(loss)
+
+
+@pytest.mark.parametrize(
+    ("kind", "world", "layout", "case"),
+    [
+        ("llama", 2, "zigzag", "plain"),
+        ("llama", 3, "contiguous", "plain"),
+        ("llama", 3, "zigzag", "packed"),
+        ("llama", 2, "contiguous", "packed"),
+        ("llama", 2, "zigzag", "padded"),
+        ("qwen2", 2, "zigzag", "plain"),  # per-layer windows: layer_types
+        ("qwen2", 3, "contiguous", "packed"),
+        ("qwen3", 3, "zigzag", "plain"),
+        ("mistral", 3, "zigzag", "plain"),  # sliding_window on every layer
+        ("mistral", 2, "contiguous", "packed"),
+    ],
+)
+def test_matches_sdpa(kind, world, layout, case):
+    losses = run_ranks(_vs_sdpa, world, (kind, layout, case, {}), timeout_s=90)
+    assert len(set(losses)) == 1  # every rank reports the global loss
+
+
+def test_window_bites():
+    """The windows of the tests above change the loss (else their equality would prove nothing)."""
+    for kind, key in (("mistral", "sliding_window"), ("qwen2", "use_sliding_window")):
+        _, windowed = models(kind)
+        _, full = models(kind, **{key: None if key == "sliding_window" else False})
+        batch = make_batch("plain")
+        with torch.no_grad():
+            assert abs(windowed(**batch).loss - full(**batch).loss) > 1e-4, kind
+
+
+def test_layer_windows():
+    assert rh.layer_window(tiny_config("qwen2"), 0) is None
+    assert rh.layer_window(tiny_config("qwen2"), 1) == 7
+    assert rh.layer_window(tiny_config("mistral"), 0) == 9
+    assert rh.layer_window(tiny_config("llama"), 1) is None
+    assert rh.model_windows(tiny_config("qwen2")) == {None, 7}
+
+
+def test_doc_ids_from_positions():
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2]])
+    assert rh.doc_ids_from_positions(pos).tolist() == [[0, 0, 0, 1, 1, 2, 2, 2]]
+    pad = torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0]])
+    assert rh.doc_ids_from_positions(torch.arange(8)[None], pad).tolist() == [[0] * 6 + [1] * 2]
+
+
+def test_name_is_not_flash():
+    from transformers.utils.generic import is_flash_attention_requested
+
+    assert "flash" not in rh.ATTN_IMPLEMENTATION
+    assert not is_flash_attention_requested(requested_attention_implementation=rh.ATTN_IMPLEMENTATION)
+
+
+def test_single_process_and_set_attn_implementation():
+    """One process, no torch.distributed: the ring is one local call; the model switches both ways."""
+    ring, ref = models("llama")
+    batch = make_batch("plain")
+    with torch.no_grad():
+        want = ref(**batch).loss
+        torch.testing.assert_close(ring(**rh.shard_batch(batch, config=ring.config)).loss, want)
+        ring.set_attn_implementation("sdpa")
+        ring.set_attn_implementation(rh.ATTN_IMPLEMENTATION)
+        assert ring.config._attn_implementation == rh.ATTN_IMPLEMENTATION
+        # A plain HF call (no shard_batch): HF shifts the labels itself; an all-ones mask is accepted.
+        ones = torch.ones_like(batch["input_ids"])
+        torch.testing.assert_close(ring(**batch, attention_mask=ones).loss, want)
+        with pytest.raises(ValueError, match="attention_mask: ring attention does not take a padding mask"):
+            ring(**make_batch("padded"))
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        (dict(attention_dropout=0.1), r"config.attention_dropout = 0.1: ring attention has no attention dropout"),
+        (dict(attn_logit_softcapping=30.0), r"config.attn_logit_softcapping = 30.0"),
+    ],
+)
+def test_refuses_features_single_process(extra, match):
+    ring, _ = models("llama", **extra)
+    with pytest.raises(ValueError, match=match):
+        ring(**make_batch("plain"))
+
+
+def _bad(rank, world, what):
+    if what == "softcap":  # Gemma2 really uses softcapping (config.attn_logit_softcapping = 50)
+        cfg = tiny_config("gemma2", final_logit_softcapping=None)
+        model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=rh.ATTN_IMPLEMENTATION)
+        model(**rh.shard_batch(make_batch("plain"), config=cfg))
+    elif what == "length":
+        batch = make_batch("plain")
+        rh.shard_batch({k: v[:, :46] for k, v in batch.items()})
+    elif what == "mismatch":  # a rank holds another batch length
+        ring, _ = models("llama")
+        batch = make_batch("plain")
+        n = N if rank == 0 else N - 4
+        ring(**rh.shard_batch({k: v[:, :n] for k, v in batch.items()}))
+    elif what == "mismatch-docs":  # same shapes, other documents: the ring's mask check catches it
+        ring, _ = models("llama")
+        batch = make_batch("packed")
+        if rank == 1:
+            batch["position_ids"] = torch.arange(N)[None]
+        ring(**rh.shard_batch(batch, check_ranks=True))
+    elif what == "mask-on-one-rank":  # a dense mask reaches attention on rank 0 only
+        ring, _ = models("llama")
+        shard = rh.shard_batch(make_batch("plain"))
+        if rank == 0:
+            shard["attention_mask"] = torch.ones(2, 1, N // 2, N // 2, dtype=torch.bool)
+        ring(**shard)
+
+
+@pytest.mark.parametrize(
+    ("what", "match"),
+    [
+        ("softcap", r"config.attn_logit_softcapping = 50.0: ring attention has no logit softcapping"),
+        ("length", r"batch\['input_ids'\] has 46 tokens per row: layout='zigzag' over world=2 ranks"),
+        ("mismatch", r"the ranks of the group hold different batches: input_ids shape \(2, 48\) on rank 0, "
+                     r"\(2, 44\) on rank 1"),
+        ("mismatch-docs", r"ring attention inputs differ between the ranks of the group: the mask"),
+        ("mask-on-one-rank", None),
+    ],
+)  # fmt: skip
+def test_bad_input_fails_every_rank(what, match):
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_bad, 2, (what,), timeout_s=30)
+    errors = info.value.errors
+    assert sorted(errors) == [0, 1], errors  # every rank raised, none hung
+    for tb in errors.values():
+        assert "did not finish" not in tb
+        if match is not None:
+            assert __import__("re").search(match, tb), tb
+    if what == "mask-on-one-rank":
+        assert "ring attention takes no dense mask" in errors[0]
+        assert "rank(s) [0] of the group rejected their inputs" in errors[1]
+
+
+def _compiled(rank, world):
+    import torch._dynamo
+
+    torch.manual_seed(0)
+    ring, _ = models("qwen2")  # a full and a sliding layer
+    eager = copy.deepcopy(ring)
+    batch = make_batch("packed")
+    shard = rh.shard_batch(batch, config=ring.config)
+    explain = torch._dynamo.explain(ring)(**shard)
+    assert explain.graph_break_count == 0, explain.break_reasons
+    compiled = torch.compile(ring, backend="aot_eager", fullgraph=True)
+    loss = compiled(**shard).loss
+    loss.backward()
+    want = eager(**shard).loss
+    want.backward()
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
+    for p, q in zip(ring.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_compile_fullgraph():
+    """The whole HF model with the ring traces in one graph (no break in attention), same numbers."""
+    run_ranks(_compiled, 2, timeout_s=240)
