@@ -453,7 +453,8 @@ def validate(cfg: Config) -> None:
     if backend is not None:
         kind = "intervals" if d.pack_documents else "window" if m.window else "causal"
         dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(t.dtype)
-        why = backend.supports(kind, dtype, m.dim // m.n_heads)
+        # An HF model's head dim is known only once its config is read: the kernels check it then.
+        why = backend.supports(kind, dtype, None if m.kind == "hf" else m.dim // m.n_heads)
         if why is not None:
             raise ConfigError(f"{source} = {name}: {why} (model.window, data.pack_documents, train.dtype, "
                               "model.dim / model.n_heads)")
