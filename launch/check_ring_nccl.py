@@ -115,8 +115,8 @@ def main() -> int:
                 refs[causal] = (single, reference_fp32(q, k, v, do, causal))
             single, ref32 = refs[causal]
             ql, kl, vl = (shard(t, 1, rank, world, layout).detach().requires_grad_() for t in (q, k, v))
-            o, lse = ring_flash_attn_func(
-                ql, kl, vl, causal=causal, layout=layout, return_lse=True, transport=transport, backend=backend
+            o, lse, _ = ring_flash_attn_func(
+                ql, kl, vl, causal=causal, layout=layout, return_attn_probs=True, transport=transport, backend=backend
             )
             dq, dk, dv = torch.autograd.grad(o, (ql, kl, vl), shard(do, 1, rank, world, layout))
             rows = []

@@ -4,6 +4,10 @@
     q_local = shard(q, dim=1, rank=rank, world=world)          # (B, N/W, H, D), zigzag layout
     o_local = ring_flash_attn_func(q_local, k_local, v_local, causal=True)
 
+`ring_flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
+deterministic, return_attn_probs, group, *, layout, ...)`: flash_attn's positional order.
+ring-flash-attention's functions, same names and arguments: `ringflash.ring_flash_attn`.
+
 Packed documents and sliding windows: `mask = ring_mask(doc_ids, group=g, window=w, device=...)`
 once per batch (doc_ids global, unsharded), then `ring_flash_attn_func(..., mask=mask)`.
 
@@ -11,7 +15,7 @@ Modules: `layout` (sharding and per-step schedule), `masks` (document/window mas
 step), `merge` (float32 (o, lse) merge), `transport` (how blocks travel: NCCL or gloo, copy
 engines, or not at all), `ring` (the forward/backward loops, no autograd), `ops` (the ring
 as the custom op `torch.ops.ringflash.ring_attn` with its autograd formula, which `api` calls and
-torch.compile traces as one node), `api`.
+torch.compile traces as one node), `api`, `ring_flash_attn` (the drop-in for ring-flash-attention).
 LSE convention everywhere: float32, natural log, shape `(B, H, N)`.
 """
 

@@ -1,9 +1,13 @@
 """Public entry points: `ring_flash_attn_func` and the `RingFlashAttention` module.
 
-Shaped like `flash_attn_func`: `(B, N, H, D)` tensors, `causal` and `softmax_scale` arguments,
-optional LSE; `ring_flash_attn_qkvpacked_func` and `ring_flash_attn_kvpacked_func` take
-flash_attn's packed layouts. q, k, v are this rank's shard of the sequence, cut by
-`ringflash.layout.shard` with the same `layout` (and position ids from `global_positions`).
+`ring_flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
+deterministic, return_attn_probs, group, *, layout, ...)`: flash_attn's and ring-flash-attention's
+signature, positional order included, on `(B, N, H, D)` tensors; ringflash's own options
+(layout, mask, backend, ...) are keyword-only. What flash_attn can do and ringflash cannot
+(dropout, ALiBi, two-sided windows) is refused by name. `ring_flash_attn_qkvpacked_func` and
+`ring_flash_attn_kvpacked_func` take flash_attn's packed layouts. q, k, v are this rank's shard
+of the sequence, cut by `ringflash.layout.shard` with the same `layout` (and position ids from
+`global_positions`). ring-flash-attention's module names: ringflash/ring_flash_attn.py.
 """
 
 from __future__ import annotations
@@ -87,36 +91,59 @@ def ring_flash_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    causal: bool | None = None,
+    dropout_p: float = 0.0,
     softmax_scale: float | None = None,
+    causal: bool | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
     group: dist.ProcessGroup | None = None,
+    *,
     layout: str = "zigzag",
-    return_lse: bool = False,
     backend: str | None = None,
     check_ranks: bool = True,
-    *,
     window: int | None = None,
     mask: RingMask | None = None,
     transport: str | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, None]:
     """Exact attention over a sequence sharded across the ranks of `group` (docs/api.md).
 
+    Positional order is flash_attn's and ring-flash-attention's; ringflash's own options are keywords.
     Args:
         q: `(B, N_local, H, D)`, this rank's shard of the queries; fp16, bf16 or fp32.
         k, v: `(B, N_local, Hkv, D)`, same dtype and device; H % Hkv == 0 (GQA/MQA).
-        causal: mask by global position, as on the unsharded sequence (None: the mask's, else False).
+        dropout_p: must be 0.0 (no attention dropout).
         softmax_scale: default `1/sqrt(D)`.
+        causal: mask by global position, as on the unsharded sequence (None: the mask's, else False).
+        window_size: flash_attn's `(left, right)`; only `(-1, -1)` or, with causal, `(w - 1, 0)`.
+        alibi_slopes: must be None (no ALiBi).
+        deterministic: accepted (the Triton and reference backwards are); refused with backend cudnn.
+        return_attn_probs: also return `lse (B, H, N_local)` float32, natural log (not
+            differentiable): `(o, lse, None)`, as flash_attn does without dropout.
         group: the context-parallel process group; None: the default group, or this process alone.
         layout: how the inputs were sharded, `"zigzag"` (balances causal work) or `"contiguous"`.
-        return_lse: also return `lse (B, H, N_local)` float32, natural log (not differentiable).
         backend: kernels, one of `kernels.BACKENDS`; None reads `RINGFLASH_KERNEL_BACKEND` (auto).
         check_ranks: first check that every rank's call agrees, raising on all of them if not.
-        window: causal sliding window, w keys counting the diagonal (`window_size=(w - 1, 0)`).
+        window: causal sliding window, w keys counting the diagonal: `window_size=(w - 1, 0)`.
         mask: a `RingMask` from `ring_mask` (packed documents and/or a window), built once per batch.
         transport: `"nccl"` or `"copy-engine"` (GPUs of one host); None reads `RINGFLASH_TRANSPORT`.
     Returns:
-        o: `(B, N_local, H, D)` in q's dtype (and lse). Gradients flow to q, k, v.
+        o: `(B, N_local, H, D)` in q's dtype, or `(o, lse, None)`. Gradients flow to q, k, v.
     """
+    return _attend(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs,
+        group, layout=layout, backend=backend, check_ranks=check_ranks, window=window, mask=mask, transport=transport,
+    )  # fmt: skip
+
+
+def _attend(
+    q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs, group,
+    *, layout, backend, check_ranks, window, mask, transport, prepare=None,
+):  # fmt: skip
+    """`ring_flash_attn_func`'s body. `prepare(window, causal, rank, world) -> (q, k, v, mask)`, if
+    given, turns the caller's inputs into the ring's inside the checks, so that its errors too
+    are refused on every rank (the varlen forms of ringflash/ring_flash_attn.py)."""
     # Traced, not run, under torch.compile: only the metadata checks happen here; the group is
     # checked (RingComm) and the ranks compared inside the op. Eager checks the group first.
     compiling = torch.compiler.is_compiling()
@@ -126,7 +153,12 @@ def ring_flash_attn_func(
     if causal is None:
         causal = mask.causal if isinstance(mask, RingMask) else False
     try:
+        window = _flash_options(dropout_p, window_size, alibi_slopes, deterministic, return_attn_probs, causal, window)
+        if prepare is not None:
+            q, k, v, mask = prepare(window, causal, 0 if comm is None else comm.rank, world)
         scale, kern = _check_local(q, k, v, causal, softmax_scale, layout, backend, world)
+        if deterministic and kern.name == "cudnn":
+            raise ValueError("deterministic=True: backend 'cudnn' is not deterministic; use 'triton' (or 'auto')")
         kernels.check_window(window, causal)
         # Here, not mid-ring with transfers posted: what the kernels cannot run.
         if mask is not None:
@@ -164,7 +196,44 @@ def ring_flash_attn_func(
         mask_key=0 if mask is None else mask.fingerprint,
         transport=transport,
     )
-    return (o, lse) if return_lse else o
+    return (o, lse, None) if return_attn_probs else o
+
+
+def _flash_options(dropout_p, window_size, alibi_slopes, deterministic, return_attn_probs, causal, window):
+    """flash_attn's arguments checked, and the window they give (`window`, or from `window_size`):
+    what ringflash cannot do is refused by the argument's name, never ignored."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        # A bool here is usually a pre-0.x call, causal in 4th place: the order is flash_attn's now.
+        raise TypeError(
+            f"dropout_p must be a number, got {type(dropout_p).__name__} (the 4th positional argument is "
+            "dropout_p, as in flash_attn: pass causal= by keyword)"
+        )
+    if dropout_p != 0:
+        raise ValueError(f"dropout_p={dropout_p}: ringflash has no attention dropout (use 0.0)")
+    if alibi_slopes is not None:
+        raise ValueError("alibi_slopes: ringflash has no ALiBi (use None)")
+    for name, flag in (("deterministic", deterministic), ("return_attn_probs", return_attn_probs)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    ws = window_size
+    if not (isinstance(ws, (tuple, list)) and len(ws) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
+                                                                   for x in ws)):  # fmt: skip
+        raise TypeError(f"window_size must be a pair of ints (left, right), got {ws!r}")
+    left, right = ws
+    if (left, right) == (-1, -1):
+        return window
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size={tuple(ws)}: entries must be >= 0, or -1 for no limit")
+    if right > 0 or not causal:
+        raise ValueError(
+            f"window_size={tuple(ws)} with causal={causal}: ringflash has causal sliding windows only, "
+            "window_size=(w - 1, 0) with causal=True (no keys to the right, no two-sided windows)"
+        )
+    if left == -1:  # (-1, 0) under causal is causal itself, as in flash_attn
+        return window
+    if window is not None and window != left + 1:
+        raise ValueError(f"window={window} and window_size={tuple(ws)} disagree: window=w is window_size=(w - 1, 0)")
+    return left + 1
 
 
 def _specs(causal: bool, window: int | None, mask: RingMask | None) -> list[kernels.AttnSpec]:
@@ -186,19 +255,21 @@ def _refuse(error: Exception, comm, check_ranks: bool, q, k, causal, layout) -> 
 
 def ring_flash_attn_qkvpacked_func(
     qkv: torch.Tensor, *args, **kwargs
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, None]:
     """`ring_flash_attn_func` on `qkv (B, N_local, 3, H, D)`, flash_attn's `flash_attn_qkvpacked_func`
     layout (a fused QKV projection's output viewed so). q, k and v are views of it; its gradient
-    comes back packed the same way. Every other argument is `ring_flash_attn_func`'s."""
+    comes back packed the same way. Every other argument is `ring_flash_attn_func`'s, in its
+    order: `(qkv, dropout_p, softmax_scale, causal, window_size, ...)`."""
     return ring_flash_attn_func(*_unpack("qkv", qkv, 3, "heads", args, kwargs), *args, **kwargs)
 
 
 def ring_flash_attn_kvpacked_func(
     q: torch.Tensor, kv: torch.Tensor, *args, **kwargs
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, None]:
     """`ring_flash_attn_func` on q `(B, N_local, H, D)` and `kv (B, N_local, 2, Hkv, D)`, flash_attn's
     `flash_attn_kvpacked_func` layout (GQA: Hkv divides H). k and v are views of kv; its gradient
-    comes back packed the same way. Every other argument is `ring_flash_attn_func`'s."""
+    comes back packed the same way. Every other argument is `ring_flash_attn_func`'s, in its
+    order: `(q, kv, dropout_p, softmax_scale, causal, window_size, ...)`."""
     return ring_flash_attn_func(q, *_unpack("kv", kv, 2, "kv_heads", args, kwargs), *args, **kwargs)
 
 
@@ -224,9 +295,10 @@ class RingFlashAttention(nn.Module):
 
     q `(B, N_local, H, D)`, k, v `(B, N_local, Hkv, D)`; o like q. Causal by default (language
     models). With no group and no torch.distributed it is plain single-device attention, so a
-    model can hold it unconditionally. `window`: a causal sliding window in every call (see
-    `ring_flash_attn_func`); `forward(..., mask=)`: this batch's `RingMask` (packed documents),
-    whose causal flag must be the module's and whose window must be the module's if it has one.
+    model can hold it unconditionally. `window`: a causal sliding window of w keys in every call
+    (flash_attn's `window_size=(w - 1, 0)`; see `ring_flash_attn_func`); `forward(..., mask=)`:
+    this batch's `RingMask` (packed documents), whose causal flag must be the module's and whose
+    window must be the module's if it has one.
     `transport`: as in `ring_flash_attn_func` (None: `RINGFLASH_TRANSPORT`, read at each call);
     `backend`: the kernels, as in `ring_flash_attn_func` (None: `RINGFLASH_KERNEL_BACKEND`).
     """

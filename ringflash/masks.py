@@ -43,12 +43,16 @@ chunks) is a set of ints that Dynamo guards on, so a batch whose plan differs fr
 seen so far compiles again (bounded: each step has only a few chunk-pair variants, but raise
 `torch._dynamo.config.cache_size_limit` for many ranks). `window=` without a mask builds the
 mask inside the call: use it eagerly, or pass `mask=ring_mask(None, seqlen=..., window=...)`.
+
+`varlen_mask`: the same for documents sharded one by one (ring-flash-attention's varlen
+convention, ringflash/ring_flash_attn.py), from their offsets.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -66,7 +70,7 @@ from ringflash.layout import (
     shard,
 )
 
-__all__ = ["RingMask", "ring_mask", "window_mask"]
+__all__ = ["RingMask", "ring_mask", "varlen_mask", "window_mask"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -183,11 +187,13 @@ def _check_doc_ids(doc_ids) -> torch.Tensor:
     return d
 
 
-def _fingerprint(causal, window, layout, world, n_global, doc: torch.Tensor | None) -> tuple[int, int]:
+def _fingerprint(
+    causal, window, layout, world, n_global, doc: torch.Tensor | None, per_document: bool = False
+) -> tuple[int, int]:
     """(number of documents, an int64 hash of the mask's global definition): equal on every rank
     given the same arguments. Documents enter as their boundaries (run lengths) per row."""
     h = hashlib.blake2b(digest_size=8)
-    h.update(repr((causal, window, layout, world, n_global)).encode())
+    h.update(repr((causal, window, layout, world, n_global) + (("per_document",) if per_document else ())).encode())
     n_docs = 1
     if doc is not None:
         change = torch.ones_like(doc, dtype=torch.bool)
@@ -271,22 +277,27 @@ def _device(device) -> torch.device:
     return device
 
 
-def _build(doc, n_global, rank, world, layout, causal, window, device) -> RingMask:
+def _build(doc, n_global, rank, world, layout, causal, window, device, per_document=False) -> RingMask:
+    """`per_document`: each document (of doc's one row) is cut by the layout on its own, and a
+    rank holds its pieces of every document in order (`varlen_mask`); else the whole row is."""
     n_local = n_global // world
     # A window of the whole sequence sees the whole causal past: the plain causal mask.
     window_eff = None if window is not None and window >= n_global else window
-    n_docs, fp = _fingerprint(causal, window, layout, world, n_global, doc)
+    n_docs, fp = _fingerprint(causal, window, layout, world, n_global, doc, per_document)
+    if per_document:  # a rank's rows are whole-block granular: its pieces of many documents
+        rows, n_chunks = functools.partial(_document_rows, doc[0], world, layout), (lambda j: 1)
+    else:
+        rows = functools.partial(_layout_rows, doc, n_local, world, layout)
+        n_chunks = lambda j: len(chunk_ids(j, world, layout))
     steps: list[Step | None] = []
     if doc is None and window_eff is None:
         steps = ring_schedule(rank, world, n_local, causal, layout)
     else:
-        pos_r = global_positions(n_local, rank, world, layout)
-        doc_r = None if doc is None else shard(doc, 1, rank, world, layout)
+        pos_r, doc_r = rows(rank)
         full = slice(0, n_local)
         for s in range(world):
             j = (rank - s) % world
-            pos_j = global_positions(n_local, j, world, layout)
-            doc_j = None if doc is None else shard(doc, 1, j, world, layout)
+            pos_j, doc_j = rows(j)
             kw = dict(causal=causal, window=window_eff)
 
             def vis_of(qs, ks, kw=kw, pos_j=pos_j, doc_j=doc_j):
@@ -298,8 +309,8 @@ def _build(doc, n_global, rank, world, layout, causal, window, device) -> RingMa
             if s == 0:
                 qs = ks = full  # the diagonal always runs on every row: it starts the accumulators
             else:
-                qs = _bounds((whole.kv_hi > whole.kv_lo).any(0), len(chunk_ids(rank, world, layout)))
-                ks = _bounds((whole.q_hi > whole.q_lo).any(0), len(chunk_ids(j, world, layout)))
+                qs = _bounds((whole.kv_hi > whole.kv_lo).any(0), n_chunks(rank))
+                ks = _bounds((whole.q_hi > whole.q_lo).any(0), n_chunks(j))
                 if qs is None:
                     steps.append(None)
                     continue
@@ -326,3 +337,46 @@ def _window_mask(n_local, window, rank, world, layout, device) -> RingMask:
     if layout not in LAYOUTS:
         check_layout(layout)
     return _build(None, n_local * world, rank, world, layout, True, window, device)
+
+
+def _layout_rows(doc, n_local, world, layout, j) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rank j's global positions `(n_local,)` and document ids `(B, n_local)` (or None)."""
+    return global_positions(n_local, j, world, layout), None if doc is None else shard(doc, 1, j, world, layout)
+
+
+def _document_rows(doc, world, layout, j) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same for per-document sharding: rank j's piece of each document in turn. Positions
+    still increase and ids never decrease along the rank's rows, so per-row key intervals
+    (kernels.visibility) describe its mask exactly."""
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), (doc[1:] != doc[:-1]).nonzero()[:, 0] + 1])
+    lengths = torch.diff(starts, append=torch.tensor([doc.shape[0]]))
+    pos = [int(g) + global_positions(int(n) // world, j, world, layout) for g, n in zip(starts, lengths)]
+    ids = [doc[g : g + int(n) // world] for g, n in zip(starts, lengths)]  # one id per document: any of its rows
+    return torch.cat(pos), torch.cat(ids).unsqueeze(0)
+
+
+def varlen_mask(
+    cu_seqlens: tuple[int, ...], rank: int, world: int, layout: str, causal: bool, window: int | None, device
+) -> RingMask:
+    """The mask of ring-flash-attention's varlen sharding (ringflash/ring_flash_attn.py): the
+    documents `cu_seqlens` (global offsets, starting at 0) are each cut by `layout` on their own,
+    and every rank holds its pieces of all of them, in document order. Cached per arguments: the
+    varlen functions call it in every layer. Raises ValueError naming cu_seqlens."""
+    return _varlen_mask(tuple(cu_seqlens), rank, world, layout, causal, window, _device(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _varlen_mask(cu, rank, world, layout, causal, window, device) -> RingMask:
+    check_layout(layout)
+    check_window(window, causal)
+    lengths = [b - a for a, b in itertools.pairwise(cu)]
+    if len(cu) < 2 or cu[0] != 0 or min(lengths) < 0:
+        raise ValueError(f"cu_seqlens must start at 0 and never decrease, got {list(cu)}")
+    chunks = 1 if world == 1 else len(chunk_ids(0, world, layout)) * world
+    if any(n % chunks for n in lengths) or cu[-1] == 0:
+        raise ValueError(
+            f"cu_seqlens: with {world} ranks and the {layout} layout every document must have a multiple of "
+            f"{chunks} tokens (each is cut into {chunks} chunks), got document lengths {lengths}"
+        )
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).unsqueeze(0)
+    return _build(doc, cu[-1], rank, world, layout, causal, window, device, per_document=True)

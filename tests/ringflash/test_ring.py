@@ -88,7 +88,10 @@ def ring_exactness_worker(rank, world, c):
         H, Hkv = c["H"], c["Hkv"]
         loc = [qkv[:, :, :H], qkv[:, :, H : H + Hkv], qkv[:, :, H + Hkv :]]
     ql, kl, vl = (t.requires_grad_() for t in loc)
-    o, lse = ring_flash_attn_func(ql, kl, vl, c["causal"], c["scale"], layout=L, return_lse=True, backend=c["backend"])
+    # flash_attn's positional order: dropout_p, softmax_scale, causal
+    o, lse, _ = ring_flash_attn_func(
+        ql, kl, vl, 0.0, c["scale"], c["causal"], layout=L, return_attn_probs=True, backend=c["backend"]
+    )
     o.backward(shard(do, 1, rank, world, L))
     got = {"o": o, "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}
     assert o.dtype == c["dtype"] and lse.dtype == torch.float32 and lse.shape == (c["B"], c["H"], c["n_local"])
@@ -216,7 +219,7 @@ def test_world_one_without_distributed_is_one_kernel_call():
     dq1, dk1, dv1 = attn_bwd(do, q, k, v, o1, lse1, causal=True)
     for got, want in ((q.grad, dq1), (k.grad, dk1), (v.grad, dv1)):
         torch.testing.assert_close(got, want, atol=0, rtol=0)
-    assert isinstance(ring_flash_attn_func(q, k, v), torch.Tensor)  # return_lse=False: o alone
+    assert isinstance(ring_flash_attn_func(q, k, v), torch.Tensor)  # return_attn_probs=False: o alone
 
 
 def test_packed_layouts_are_views_of_the_same_call():
@@ -235,7 +238,7 @@ def test_packed_layouts_are_views_of_the_same_call():
         torch.testing.assert_close(torch.autograd.grad(o, (q2, kv), do), (grads[0], torch.stack(grads[1:], 2)))
         if Hkv == H:
             qkv = torch.stack((q, k, v), dim=2).detach().requires_grad_()
-            o = ringflash.ring_flash_attn_qkvpacked_func(qkv, True, return_lse=False)
+            o = ringflash.ring_flash_attn_qkvpacked_func(qkv, 0.0, None, True)  # flash_attn's order
             torch.testing.assert_close(o, want, atol=1e-6, rtol=1e-6)
             torch.testing.assert_close(torch.autograd.grad(o, qkv, do)[0], torch.stack(grads, 2))
     with pytest.raises(ValueError, match=r"qkv must have shape \(batch, seqlen, 3, heads, head_dim\), got \(2, 12, 2"):
@@ -253,7 +256,7 @@ def test_default_is_not_causal():
     c = make_case(1, causal=False, n_local=12)
     q, k, v, _ = global_inputs(c)
     truth = attention_f64(q, k, v, False)
-    o, lse = ring_flash_attn_func(q, k, v, return_lse=True)
+    o, lse, _ = ring_flash_attn_func(q, k, v, return_attn_probs=True)
     assert rel_err(o, truth["o"]) < TOL[torch.float32] and lse_err(lse, truth["lse"]) < 10 * TOL[torch.float32]
 
 
@@ -359,11 +362,17 @@ def _error_worker(rank, world, what):
     elif what == "bad_group":
         kwargs["group"] = "world"
         expect = "group must be"
+    elif what == "one_rank_dropout":  # flash_attn's arguments are checked like ringflash's own
+        expect = "dropout_p=0.5" if rank == 1 else r"rank\(s\) \[1\] of the group rejected"
+        kwargs["dropout_p"] = 0.5 if rank == 1 else 0.0
+    elif what == "one_rank_window_size":
+        expect = r"window_size=\(3, 1\)" if rank == 2 else r"rank\(s\) \[2\] of the group rejected"
+        kwargs["window_size"] = (3, 1) if rank == 2 else (3, 0)
     elif what == "one_rank_bad_packed_kv":  # refused before ring_flash_attn_func's own checks
         expect = r"kv must have shape \(batch" if rank == 1 else r"rank\(s\) \[1\] of the group rejected"
         kv = k if rank == 1 else torch.stack((k, v), dim=2)
         with pytest.raises(ValueError, match=expect) as err:
-            ringflash.ring_flash_attn_kvpacked_func(q, kv, True)
+            ringflash.ring_flash_attn_kvpacked_func(q, kv, causal=True)
         ring_flash_attn_func(*good, causal=True)
         return str(err.value)
     with pytest.raises((ValueError, TypeError), match=expect) as err:
@@ -376,7 +385,7 @@ def _error_worker(rank, world, what):
 @pytest.mark.parametrize(
     "what",
     ["shape", "dtype", "causal", "scale", "layout", "one_rank_bad_input", "unsplittable", "bad_layout", "bad_group",
-     "one_rank_bad_packed_kv"],
+     "one_rank_bad_packed_kv", "one_rank_dropout", "one_rank_window_size"],
 )
 def test_errors_raise_on_every_rank(what):
     msgs = run_ranks(_error_worker, 3, (what,), timeout_s=20)

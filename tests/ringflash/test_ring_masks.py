@@ -136,7 +136,7 @@ def mask_worker(rank, world, c):
     ql, kl, vl = (shard(t, 1, rank, world, L).detach().clone().requires_grad_() for t in (q, k, v))
     # `window=` alone builds (and caches) the same mask inside the call.
     via = dict(causal=True, window=c["window"]) if c.get("via_window") else dict(mask=mask)
-    o, lse = ring_flash_attn_func(ql, kl, vl, layout=L, return_lse=True, backend=c["backend"], **via)
+    o, lse, _ = ring_flash_attn_func(ql, kl, vl, layout=L, return_attn_probs=True, backend=c["backend"], **via)
     o.backward(shard(do, 1, rank, world, L))
     # The ring loop on the mask's steps, handed a counting backend: a skipped step launches nothing,
     # and the loop computes what the op did.

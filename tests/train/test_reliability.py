@@ -85,6 +85,22 @@ BAD_INPUTS = {
     ("ring op", "layout name"): (lambda: _ring(layout="ring"), ValueError, r"layout must be one of .*'ring'"),
     ("ring op", "causal type"): (lambda: _ring(causal="yes"), TypeError, r"causal must be a bool"),
     ("ring op", "softmax_scale"): (lambda: _ring(softmax_scale=float("nan")), ValueError, r"softmax_scale must be"),
+    # flash_attn's arguments that ringflash cannot honour are refused by name, never ignored.
+    ("ring op", "dropout"): (lambda: _ring(dropout_p=0.1), ValueError, r"dropout_p=0.1: ringflash has no attention"),
+    ("ring op", "alibi"): (lambda: _ring(alibi_slopes=torch.ones(4)), ValueError, r"alibi_slopes: ringflash has no"),
+    ("ring op", "two-sided window"): (
+        lambda: _ring(causal=True, window_size=(3, 2)), ValueError, r"window_size=\(3, 2\) with causal=True: .*causal"
+    ),
+    ("ring op", "non-causal window"): (
+        lambda: _ring(window_size=(3, 0)), ValueError, r"window_size=\(3, 0\) with causal=False"
+    ),
+    ("ring op", "window twice"): (
+        lambda: _ring(causal=True, window_size=(3, 0), window=8), ValueError, r"window=8 and window_size=\(3, 0\)"
+    ),
+    # A call in the pre-0.x order lands causal on dropout_p: the error says what moved.
+    ("ring op", "old positional order"): (
+        lambda: ring_flash_attn_func(*_qkv(), True), TypeError, r"dropout_p must be a number, got bool .*by keyword"
+    ),
     ("layout.shard", "unsplittable length"): (
         lambda: ringflash.shard(torch.zeros(1, 6), 1, 0, 2, "zigzag"),
         ValueError,
