@@ -121,7 +121,7 @@ def predict(
     """
     if dtype not in _BYTES:
         raise ValueError(f"dtype must be one of {', '.join(_BYTES)}, got {dtype!r}")
-    shapes, block, matmul = _shapes(tuple(dataclasses.asdict(model_cfg).items()))
+    shapes, block, matmul = _shapes(_fields(model_cfg))
     b, shards = _BYTES[dtype], dp * cp if fsdp else 1
     params = [torch.Size(s) for s in shapes]  # float32 masters; a tied weight once
     numel = sum(p.numel() for p in params)
@@ -155,6 +155,12 @@ def predict(
 
 
 @functools.lru_cache(maxsize=32)
+def _fields(model_cfg) -> tuple:
+    """The small model's config fields, hashable for `_shapes`' cache (an HF model's inline keys are
+    not the small model's shape)."""
+    return tuple((k, v) for k, v in dataclasses.asdict(model_cfg).items() if not isinstance(v, (dict, list)))
+
+
 def _shapes(fields: tuple) -> tuple[tuple[tuple[int, ...], ...], int, int]:
     """Our model's parameter shapes (built on the meta device: no memory), one block's parameter
     count and the matmul weights' count."""
@@ -200,7 +206,7 @@ def fits_table(gpus: int, gpu_gib: float, contexts: list[int], vocab_size: int, 
     lines = [head, "|" + "---|" * (len(contexts) + 2)]
     for name, shape in SIZES.items():
         cfg = ModelConfig(vocab_size=vocab_size, tie_embeddings=False, **shape)
-        n = sum(math.prod(s) for s in _shapes(tuple(dataclasses.asdict(cfg).items()))[0])
+        n = sum(math.prod(s) for s in _shapes(_fields(cfg))[0])
         cells = []
         for L in contexts:
             peak = predict(cfg, L, dp=1, cp=gpus, fsdp=True, activation_checkpointing=True)["peak"] / 2**30

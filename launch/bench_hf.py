@@ -1,0 +1,120 @@
+"""A `transformers` causal LM trained through ringflash's attention against transformers' own SDPA.
+
+    python launch/bench_hf.py                                   # ~1.1B Llama shape, 16k and 32k tokens
+    python launch/bench_hf.py --seqlens 8192 --layers 2 --impls ring_attention sdpa --no-record
+
+One GPU, random init, bf16 weights with float32 AdamW states, activation checkpointing (HF's,
+non-reentrant) for every implementation, batch 1. Each step is forward + backward + optimizer
+step on fresh random tokens; the implementations alternate step-for-step blocks so that clock
+drift falls on all of them. Reports tokens/s, model TFLOP/s (6·params·tokens for the matmuls plus
+the causal attention's FlashAttention-convention FLOPs, 3.5 × 2·N²·H·D per layer; recomputation
+not counted) and the peak memory of the steps. Appends a record to benchmarks/hf.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from benchlib import BENCHMARKS_DIR, record
+
+IMPLS = ("ring_attention", "sdpa", "flash_attention_2")
+
+
+def build(impl: str, args) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import ringflash.hf  # noqa: F401  (registers "ring_attention")
+
+    cfg = LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn, num_hidden_layers=args.layers,
+        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, max_position_embeddings=max(args.seqlens),
+        rope_theta=500000.0, tie_word_embeddings=False, use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.set_attn_implementation(impl)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model
+
+
+def step_fn(model, n: int, args):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+
+    def step():
+        ids = torch.randint(0, args.vocab, (1, n), device="cuda")
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step, opt
+
+
+def flops_per_step(params: int, n: int, args) -> float:
+    head_dim = args.hidden // args.heads
+    attn = 3.5 * 2.0 * n * n * args.heads * head_dim * args.layers  # causal: half of 4·N²·H·D, fwd + 2.5× bwd
+    return 6.0 * params * n + attn
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[16384, 32768])
+    ap.add_argument("--impls", nargs="+", default=["ring_attention", "sdpa"], choices=IMPLS)
+    ap.add_argument("--layers", type=int, default=22)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--ffn", type=int, default=5632)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--steps", type=int, default=4, help="timed steps per implementation and length")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--record-to", type=str, default=str(BENCHMARKS_DIR))
+    ap.add_argument("--no-record", action="store_true")
+    args = ap.parse_args()
+    rows = []
+    for n in args.seqlens:
+        times: dict[str, list[float]] = {impl: [] for impl in args.impls}
+        peak: dict[str, float] = {}
+        params = 0
+        for _ in range(args.rounds):
+            for impl in args.impls:
+                model = build(impl, args)
+                params = sum(p.numel() for p in model.parameters())
+                step, opt = step_fn(model, n, args)
+                step()  # compile, allocate the optimizer states
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                for _ in range(args.steps):
+                    t0 = time.perf_counter()
+                    step()
+                    torch.cuda.synchronize()
+                    times[impl].append(time.perf_counter() - t0)
+                peak[impl] = max(peak.get(impl, 0.0), torch.cuda.max_memory_allocated() / 2**30)
+                del model, opt, step
+                torch.cuda.empty_cache()
+        for impl in args.impls:
+            s = statistics.median(times[impl])
+            tflops = flops_per_step(params, n, args) / s / 1e12
+            rows.append([impl, n, round(params / 1e9, 3), round(n / s), round(tflops, 1), round(peak[impl], 2),
+                         round(s * 1e3, 1)])  # fmt: skip
+    record(
+        "hf", "transformers Llama (random init) trained through each attention implementation, one GPU",
+        ["attn_implementation", "seq_len", "params (B)", "tokens/s", "model TFLOP/s", "peak GiB", "step ms"], rows,
+        args=dict(layers=args.layers, hidden=args.hidden, ffn=args.ffn, heads=args.heads, kv_heads=args.kv_heads,
+                  vocab=args.vocab, dtype="bf16 weights, fp32 AdamW", activation_checkpointing=True, batch=1,
+                  steps=args.steps, rounds=args.rounds),
+        peers=[i for i in args.impls if i != "ring_attention"],
+        notes="Median step time over the rounds; implementations alternate per round; peak = the largest "
+              "max_memory_allocated of its rounds.",
+        directory=None if args.no_record else __import__("pathlib").Path(args.record_to),
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
