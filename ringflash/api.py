@@ -17,6 +17,7 @@ from torch import nn
 
 from ringflash import kernels, ops
 from ringflash.kernels.checks import check_qkv, resolve_scale
+from ringflash.hybrid import hybrid_attention
 from ringflash.layout import check_layout, check_splittable
 from ringflash.masks import RingMask, window_mask
 from ringflash.transport import resolve_transport, ring_comm
@@ -98,6 +99,7 @@ def ring_flash_attn_func(
     window: int | None = None,
     mask: RingMask | None = None,
     transport: str | None = None,
+    head_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over a sequence sharded across the ranks of `group` (docs/api.md).
 
@@ -114,6 +116,9 @@ def ring_flash_attn_func(
         window: causal sliding window, w keys counting the diagonal (`window_size=(w - 1, 0)`).
         mask: a `RingMask` from `ring_mask` (packed documents and/or a window), built once per batch.
         transport: `"nccl"` or `"copy-engine"` (GPUs of one host); None reads `RINGFLASH_TRANSPORT`.
+        head_group: head parallelism × ring (ringflash/hybrid.py): `u` ranks that all-to-all heads
+            around the ring over `group` (`hybrid_groups`); inputs sharded by `shard(..., head_rank=,
+            head_world=)`, `mask` built over `group`. None: the ring alone.
     Returns:
         o: `(B, N_local, H, D)` in q's dtype (and lse). Gradients flow to q, k, v.
     """
@@ -125,6 +130,15 @@ def ring_flash_attn_func(
     world = _world_size(group) if compiling else comm.world
     if causal is None:
         causal = mask.causal if isinstance(mask, RingMask) else False
+    if head_group is not None:
+        o, lse = hybrid_attention(
+            q, k, v, head_group=head_group, group=group, causal=causal, layout=layout, check_ranks=check_ranks,
+            ring=lambda q, k, v: ring_flash_attn_func(
+                q, k, v, causal=causal, softmax_scale=softmax_scale, group=group, layout=layout, return_lse=True,
+                backend=backend, check_ranks=check_ranks, window=window, mask=mask, transport=transport,
+            ),
+        )  # fmt: skip
+        return (o, lse) if return_lse else o
     try:
         scale, kern = _check_local(q, k, v, causal, softmax_scale, layout, backend, world)
         kernels.check_window(window, causal)
@@ -229,6 +243,7 @@ class RingFlashAttention(nn.Module):
     whose causal flag must be the module's and whose window must be the module's if it has one.
     `transport`: as in `ring_flash_attn_func` (None: `RINGFLASH_TRANSPORT`, read at each call);
     `backend`: the kernels, as in `ring_flash_attn_func` (None: `RINGFLASH_KERNEL_BACKEND`).
+    `head_group`: head parallelism around the ring over `group` (`ring_flash_attn_func`'s).
     """
 
     def __init__(
@@ -241,6 +256,8 @@ class RingFlashAttention(nn.Module):
         check_ranks: bool = True,
         window: int | None = None,
         transport: str | None = None,
+        *,
+        head_group: dist.ProcessGroup | None = None,
     ):
         super().__init__()
         check_layout(layout)
@@ -254,7 +271,7 @@ class RingFlashAttention(nn.Module):
                 raise ValueError(why)
         self.group, self.layout, self.causal = group, layout, causal
         self.softmax_scale, self.backend, self.check_ranks = softmax_scale, backend, check_ranks
-        self.window, self.transport = window, transport
+        self.window, self.transport, self.head_group = window, transport, head_group
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: RingMask | None = None) -> torch.Tensor:
         return ring_flash_attn_func(
@@ -270,6 +287,7 @@ class RingFlashAttention(nn.Module):
             window=self.window,
             mask=mask,
             transport=self.transport,
+            head_group=self.head_group,
         )
 
     def extra_repr(self) -> str:
