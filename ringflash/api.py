@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ringflash import kernels, ops
-from ringflash.kernels.checks import check_qkv, resolve_scale
 from ringflash.hybrid import hybrid_attention
+from ringflash.kernels.checks import check_qkv, resolve_scale
 from ringflash.layout import check_layout, check_splittable
 from ringflash.masks import RingMask, window_mask
 from ringflash.transport import resolve_transport, ring_comm

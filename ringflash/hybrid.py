@@ -58,7 +58,9 @@ def hybrid_groups(
     """
     ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
     if not isinstance(head_world, int) or head_world < 1 or len(ranks) % head_world:
-        raise ValueError(f"head_world must be a positive int dividing the group's {len(ranks)} ranks, got {head_world!r}")
+        raise ValueError(
+            f"head_world must be a positive int dividing the group's {len(ranks)} ranks, got {head_world!r}"
+        )
     u, me = head_world, dist.get_rank()
     mine: dict[str, dist.ProcessGroup] = {}
     for i in range(len(ranks) // u):  # every rank creates every group, in the same order
