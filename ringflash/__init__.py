@@ -26,6 +26,7 @@ from ringflash.api import (
     ring_flash_attn_kvpacked_func,
     ring_flash_attn_qkvpacked_func,
 )
+from ringflash.hybrid import grid_coords, hybrid_groups
 from ringflash.layout import LAYOUTS, check_splittable, global_positions, shard, unshard
 from ringflash.masks import RingMask, ring_mask
 from ringflash.merge import merge
@@ -39,6 +40,8 @@ __all__ = [
     "RingMask",
     "check_splittable",
     "global_positions",
+    "grid_coords",
+    "hybrid_groups",
     "layout",
     "merge",
     "nccl_options",

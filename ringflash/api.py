@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ringflash import kernels, ops
+from ringflash.hybrid import hybrid_attention
 from ringflash.kernels.checks import check_qkv, resolve_scale
 from ringflash.layout import check_layout, check_splittable
 from ringflash.masks import RingMask, window_mask
@@ -106,6 +107,7 @@ def ring_flash_attn_func(
     window: int | None = None,
     mask: RingMask | None = None,
     transport: str | None = None,
+    head_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, None]:
     """Exact attention over a sequence sharded across the ranks of `group` (docs/api.md).
 
@@ -128,12 +130,27 @@ def ring_flash_attn_func(
         window: causal sliding window, w keys counting the diagonal: `window_size=(w - 1, 0)`.
         mask: a `RingMask` from `ring_mask` (packed documents and/or a window), built once per batch.
         transport: `"nccl"` or `"copy-engine"` (GPUs of one host); None reads `RINGFLASH_TRANSPORT`.
+        head_group: head parallelism × ring (ringflash/hybrid.py): `u` ranks that all-to-all heads
+            around the ring over `group` (`hybrid_groups`); inputs sharded by `shard(..., head_rank=,
+            head_world=)`, `mask` built over `group`. None: the ring alone.
     Returns:
         o: `(B, N_local, H, D)` in q's dtype, or `(o, lse, None)`. Gradients flow to q, k, v.
     """
+    options = dict(layout=layout, backend=backend, check_ranks=check_ranks, window=window, mask=mask,
+                   transport=transport)  # fmt: skip
+    if head_group is not None:  # all-to-all heads, then the ring over `group` on (B, u·n, H/u, D) blocks
+        o, lse = hybrid_attention(
+            q, k, v, head_group=head_group, group=group, layout=layout, check_ranks=check_ranks,
+            causal=causal if causal is not None else (mask.causal if isinstance(mask, RingMask) else False),
+            ring=lambda q, k, v: _attend(
+                q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, True, group,
+                **options,
+            )[:2],
+        )  # fmt: skip
+        return (o, lse, None) if return_attn_probs else o
     return _attend(
         q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs,
-        group, layout=layout, backend=backend, check_ranks=check_ranks, window=window, mask=mask, transport=transport,
+        group, **options,
     )  # fmt: skip
 
 
@@ -301,6 +318,7 @@ class RingFlashAttention(nn.Module):
     window must be the module's if it has one.
     `transport`: as in `ring_flash_attn_func` (None: `RINGFLASH_TRANSPORT`, read at each call);
     `backend`: the kernels, as in `ring_flash_attn_func` (None: `RINGFLASH_KERNEL_BACKEND`).
+    `head_group`: head parallelism around the ring over `group` (`ring_flash_attn_func`'s).
     """
 
     def __init__(
@@ -313,6 +331,8 @@ class RingFlashAttention(nn.Module):
         check_ranks: bool = True,
         window: int | None = None,
         transport: str | None = None,
+        *,
+        head_group: dist.ProcessGroup | None = None,
     ):
         super().__init__()
         check_layout(layout)
@@ -326,7 +346,7 @@ class RingFlashAttention(nn.Module):
                 raise ValueError(why)
         self.group, self.layout, self.causal = group, layout, causal
         self.softmax_scale, self.backend, self.check_ranks = softmax_scale, backend, check_ranks
-        self.window, self.transport = window, transport
+        self.window, self.transport, self.head_group = window, transport, head_group
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: RingMask | None = None) -> torch.Tensor:
         return ring_flash_attn_func(
@@ -342,6 +362,7 @@ class RingFlashAttention(nn.Module):
             window=self.window,
             mask=mask,
             transport=self.transport,
+            head_group=self.head_group,
         )
 
     def extra_repr(self) -> str:

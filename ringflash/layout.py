@@ -84,23 +84,47 @@ def check_splittable(seqlen: int, world: int, layout: str = "zigzag") -> None:
         )
 
 
-def shard(x: torch.Tensor, dim: int, rank: int, world: int, layout: str = "zigzag") -> torch.Tensor:
+def shard(
+    x: torch.Tensor, dim: int, rank: int, world: int, layout: str = "zigzag", *, head_rank: int = 0, head_world: int = 1
+) -> torch.Tensor:
     """This rank's part of the global tensor `x` along `dim` (the sequence dimension).
 
-    Returns `x` with `dim` of size `x.shape[dim] // world`: a view for `contiguous` (and for one
-    rank), a new tensor for `zigzag`. Inputs, labels and position ids must be sharded alike.
+    Returns `x` with `dim` of size `x.shape[dim] // (world · head_world)`: a view for
+    `contiguous` (and for one rank), a new tensor for `zigzag`. Inputs, labels and position ids
+    must be sharded alike. Head-parallel × ring (ringflash/hybrid.py): `rank`/`world` are the
+    ring's, and ring shard `rank` is cut into `head_world` equal consecutive pieces, of which
+    head rank `head_rank` holds piece `head_rank` (the head all-to-all puts them back together,
+    in head-rank order, into ring shard `rank`).
     """
     _check_rank(rank, world)
+    _check_rank(head_rank, head_world)
     _check_dim(x, dim)
     check_splittable(x.shape[dim], world, layout)
     chunks = x.chunk(_num_chunks(world, layout), dim)
     ids = chunk_ids(rank, world, layout)
-    return chunks[ids[0]] if len(ids) == 1 else torch.cat([chunks[i] for i in ids], dim)
+    out = chunks[ids[0]] if len(ids) == 1 else torch.cat([chunks[i] for i in ids], dim)
+    return out if head_world == 1 else _head_piece(out, dim, head_rank, head_world)
 
 
-def unshard(shards: list[torch.Tensor], dim: int, layout: str = "zigzag") -> torch.Tensor:
-    """The global tensor from every rank's shard (`shards[r]` from rank r); inverse of `shard`."""
+def _head_piece(x: torch.Tensor, dim: int, head_rank: int, head_world: int) -> torch.Tensor:
+    if x.shape[dim] % head_world:
+        raise ValueError(
+            f"a ring shard of {x.shape[dim]} tokens does not split over head_world={head_world} "
+            f"head-parallel ranks (the global seqlen must be a multiple of ring chunks × {head_world})"
+        )
+    return x.chunk(head_world, dim)[head_rank]
+
+
+def unshard(shards: list[torch.Tensor], dim: int, layout: str = "zigzag", *, head_world: int = 1) -> torch.Tensor:
+    """The global tensor from every rank's shard (`shards[r]` from rank r); inverse of `shard`.
+
+    With `head_world` > 1, `shards[ring_rank * head_world + head_rank]` (the grid's cp order).
+    """
     check_layout(layout)
+    if head_world > 1:
+        if len(shards) % head_world:
+            raise ValueError(f"{len(shards)} shards do not form a grid with head_world={head_world}")
+        shards = [torch.cat(shards[i : i + head_world], dim) for i in range(0, len(shards), head_world)]
     world = len(shards)
     if world < 1:
         raise ValueError("shards must hold one tensor per rank, got an empty list")
@@ -122,9 +146,23 @@ def unshard(shards: list[torch.Tensor], dim: int, layout: str = "zigzag") -> tor
 
 
 def global_positions(
-    n_local: int, rank: int, world: int, layout: str = "zigzag", device: torch.device | str | None = None
+    n_local: int,
+    rank: int,
+    world: int,
+    layout: str = "zigzag",
+    device: torch.device | str | None = None,
+    *,
+    head_rank: int = 0,
+    head_world: int = 1,
 ) -> torch.Tensor:
-    """Global position ids `(n_local,)` int64 of this rank's tokens (for RoPE and for masks)."""
+    """Global position ids `(n_local,)` int64 of this rank's tokens (for RoPE and for masks).
+
+    `head_rank`/`head_world`: this rank's place in the head-parallel group, as in `shard`.
+    """
+    if head_world > 1:
+        _check_rank(head_rank, head_world)
+        ring = global_positions(n_local * head_world, rank, world, layout, device)
+        return ring[head_rank * n_local : (head_rank + 1) * n_local]
     check_splittable(n_local * world, world, layout)
     ids = chunk_ids(rank, world, layout)
     c = n_local // len(ids)

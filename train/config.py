@@ -142,6 +142,12 @@ class DataConfig:
 @dataclass
 class ParallelConfig:
     cp: int = opt(1, "Context-parallel degree; data-parallel degree = world size / cp.")
+    cp_heads: int = opt(
+        1,
+        "Head-parallel ranks inside cp (ringflash/hybrid.py): cp = cp_heads × ring ranks, the head all-to-all "
+        "on consecutive ranks (one node), the ring across them. Must divide cp and model.n_heads, and divide "
+        "or be divided by model.n_kv_heads; 1 is the plain ring. python -m ringflash.plan recommends one.",
+    )
     layout: str = opt(
         "zigzag",
         "How a sequence is cut over the cp ranks: zigzag balances causal work, contiguous is the plain split.",
@@ -392,6 +398,7 @@ def validate(cfg: Config) -> None:
         "data.eval_buckets": (d.eval_buckets, "[1, inf)"),
         "data.eval_samples": (d.eval_samples, "[0, inf)"),
         "parallel.cp": (p.cp, "[1, inf)"),
+        "parallel.cp_heads": (p.cp_heads, "[1, inf)"),
         "parallel.timeout_s": (p.timeout_s, "(0, inf)"),
         "train.steps": (t.steps, "[1, inf)"),
         "train.grad_accum": (t.grad_accum, "[1, inf)"),
@@ -430,6 +437,18 @@ def validate(cfg: Config) -> None:
             raise ConfigError("model.window: with model.kind = hf the windows are the HF config's (sliding_window)")
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(f"model.n_kv_heads ({m.n_kv_heads}) must divide model.n_heads ({m.n_heads})")
+    if p.cp % p.cp_heads:
+        raise ConfigError(f"parallel.cp_heads ({p.cp_heads}) must divide parallel.cp ({p.cp})")
+    if p.cp_heads > 1:
+        from ringflash.hybrid import kv_heads_per_rank
+
+        try:
+            kv_heads_per_rank(m.n_heads, m.n_kv_heads, p.cp_heads)
+        except ValueError as e:
+            raise ConfigError(
+                f"parallel.cp_heads ({p.cp_heads}) does not fit model.n_heads ({m.n_heads}) and model.n_kv_heads "
+                f"({m.n_kv_heads}): {e}"
+            ) from None
     chunks = 2 * p.cp if p.layout == "zigzag" else p.cp
     if d.seq_len % chunks:
         raise ConfigError(

@@ -154,13 +154,13 @@ def predict(
     return out
 
 
-@functools.lru_cache(maxsize=32)
 def _fields(model_cfg) -> tuple:
     """The small model's config fields, hashable for `_shapes`' cache (an HF model's inline keys are
     not the small model's shape)."""
     return tuple((k, v) for k, v in dataclasses.asdict(model_cfg).items() if not isinstance(v, (dict, list)))
 
 
+@functools.lru_cache(maxsize=32)
 def _shapes(fields: tuple) -> tuple[tuple[tuple[int, ...], ...], int, int]:
     """Our model's parameter shapes (built on the meta device: no memory), one block's parameter
     count and the matmul weights' count."""

@@ -43,6 +43,7 @@ class ParallelDims:
     dp: int
     cp: int
     world_size: int
+    cp_heads: int = 1  # head-parallel ranks inside cp (ringflash/hybrid.py); the ring has cp / cp_heads
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
@@ -51,7 +52,9 @@ class ParallelDims:
                 f"parallel.cp ({cfg.cp}) must divide the world size ({world_size}); "
                 f"launch a multiple of cp processes (torchrun --nproc_per_node)"
             )
-        return cls(dp=world_size // cfg.cp, cp=cfg.cp, world_size=world_size)
+        if cfg.cp_heads < 1 or cfg.cp % cfg.cp_heads:
+            raise ConfigError(f"parallel.cp_heads ({cfg.cp_heads}) must divide parallel.cp ({cfg.cp})")
+        return cls(dp=world_size // cfg.cp, cp=cfg.cp, world_size=world_size, cp_heads=cfg.cp_heads)
 
     def build_mesh(self, device_type: str, ring_options: dist.ProcessGroupNCCL.Options | None = None) -> DeviceMesh:
         """The ("dp", "cp") mesh; `ring_options` (NCCL) for the cp groups when they are not the whole world.
@@ -59,15 +62,25 @@ class ParallelDims:
         (When cp is the whole world the mesh reuses the default group, which has them already.)
         """
         override = {}
+        ring_dim = "cp" if self.cp_heads == 1 else "cp_ring"
         if ring_options is not None and 1 < self.cp < self.world_size:
             if "backend_override" in inspect.signature(init_device_mesh).parameters:
-                override = dict(backend_override={"cp": ring_options})
+                override = dict(backend_override={ring_dim: ring_options})
             else:  # torch < 2.8
                 warnings.warn(
                     "this torch cannot give the ring's cp groups their own NCCL options: they get default-priority "
                     "streams and transfers overlap compute less (set TORCH_NCCL_HIGH_PRIORITY=1)",
                     stacklevel=2,
                 )
+        if self.cp_heads > 1:
+            # ("dp", "cp_ring", "cp_heads"): the head all-to-all on the innermost dimension, consecutive
+            # ranks (one node, NVLink), the ring across them; "cp" is the two flattened (cp rank =
+            # ring rank · cp_heads + head rank, ringflash.grid_coords), for the mask's and the batch's
+            # sharding and for gradient reduction.
+            shape, names = (self.dp, self.cp // self.cp_heads, self.cp_heads), ("dp", "cp_ring", "cp_heads")
+            mesh = init_device_mesh(device_type, shape, mesh_dim_names=names, **override)
+            mesh["cp_ring", "cp_heads"]._flatten("cp")
+            return mesh
         return init_device_mesh(device_type, (self.dp, self.cp), mesh_dim_names=("dp", "cp"), **override)
 
 
@@ -87,8 +100,25 @@ class ParallelContext:
         return self.mesh["dp"].get_group()
 
     @property
+    def cp_mesh(self) -> DeviceMesh:
+        """All cp ranks as one dimension (the ring and head dimensions flattened when cp_heads > 1)."""
+        if self.dims.cp_heads == 1:
+            return self.mesh["cp"]
+        return self.mesh["cp_ring", "cp_heads"]._flatten("cp")  # made in build_mesh; returned again
+
+    @property
     def cp_group(self) -> dist.ProcessGroup:
-        return self.mesh["cp"].get_group()
+        return self.cp_mesh.get_group()
+
+    @property
+    def ring_group(self) -> dist.ProcessGroup:
+        """The group the ring runs over: cp, or the ranks holding the same heads when cp_heads > 1."""
+        return self.cp_group if self.dims.cp_heads == 1 else self.mesh["cp_ring"].get_group()
+
+    @property
+    def head_group(self) -> dist.ProcessGroup | None:
+        """The head all-to-all's group (None: cp_heads = 1, the ring alone)."""
+        return None if self.dims.cp_heads == 1 else self.mesh["cp_heads"].get_group()
 
     @property
     def is_main(self) -> bool:
@@ -101,6 +131,8 @@ class ParallelContext:
         (`_flatten` is DeviceMesh's own, private in name only: torchtitan builds its FSDP meshes
         with it; flattening again returns the mesh made the first time.)
         """
+        if self.dims.cp_heads > 1:
+            return self.mesh["dp", "cp_ring", "cp_heads"]._flatten("dp_cp")
         return self.mesh["dp", "cp"]._flatten("dp_cp")
 
 
@@ -188,9 +220,9 @@ def distributed(cfg: ParallelConfig, device: str = "auto", timeout_s: float | No
                 dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **opts)
         dims = ParallelDims.from_config(cfg, dist.get_world_size())
         mesh = dims.build_mesh(dev.type, ring_options)
-        yield ParallelContext(
-            dims, mesh, dev, dist.get_rank(), mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank()
-        )
+        pc = ParallelContext(dims, mesh, dev, dist.get_rank(), mesh["dp"].get_local_rank(), 0)
+        pc.cp_rank = pc.cp_mesh.get_local_rank()
+        yield pc
     finally:
         if started and dist.is_initialized():
             dist.destroy_process_group()
@@ -242,12 +274,13 @@ def parallelize(model: nn.Module, pc: ParallelContext, cfg: Config) -> nn.Module
         # The window lives in the core as well as in each batch's mask (which must agree with it):
         # a call without a mask (a user's own evaluation) still attends through the window.
         block.attn.core = ringflash.RingFlashAttention(
-            group=pc.cp_group,
+            group=pc.ring_group,
             layout=cfg.parallel.layout,
             causal=True,
             window=cfg.model.window or None,
             transport=cfg.parallel.transport,
             backend=backend,
+            head_group=pc.head_group,
         )
         if cfg.train.compile:
             # Only the parts without communication: norms and SwiGLU are memory-bound chains of
@@ -375,11 +408,13 @@ def shard_batch(
     of all three, in the layout the ring expects. Document ids are not sharded: the ring's mask is
     built from the global ones (`attention_mask`).
     """
-    cp, r = pc.dims.cp, pc.cp_rank
+    cp, u = pc.dims.cp, pc.dims.cp_heads
     ringflash.layout.check_splittable(inputs.shape[1], cp, layout)
-    x = ringflash.shard(inputs, 1, r, cp, layout=layout)
-    y = ringflash.shard(labels, 1, r, cp, layout=layout)
-    pos = ringflash.global_positions(x.shape[1], r, cp, layout=layout, device=pc.device)
+    ring_rank, head_rank = ringflash.grid_coords(pc.cp_rank, u)  # u = 1: the ring's rank, head rank 0
+    grid = dict(layout=layout, head_rank=head_rank, head_world=u)
+    x = ringflash.shard(inputs, 1, ring_rank, cp // u, **grid)
+    y = ringflash.shard(labels, 1, ring_rank, cp // u, **grid)
+    pos = ringflash.global_positions(x.shape[1], ring_rank, cp // u, device=pc.device, **grid)
     return x.to(pc.device, non_blocking=True), y.to(pc.device, non_blocking=True), pos
 
 
@@ -402,7 +437,7 @@ def attention_mask(
     return ringflash.ring_mask(
         doc_ids,
         seqlen=seq_len,
-        group=pc.cp_group,
+        group=pc.ring_group,  # the ring's mask: with cp_heads > 1 the ring runs over ring shards
         layout=layout,
         causal=True,
         window=window or None,

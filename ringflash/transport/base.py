@@ -4,13 +4,13 @@ A transport is a small object bound to one process group. The ring loop calls on
 below and never asks which transport it holds, so a new way of moving bytes is a new class here,
 not a branch in the loop.
 
-Where an all-to-all goes: head parallelism (Ulysses) swaps "my tokens, all heads" for "all
-tokens, my heads" and back around attention. It joins as one more method of the same object,
-`all_to_all(send, recv, tag) -> Transfer` (each rank's `send` cut into `world` equal chunks
-along its first dim, chunk j to rank j; `recv` gathers chunk `rank` of every rank, in rank
-order), implemented by each transport (the group's own all_to_all, copy-engine puts into every
-peer's slice of a symmetric buffer, nothing for `NullComm`). The ring never calls it, so adding
-it changes nothing of the ring; a head-parallel layer is handed the same object.
+The all-to-all: head parallelism (Ulysses, ringflash/hybrid.py) swaps "my tokens, all heads"
+for "the ring shard's tokens, my heads" and back around the ring. It is one more method of the
+same object, `all_to_all(send, recv, tag) -> Transfer` (each rank's `send` cut into `world`
+equal chunks along its first dim, chunk j to rank j; `recv` gathers chunk `rank` of every rank,
+in rank order): the group's own `all_to_all_single` (RingComm, and CopyEngineComm by
+inheritance), nothing for `NullComm`. The ring never calls it; the hybrid hands it the head
+group's transport.
 """
 
 from __future__ import annotations
@@ -60,6 +60,11 @@ class Transport(Protocol):
 
     def reserve(self, kv: torch.Tensor) -> None:
         """Room for a ring call over `kv (2, B, N, Hkv, D)` blocks, made before anything is posted."""
+        ...
+
+    def all_to_all(self, send: torch.Tensor, recv: torch.Tensor, tag: int = 0) -> Transfer:
+        """Post: `send`'s chunk j (of `world` equal chunks along dim 0) to rank j, and every rank's
+        chunk `rank` into `recv`, in rank order. Buffers contiguous and alike."""
         ...
 
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:

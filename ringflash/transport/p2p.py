@@ -140,6 +140,34 @@ class RingComm:
         works = dist.batch_isend_irecv(ops)
         return _Transfer(works, recv, src, host_recv)
 
+    def all_to_all(self, send: torch.Tensor, recv: torch.Tensor, tag: int = 0) -> _Transfer:
+        """Post an all-to-all over the group and return at once: `send`'s `world` equal chunks along
+        dim 0 go to ranks 0 … world−1, and `recv`'s chunk j is rank j's chunk `rank`.
+
+        The group's own `all_to_all_single` (NCCL, or gloo, which has it for CPU tensors); CUDA
+        buffers on a gloo-only group are staged through pinned host memory as in `send_recv`.
+        `tag` is accepted for the interface: a collective is matched by its order, not a tag.
+        """
+        if send.shape != recv.shape or send.dtype != recv.dtype or send.device != recv.device:
+            raise ValueError(f"all_to_all buffers must match: {send.shape}/{send.dtype} vs {recv.shape}/{recv.dtype}")
+        if not (send.is_contiguous() and recv.is_contiguous()):
+            raise ValueError("all_to_all buffers must be contiguous")
+        if send.shape[0] % self.world:
+            raise ValueError(f"all_to_all: dim 0 of size {send.shape[0]} does not split over {self.world} ranks")
+        if self.world == 1:
+            recv.copy_(send)
+            return _Transfer([])
+        host_send = host_recv = None
+        src, dst = send, recv
+        if self._staged(send.device):
+            host_send = torch.empty(send.shape, dtype=send.dtype, pin_memory=True)
+            host_recv = torch.empty(recv.shape, dtype=recv.dtype, pin_memory=True)
+            host_send.copy_(send, non_blocking=True)
+            torch.cuda.current_stream(send.device).synchronize()  # gloo reads host_send right away
+            src, dst = host_send, host_recv
+        work = dist.all_to_all_single(dst, src, group=self.group, async_op=True)
+        return _Transfer([work], recv, src, host_recv)
+
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
         """Every rank's `values` (same length everywhere), in rank order: one small collective.
 

@@ -76,8 +76,12 @@ def _cp_vs_single(rank, world, cfg):
         (8, ["--parallel.cp=4", "--data.passkey_loss=answer"]),  # dp 2 × cp 4, as on an 8-GPU node
         # Each block replayed in the backward, the ring and its communication with it.
         (2, ["--parallel.cp=2", "--data.passkey_loss=all", "--train.activation_checkpointing=true"]),
+        # Head-parallel × ring (cp_ring, cp_heads) = (2, 2) (H = 2, Hkv = 1 < 2: K/V replicated), and
+        # all of cp as heads (r = 1) beside dp = 2.
+        (4, ["--parallel.cp=4", "--parallel.cp_heads=2", "--data.passkey_loss=answer"]),
+        (4, ["--parallel.cp=2", "--parallel.cp_heads=2", "--data.passkey_loss=all", "--parallel.layout=contiguous"]),
     ],
-    ids=["zigzag-answer-accum", "contiguous-all", "dp2", "dp2-cp4", "checkpointed"],
+    ids=["zigzag-answer-accum", "contiguous-all", "dp2", "dp2-cp4", "checkpointed", "ring2-heads2", "dp2-heads2"],
 )
 def test_parallel_step_matches_one_process(world, overrides):
     cfg = tiny(None, *overrides)

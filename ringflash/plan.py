@@ -1,0 +1,303 @@
+"""Which context-parallel layout to run: an analytic cost model of one attention layer.
+
+    python -m ringflash.plan --heads 32 --kv-heads 8 --head-dim 128 --layers 32 \\
+        --seqlen 1M --gpus-per-node 8 --nodes 16
+    python -m ringflash.plan --validate            # predicted vs measured, benchmarks/ring.jsonl
+
+For a grid of `u` head-parallel × `r` ring ranks (ringflash/hybrid.py; u = 1 the ring, r = 1
+pure head parallelism) and a transport for the ring's blocks, the forward + backward time of one
+layer is the sum of:
+- **ring steps**: step s computes its block pair (the layout's schedule: zigzag's half blocks,
+  contiguous's full block on the critical rank, the causal diagonal at step 0) while the next
+  K/V block travels, so a step costs max(compute, transfer) + a fixed per-step overhead; in the
+  backward the float32 dK/dV travel beside the K/V. Compute = FLOPs / the kernel rate recorded
+  in benchmarks/kernels.jsonl at that block's length and head dim (interpolated in log length);
+  NCCL's transfer kernels take SMs from attention (`nccl_sm_slowdown`), copy engines do not.
+- **all-to-alls** (u > 1): q, k, v to heads and o back (forward), dO to heads and dq, dk, dv
+  back (backward), exposed (nothing overlaps them); over NVLink when the head group fits in a
+  node (heads are the inner grid dimension), else partly over InfiniBand.
+The ring's links are NVLink when the whole grid is one node, else InfiniBand (its slowest hop).
+Efficiency = the unsharded attention's FLOPs / (GPUs · time · the kernel's best recorded rate).
+Not modelled: memory limits, the host's launch lead, congestion between concurrent rings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ringflash.hybrid import kv_heads_per_rank
+
+__all__ = ["Cluster", "KernelRates", "Model", "Prediction", "feasible", "main", "predict", "validation_rows"]
+
+REPO = Path(__file__).resolve().parent.parent
+BWD_FLOPS = 2.5  # backward FLOPs / forward FLOPs (FlashAttention-2's accounting: 5 matmuls vs 2)
+
+
+@dataclass(frozen=True)
+class Model:
+    """One attention layer's shape: heads, K/V heads (GQA), head dim, layers, batch, causal, bytes per element."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    layers: int = 1
+    batch: int = 1
+    causal: bool = True
+    dtype_bytes: int = 2
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """GPUs and links. Bandwidths in GB/s per GPU, one direction; latencies in µs.
+
+    Defaults: H100/H200 SXM nodes: NVLink 4 at 900 GB/s both ways (450 one way) of which NCCL p2p
+    reaches ~80%; one 400 Gb/s InfiniBand NIC per GPU (50 GB/s, ~85% reached); latencies of a
+    small NCCL message; `step_overhead_us`: per ring step and direction (launches, waits);
+    `nccl_sm_slowdown`: attention's slowdown while an NCCL transfer kernel holds SMs.
+    """
+
+    gpus_per_node: int = 8
+    nodes: int = 1
+    nvlink_gbs: float = 360.0
+    ib_gbs: float = 42.0
+    nvlink_lat_us: float = 10.0
+    ib_lat_us: float = 20.0
+    a2a_efficiency: float = 0.8  # all-to-all bandwidth / p2p bandwidth (NCCL's all-to-all on NVLink)
+    step_overhead_us: float = 60.0
+    nccl_sm_slowdown: float = 0.05
+
+    @property
+    def gpus(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+
+@dataclass
+class KernelRates:
+    """Kernel TFLOP/s by (head dim, causal, direction), tabulated over lengths N (log-interpolated).
+
+    `from_records` keeps ringflash's rows of the newest kernels.jsonl record (bf16, one H100).
+    """
+
+    table: dict[tuple[int, bool, str], list[tuple[int, float]]] = field(default_factory=dict)
+
+    @classmethod
+    def from_records(cls, path: Path = REPO / "benchmarks" / "kernels.jsonl") -> KernelRates:
+        records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+        records = [r for r in records if any(x.get("impl") == "ringflash" and "N" in x for x in r.get("results", []))]
+        newest = max(records, key=lambda r: r["date"])
+        table: dict = {}
+        for x in newest["results"]:
+            if x.get("impl") != "ringflash":
+                continue
+            for direction in ("fwd", "bwd"):
+                key = (x["D"], x["causal"] == "yes", direction)
+                table.setdefault(key, []).append((x["N"], float(x[f"{direction} TFLOP/s"])))
+        return cls({k: sorted(v) for k, v in table.items()})
+
+    @classmethod
+    def constant(cls, fwd: float, bwd: float) -> KernelRates:
+        """The same rate at every shape (tests, what-ifs)."""
+        return cls({(0, c, d): [(1, r)] for c in (False, True) for d, r in (("fwd", fwd), ("bwd", bwd))})
+
+    def rate(self, head_dim: int, n: float, causal: bool, direction: str) -> float:
+        """TFLOP/s at block length n: nearest recorded head dim; log-linear between recorded lengths,
+        below the shortest extrapolated along the first segment's slope (small blocks run slower),
+        above the longest held flat."""
+        dims = sorted({d for d, _, _ in self.table})
+        d = min(dims, key=lambda x: abs(math.log2(max(x, 1)) - math.log2(head_dim)))
+        pts = self.table[(d, causal, direction)]
+        if len(pts) == 1 or n >= pts[-1][0]:
+            return pts[-1][1] if n >= pts[-1][0] else pts[0][1]
+        i = max(0, next((j for j, (m, _) in enumerate(pts) if m > n), len(pts) - 1) - 1)
+        (n0, r0), (n1, r1) = pts[i], pts[i + 1]
+        t = (math.log(max(n, 1)) - math.log(n0)) / (math.log(n1) - math.log(n0))
+        return max(r0 + t * (r1 - r0), 0.05 * r0)
+
+    def best(self, head_dim: int) -> float:
+        """The best recorded fwd+bwd rate at this head dim, causal or not: the single-GPU ideal."""
+        f, b = (max(self.rate(head_dim, 1e9, c, d) for c in (False, True)) for d in ("fwd", "bwd"))
+        return (1 + BWD_FLOPS) / (1 / f + BWD_FLOPS / b)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    u: int
+    r: int
+    transport: str
+    layout: str
+    compute_s: float  # kernel time on the critical rank (fwd + bwd), no communication
+    ring_s: float  # the ring's steps, transfers overlapped (fwd + bwd), compute included
+    a2a_s: float  # the head all-to-alls, exposed
+    time_s: float  # one layer, fwd + bwd
+    efficiency: float
+
+
+def _flops(m: Model, h: int, nq: float, nk: float, causal_diag: bool) -> float:
+    f = 4.0 * m.batch * h * m.head_dim * nq * nk
+    return f / 2 if causal_diag else f
+
+
+def _steps(m: Model, r: int, n: float, layout: str) -> list[tuple[float, float, bool]]:
+    """(query rows, key rows, causal) of the critical rank's block pair at each ring step."""
+    if not m.causal:
+        return [(n, n, False)] * r
+    if layout == "zigzag":
+        return [(n, n, True)] + [(n, n / 2, False)] * (r - 1)  # half a block pair at every later step
+    return [(n, n, True)] + [(n, n, False)] * (r - 1)  # contiguous: the last rank sees every block whole
+
+
+def predict(m: Model, seqlen: int, c: Cluster, u: int, r: int, transport: str = "nccl", layout: str = "zigzag",
+            rates: KernelRates | None = None) -> Prediction:  # fmt: skip
+    """One layer's fwd + bwd time on a grid of u head ranks × r ring ranks (module docstring)."""
+    rates = rates or KernelRates.from_records()
+    h, hkv = m.heads // u, kv_heads_per_rank(m.heads, m.kv_heads, u)
+    n = seqlen / r  # tokens of a ring shard (each head rank holds all of them after the all-to-all)
+    one_node = u * r <= c.gpus_per_node
+    bw = (c.nvlink_gbs if one_node else c.ib_gbs) * 1e9
+    lat = (c.nvlink_lat_us if one_node else c.ib_lat_us) * 1e-6
+    kv_bytes = 2 * m.batch * n * hkv * m.head_dim * m.dtype_bytes
+    dkv_bytes = 2 * m.batch * n * hkv * m.head_dim * 4  # float32 sums travel behind their block
+    slow = 1 + (c.nccl_sm_slowdown if transport == "nccl" and r > 1 else 0.0)
+    overhead = c.step_overhead_us * 1e-6 if r > 1 else 0.0
+    compute = ring = 0.0
+    for direction, flops_x, comm_bytes in (("fwd", 1.0, kv_bytes), ("bwd", BWD_FLOPS, kv_bytes + dkv_bytes)):
+        for s, (nq, nk, causal) in enumerate(_steps(m, r, n, layout)):
+            rate = rates.rate(m.head_dim, math.sqrt(nq * nk), causal, direction) * 1e12
+            t = flops_x * _flops(m, h, nq, nk, causal) / rate
+            compute += t
+            in_flight = s < r - 1 or (direction == "bwd" and r > 1)  # the backward's last dK/dV hop too
+            hop = lat + (comm_bytes if s < r - 1 else kv_bytes) / bw
+            ring += (max(t * slow, hop) if in_flight else t) + overhead
+    a2a = 0.0
+    if u > 1:
+        n_loc = seqlen / (u * r)
+        elems = m.batch * n_loc * m.head_dim * m.dtype_bytes * (u - 1) / u  # bytes per head sent away
+        calls = [m.heads + 2 * hkv * u, m.heads, m.heads, m.heads + 2 * hkv * u]  # qkv, o; do, dqkv
+        intra = min(u, c.gpus_per_node) / u  # share of peers inside the node (heads are the inner dim)
+        for heads in calls:
+            b = elems * heads
+            t_nvl = b * intra / (c.nvlink_gbs * c.a2a_efficiency * 1e9)
+            t_ib = b * (1 - intra) / (c.ib_gbs * c.a2a_efficiency * 1e9) if intra < 1 else 0.0
+            a2a += max(t_nvl, t_ib) + (c.nvlink_lat_us if intra == 1 else c.ib_lat_us) * 1e-6
+    time = ring + a2a
+    ideal_flops = (1 + BWD_FLOPS) * _flops(m, m.heads, seqlen, seqlen, m.causal)
+    eff = ideal_flops / (u * r * time * rates.best(m.head_dim) * 1e12)
+    return Prediction(u, r, transport, layout, compute, ring, a2a, time, eff)
+
+
+def feasible(m: Model, c: Cluster) -> list[tuple[int, int, str]]:
+    """Every (u, r, transport) the grid can run on all of the cluster's GPUs: u divides H, the K/V
+    heads split or replicate (`kv_heads_per_rank`), copy engines only for a ring inside one node."""
+    out = []
+    for u in range(1, c.gpus + 1):
+        if c.gpus % u:
+            continue
+        try:
+            kv_heads_per_rank(m.heads, m.kv_heads, u)
+        except ValueError:
+            continue
+        r = c.gpus // u
+        out.append((u, r, "nccl"))
+        if r > 1 and u * r <= c.gpus_per_node:
+            out.append((u, r, "copy-engine"))
+    return out
+
+
+def plan(
+    m: Model, seqlen: int, c: Cluster, layout: str = "zigzag", rates: KernelRates | None = None
+) -> list[Prediction]:
+    """Predictions of every feasible grid, fastest first."""
+    rates = rates or KernelRates.from_records()
+    preds = [predict(m, seqlen, c, u, r, t, layout, rates) for u, r, t in feasible(m, c)]
+    return sorted(preds, key=lambda p: p.time_s)
+
+
+# ---- validation against the recorded ring runs -------------------------------------------------
+
+
+def validation_rows(path: Path = REPO / "benchmarks" / "ring.jsonl", c: Cluster | None = None,
+                    rates: KernelRates | None = None) -> list[dict]:  # fmt: skip
+    """Predicted vs measured fwd+bwd ms for every multi-GPU ringflash row of benchmarks/ring.jsonl
+    (dense masks only; rows without a shape take the records' common one, B=1 H=16 Hkv=16 D=128)."""
+    c, rates = c or Cluster(), rates or KernelRates.from_records()
+    rows = []
+    for i, line in enumerate(Path(path).read_text().splitlines()):
+        rec = json.loads(line)
+        a = rec.get("args", {})
+        for x in rec.get("results", []):
+            if "fwd+bwd ms" not in x or "tokens/rank" not in x or x.get("impl", "ringflash") != "ringflash":
+                continue
+            if x.get("mask", "dense causal") != "dense causal":
+                continue
+            world = x.get("W") or a.get("world") or int(rec["title"].split(" ranks")[0].split()[-1])
+            m = Model(a.get("heads", 16), a.get("kv_heads", 16), a.get("head_dim", 128), batch=a.get("batch", 1),
+                      causal=a.get("causal", True))  # fmt: skip
+            layout = x.get("layout", "zigzag")
+            p = predict(m, x["tokens/rank"] * world, c, 1, world, "nccl", layout, rates)
+            ms = p.time_s * 1e3
+            rows.append(dict(record=i, date=rec.get("date", "")[:10], W=world, layout=layout, tokens=x["tokens/rank"],
+                             measured=x["fwd+bwd ms"], predicted=round(ms, 2),
+                             error=round((ms - x["fwd+bwd ms"]) / x["fwd+bwd ms"], 3)))  # fmt: skip
+    return rows
+
+
+def validation_table(rows: list[dict]) -> str:
+    errs = sorted(abs(r["error"]) for r in rows)
+    lines = ["| record | date | W | layout | tokens/rank | measured ms | predicted ms | error |", "|" + "---|" * 8]
+    lines += [f"| {r['record']} | {r['date']} | {r['W']} | {r['layout']} | {r['tokens']} | {r['measured']} | "
+              f"{r['predicted']} | {r['error']:+.1%} |" for r in rows]  # fmt: skip
+    lines.append(f"\n{len(rows)} rows: median |error| {errs[len(errs) // 2]:.1%}, "
+                 f"90th percentile {errs[int(0.9 * (len(errs) - 1))]:.1%}, max {errs[-1]:.1%}.")  # fmt: skip
+    return "\n".join(lines)
+
+
+# ---- command line ------------------------------------------------------------------------------
+
+
+def _tokens(s: str) -> int:
+    mult = {"k": 1024, "m": 1024**2}.get(s[-1].lower(), 1)
+    return int(float(s[:-1] if mult > 1 else s) * mult)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m ringflash.plan", description=__doc__.split("\n")[0])
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seqlen", type=_tokens, default=_tokens("1M"), help="global tokens, e.g. 131072, 128k, 1M")
+    p.add_argument("--layout", default="zigzag", choices=("zigzag", "contiguous"))
+    p.add_argument("--non-causal", action="store_true")
+    p.add_argument("--validate", action="store_true", help="print predicted vs measured for benchmarks/ring.jsonl")
+    for f in Cluster.__dataclass_fields__.values():
+        p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
+    a = p.parse_args(argv)
+    c = Cluster(**{f: getattr(a, f) for f in Cluster.__dataclass_fields__})
+    if a.validate:
+        print(validation_table(validation_rows(c=c)))
+        return
+    m = Model(a.heads, a.kv_heads, a.head_dim, a.layers, a.batch, not a.non_causal)
+    preds = plan(m, a.seqlen, c, a.layout)
+    print(f"H={m.heads} Hkv={m.kv_heads} D={m.head_dim} layers={m.layers} B={m.batch} N={a.seqlen} on "
+          f"{c.nodes}x{c.gpus_per_node} GPUs ({a.layout}, {'causal' if m.causal else 'non-causal'})")  # fmt: skip
+    print(f"{'u':>5} {'r':>5} {'transport':>12} {'layer ms':>10} {'a2a ms':>8} {'model s':>9} {'efficiency':>10}")
+    for q in preds:
+        print(f"{q.u:>5} {q.r:>5} {q.transport:>12} {q.time_s * 1e3:>10.2f} {q.a2a_s * 1e3:>8.2f} "
+              f"{q.time_s * m.layers:>9.3f} {q.efficiency:>10.1%}")  # fmt: skip
+    if not preds:
+        print("no feasible grid (u must divide H and split or replicate the K/V heads)")
+        return
+    best = preds[0]
+    print(
+        f"recommended: u={best.u} head-parallel x r={best.r} ring, transport {best.transport} "
+        f"(parallel.cp_heads={best.u}, cp={best.u * best.r})"
+    )
+
+
+if __name__ == "__main__":
+    main()
