@@ -7,7 +7,7 @@
 model's parameter shapes and FSDP2's row-wise shards), FSDP's gathered blocks or autocast's weight
 copies, the activations the backward keeps (per token per layer, derived below from what each op
 saves), the logits and the ring's buffers; `peak` is their sum. docs/memory.md derives each term
-and says where the sum overestimates (the gradients and the activations never peak together).
+and why the peak holds the larger of the gradients and the activations, not both.
 """
 
 from __future__ import annotations
@@ -150,7 +150,11 @@ def predict(
     # The backward of the top block (or the head) holds the gradients of its activations too.
     out["activations"] = int(tokens * (layers + per["head"] + max(per["block"], per["head"])))
     out["ring"] = int(tokens * ring_bytes_per_token(model_cfg, dtype, cp))
-    out["peak"] = sum(out.values())
+    # The activations peak at the start of the backward, before most gradients exist; the gradients
+    # are all there only at its end, once the activations are freed (measured on one H100:
+    # docs/memory.md). So the peak holds the larger of the two, not their sum.
+    out["peak"] = (out["weights"] + out["optimizer"] + out["working_weights"] + out["ring"]
+                   + max(out["activations"], out["gradients"]))  # fmt: skip
     return out
 
 
