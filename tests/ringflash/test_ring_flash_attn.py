@@ -46,6 +46,7 @@ def _logged(stdout: str) -> list[tuple[str, int | None, float]]:
     return out
 
 
+@pytest.mark.slow  # torchrun launches of the peer's scripts, 20–45 s each
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_peer_script(script):
     # bf16 on both sides: ring and reference round o and the gradients once to bf16, so each

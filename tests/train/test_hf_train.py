@@ -110,6 +110,7 @@ def test_hf_missing_files_and_vocab(tmp_path):
         build_hf_model(load_config(None, [*LLAMA, "--model.hf.vocab_size=128"]))
 
 
+@pytest.mark.slow
 def test_torchrun_trains_and_exports(tmp_path):
     """configs/hf_llama_tiny_cpu.toml, shortened: trains on 2 ranks, and its checkpoint exports to a
     directory transformers loads (parameters equal to the checkpoint's)."""
