@@ -131,6 +131,7 @@ def _launch_order_kernel(OUT, n_sms):
     tl.store(OUT + 2 * pid + 1, bh)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "n_tiles, n_bh, n_sms, sweep",
     [(1, 1, 132, 1), (3, 1, 132, 1), (32, 16, 132, 4), (64, 16, 132, 2), (128, 16, 132, 1), (256, 4, 132, 1),

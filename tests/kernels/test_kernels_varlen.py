@@ -204,6 +204,7 @@ def _zigzag_case(dtype, seed=0, doc_lens=(5, 40, 1, 17, 33, 64), c=40, H=4, Hkv=
     return q, k, v, do, doc, rows
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(("window", "dtype"), [(None, torch.float32), (50, torch.bfloat16)], ids=str)
 def test_ring_steps_at_global_positions(window, dtype, backend):

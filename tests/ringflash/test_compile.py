@@ -65,6 +65,7 @@ def _kernel_opcheck_worker(rank, world, backend, device):
         torch.testing.assert_close(got, want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["reference", "triton", pytest.param("cudnn", marks=pytest.mark.gpu)])
 def test_kernel_ops_opcheck(backend):
     # Triton in the interpreter in the CPU suite, else on the GPU (tests/conftest.py).
@@ -123,15 +124,16 @@ def _compiled_model_worker(rank, world, compile_backend, layout, device="cpu", c
     return True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
-    "compile_backend,layout",
-    [("aot_eager", "zigzag"), ("aot_eager", "contiguous"), pytest.param("inductor", "zigzag", marks=pytest.mark.slow)],
+    "compile_backend,layout", [("aot_eager", "zigzag"), ("aot_eager", "contiguous"), ("inductor", "zigzag")]
 )
 def test_compiled_transformer_matches_eager(compile_backend, layout):
     args = (compile_backend, layout)
     assert run_ranks(_compiled_model_worker, 2, args=args, start_method=START, timeout_s=120) == [True, True]
 
 
+@pytest.mark.slow
 def test_compiled_transformer_with_ring_mask():
     # Packed documents and a window: the mask's Visibility tensors are op inputs, its plan ints
     # are graph constants; still one graph, no break.

@@ -265,6 +265,7 @@ def _compiled(rank, world):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_compile_fullgraph():
     """The whole HF model with the ring traces in one graph (no break in attention), same numbers."""
     run_ranks(_compiled, 2, timeout_s=240)

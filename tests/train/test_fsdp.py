@@ -70,6 +70,7 @@ def _fsdp_vs_ddp(rank, world, overrides):
         return measured
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "overrides",
     [
