@@ -20,7 +20,8 @@ import time
 import torch
 from benchlib import BENCHMARKS_DIR, record
 
-IMPLS = ("ring_attention", "sdpa", "flash_attention_2")
+# "sdpa:flash" / "sdpa:cudnn" pin SDPA's kernel (plain "sdpa" lets torch's dispatcher choose).
+IMPLS = ("ring_attention", "sdpa", "sdpa:flash", "sdpa:cudnn", "flash_attention_2")
 
 
 def build(impl: str, args) -> torch.nn.Module:
@@ -36,19 +37,25 @@ def build(impl: str, args) -> torch.nn.Module:
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    model.set_attn_implementation(impl)
+    model.set_attn_implementation(impl.split(":")[0])
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     return model
 
 
-def step_fn(model, n: int, args):
+def step_fn(model, n: int, args, impl: str):
+    from contextlib import nullcontext
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    pinned = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}.get(impl.partition(":")[2])
 
     def step():
         ids = torch.randint(0, args.vocab, (1, n), device="cuda")
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        loss.backward()
+        with sdpa_kernel(pinned) if pinned is not None else nullcontext():
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
@@ -65,7 +72,7 @@ def flops_per_step(params: int, n: int, args) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seqlens", type=int, nargs="+", default=[16384, 32768])
-    ap.add_argument("--impls", nargs="+", default=["ring_attention", "sdpa"], choices=IMPLS)
+    ap.add_argument("--impls", nargs="+", default=["ring_attention", "sdpa", "sdpa:flash", "sdpa:cudnn"], choices=IMPLS)
     ap.add_argument("--layers", type=int, default=22)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--ffn", type=int, default=5632)
@@ -86,7 +93,7 @@ def main() -> None:
             for impl in args.impls:
                 model = build(impl, args)
                 params = sum(p.numel() for p in model.parameters())
-                step, opt = step_fn(model, n, args)
+                step, opt = step_fn(model, n, args, impl)
                 step()  # compile, allocate the optimizer states
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
