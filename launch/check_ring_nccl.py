@@ -2,6 +2,17 @@
 
     torchrun --standalone --nproc_per_node=2 launch/check_ring_nccl.py [--tokens-per-rank 65536]
     torchrun --standalone --nproc_per_node=2 launch/check_ring_nccl.py --backend cudnn
+    torchrun --standalone --nproc_per_node=8 launch/check_ring_nccl.py --head-parallel 2   # hybrid: u=2 × r=4
+
+--head-parallel U (default 1, the ring alone): the head-parallel × ring hybrid (ringflash/hybrid.py)
+on a grid of U head ranks × r = world/U ring ranks, groups from `ringflash.hybrid_groups(U)`,
+inputs sharded by `shard(..., ring_rank, r, layout, head_rank=, head_world=U)` and passed with
+`group=ring_group, head_group=head_group`; U = world is pure head parallelism (a ring of one).
+The same checks against the same one-device references; the transports are the ring's (the
+head all-to-all is always the group's own). The disagreeing-transport check is the ring's only
+(with U > 1 ranks 0 and 1 sit in different rings, where transports need not agree); for the
+disagreeing-shape check, ranks outside rank 0's head group report "rank(s) ... rejected their
+inputs" rather than the field, which also passes.
 
 Every rank builds the same global q, k, v, do (generated on rank 0, broadcast), runs the ring on
 its shard, and compares its shard of o, lse, dq, dk, dv with
@@ -36,7 +47,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ringflash import nccl_options, ring_flash_attn_func, shard
+from ringflash import grid_coords, hybrid_groups, nccl_options, ring_flash_attn_func, shard
 from ringflash.kernels import attn_bwd, attn_fwd, get_backend
 from ringflash.transport import TRANSPORTS
 
@@ -72,6 +83,10 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", choices=("auto", "triton", "cudnn"), default="auto",
                    help="kernel backend (auto: Triton on CUDA, the reference on CPU)")
+    p.add_argument("--head-parallel", type=int, default=1, metavar="U",
+                   help="head ranks of the hybrid grid (U x world/U); 1: the ring alone")
+    p.add_argument("--transports", default=None,
+                   help="comma-separated ring transports (default: all on CUDA, nccl on CPU)")
     args = p.parse_args()
     backend = args.backend
 
@@ -84,6 +99,27 @@ def main() -> int:
     dist.init_process_group("nccl" if cuda else "gloo", pg_options=nccl_options() if cuda else None)
     rank, world = dist.get_rank(), dist.get_world_size()
     transports = TRANSPORTS if cuda else ("nccl",)  # copy engines need GPUs
+    if args.transports:
+        transports = tuple(args.transports.split(","))
+    u = args.head_parallel
+    if u < 1 or world % u or args.heads % u:
+        if rank == 0:
+            print(f"--head-parallel {u} must divide the world ({world}) and --heads ({args.heads})")
+        dist.destroy_process_group()
+        return 2
+    # Ring rank and ring size of this rank (the whole world when u = 1), and the hybrid's groups.
+    r_rank, h_rank = grid_coords(rank, u)
+    r_world = world // u
+    ring_group, head_group = hybrid_groups(u) if u > 1 else (None, None)
+
+    def sh(x: torch.Tensor, dim: int, layout: str = "zigzag") -> torch.Tensor:
+        """This rank's part of a global tensor: the ring's shard, or with u > 1 the grid's piece."""
+        if u == 1:
+            return shard(x, dim, rank, world, layout)
+        return shard(x, dim, r_rank, r_world, layout, head_rank=h_rank, head_world=u)
+
+    def attn(q, k, v, **kw):
+        return ring_flash_attn_func(q, k, v, group=ring_group, head_group=head_group, **kw)
     failures = 0
     try:
         B, N, H, Hkv, D = args.batch, args.tokens_per_rank * world, args.heads, args.kv_heads, args.head_dim
@@ -98,8 +134,9 @@ def main() -> int:
         for t in (q, k, v, do):  # identical inputs on every rank by construction
             dist.broadcast(t, src=0)
         if rank == 0:
+            grid = "ring" if u == 1 else f"hybrid u={u} head x r={r_world} ring"
             print(
-                f"ring over {world} {dist.get_backend()} ranks: B={B} N={N} ({args.tokens_per_rank}/rank) "
+                f"{grid} over {world} {dist.get_backend()} ranks: B={B} N={N} ({args.tokens_per_rank}/rank) "
                 f"H={H} Hkv={Hkv} "
                 f"D={D} {args.dtype}, {kernels_used} kernels"
             )
@@ -114,23 +151,19 @@ def main() -> int:
                 single = {"o": o1, "dq": dq1, "dk": dk1, "dv": dv1, "lse": lse1}
                 refs[causal] = (single, reference_fp32(q, k, v, do, causal))
             single, ref32 = refs[causal]
-            ql, kl, vl = (shard(t, 1, rank, world, layout).detach().requires_grad_() for t in (q, k, v))
-            o, lse, _ = ring_flash_attn_func(
+            ql, kl, vl = (sh(t, 1, layout).detach().requires_grad_() for t in (q, k, v))
+            o, lse, _ = attn(
                 ql, kl, vl, causal=causal, layout=layout, return_attn_probs=True, transport=transport, backend=backend
             )
-            dq, dk, dv = torch.autograd.grad(o, (ql, kl, vl), shard(do, 1, rank, world, layout))
+            dq, dk, dv = torch.autograd.grad(o, (ql, kl, vl), sh(do, 1, layout))
             rows = []
             for name, x in (("o", o), ("dq", dq), ("dk", dk), ("dv", dv)):
-                e_ring = rel_err(x, shard(ref32[name], 1, rank, world, layout))
-                e_single = rel_err(
-                    shard(single[name], 1, rank, world, layout), shard(ref32[name], 1, rank, world, layout)
-                )
+                e_ring = rel_err(x, sh(ref32[name], 1, layout))
+                e_single = rel_err(sh(single[name], 1, layout), sh(ref32[name], 1, layout))
                 ok = x.dtype == dtype and e_ring <= 2 * e_single + 1e-4 and e_ring < 3e-2
                 rows.append((name, e_ring, e_single, ok))
-            d_lse = (lse - shard(single["lse"], 2, rank, world, layout)).abs().nan_to_num(0.0).max().item()
-            lse_ok = d_lse < 1e-3 and torch.equal(
-                torch.isneginf(lse), torch.isneginf(shard(single["lse"], 2, rank, world, layout))
-            )
+            d_lse = (lse - sh(single["lse"], 2, layout)).abs().nan_to_num(0.0).max().item()
+            lse_ok = d_lse < 1e-3 and torch.equal(torch.isneginf(lse), torch.isneginf(sh(single["lse"], 2, layout)))
             failures += sum(not r[3] for r in rows) + (not lse_ok)
             # Report the worst rank: gather every rank's numbers to rank 0.
             stats = torch.tensor([[r[1], r[2], float(r[3])] for r in rows] + [[d_lse, 0.0, float(lse_ok)]], device=dev)
@@ -159,12 +192,12 @@ def main() -> int:
             del o, lse, dq, dk, dv
         first.clear()
         for transport in transports if cuda else ():  # neither the ring nor the cross-rank check may block the host
-            ql, kl, vl = (shard(t, 1, rank, world).detach().requires_grad_() for t in (q, k, v))
+            ql, kl, vl = (sh(t, 1).detach().requires_grad_() for t in (q, k, v))
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
             try:
-                o = ring_flash_attn_func(ql, kl, vl, causal=True, transport=transport, backend=backend)
-                torch.autograd.grad(o, (ql, kl, vl), shard(do, 1, rank, world))
+                o = attn(ql, kl, vl, causal=True, transport=transport, backend=backend)
+                torch.autograd.grad(o, (ql, kl, vl), sh(do, 1))
                 sync_msg = "none"
             except RuntimeError as e:
                 failures += 1
@@ -177,21 +210,20 @@ def main() -> int:
         # Ranks that disagree all raise, naming the field, and nothing is left in flight: the group
         # still runs a correct call afterwards. Rank 0 passes half its tokens, or (CUDA) moves its
         # blocks by copy engine while rank 1 uses NCCL.
-        ql, kl, vl = (shard(t, 1, rank, world) for t in (q, k, v))
+        ql, kl, vl = (sh(t, 1) for t in (q, k, v))
         half = ql.shape[1] // 2 if rank == 0 else ql.shape[1]
         disagreements = [("q.shape", half, "nccl")]
-        if cuda:
+        if cuda and u == 1:  # hybrid: ranks 0 and 1 are in different rings (see the docstring)
             disagreements.append(("transport", ql.shape[1], "copy-engine" if rank == 0 else "nccl"))
         for field, cut, transport in disagreements:
             try:
-                ring_flash_attn_func(
-                    ql[:, :cut], kl[:, :cut], vl[:, :cut], causal=True, transport=transport, backend=backend
-                )
+                attn(ql[:, :cut], kl[:, :cut], vl[:, :cut], causal=True, transport=transport, backend=backend)
                 mismatch_msg, mismatch_ok = "no error", False
             except ValueError as e:
-                mismatch_msg, mismatch_ok = str(e), f"{field} is" in str(e)
-            o = ring_flash_attn_func(ql, kl, vl, causal=True, backend=backend)
-            mismatch_ok = mismatch_ok and rel_err(o, shard(refs[True][1]["o"], 1, rank, world)) < 3e-2
+                mismatch_msg = str(e)
+                mismatch_ok = f"{field} is" in mismatch_msg or (u > 1 and "rejected their inputs" in mismatch_msg)
+            o = attn(ql, kl, vl, causal=True, backend=backend)
+            mismatch_ok = mismatch_ok and rel_err(o, sh(refs[True][1]["o"], 1)) < 3e-2
             failures += not mismatch_ok
             if rank == 0:
                 print(f"ranks with different {field}: {'ok' if mismatch_ok else 'FAIL'} ({mismatch_msg[:140]})")
