@@ -17,7 +17,7 @@
 #            256k sequence (strong); ring, head-parallel, hybrid, torch CP, each with the planner's
 #            prediction; appends to benchmarks/scaling.jsonl.
 #   train    launch/train.py: configs/hf_llama_1b_gpu.toml (~1.1B, transformers) at cp = 8 and at
-#            dp 2 x cp 4, 32k tokens, 30 steps; then configs/llama_8b_fsdp_128k.toml (Llama-3-8B's
+#            dp 2 x cp 4, 32k tokens, 30 steps; then configs/gpu8_llama8b_fsdp_128k.toml (Llama-3-8B's
 #            transformer in ringflash's own model, 256-token vocabulary: ~7.0B; FSDP2, cp = 8,
 #            128k tokens) if ringflash.train.memory.predict's peak fits 90% of a GPU (predicted
 #            29 GiB: it does on H100s). Needs N = 8 (the training steps are skipped below 8 GPUs).
@@ -146,7 +146,7 @@ fi
 
 # ---- 4. training --------------------------------------------------------------------------------
 if want train; then
-  BIG=configs/llama_8b_fsdp_128k.toml
+  BIG=configs/gpu8_llama8b_fsdp_128k.toml
   step train_8b_memory_prediction "$PY" - "$BIG" "$SMOKE" <<'EOF'
 import sys
 import torch
