@@ -58,7 +58,6 @@ class AttnSpec:
                   window: int | None = None) -> AttnSpec:
         """Packed documents (`cu_seqlens (n_docs + 1,)` over `total` tokens, batch 1): each token
         sees only its own document, causally and within `window` if asked."""
-        check_window(window, causal)
         return cls(intervals=varlen_visibility(cu_seqlens, total, causal=causal, window=window))
 
     @property

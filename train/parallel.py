@@ -263,9 +263,7 @@ def parallelize(model: nn.Module, pc: ParallelContext, cfg: Config) -> nn.Module
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    # Resolved once, for every layer: the ring is handed the backend's name, not left to read the environment.
-    device = next(model.parameters()).device
-    backend = kernels.get_backend(kernel_backend(cfg.parallel)[0], device).name
+    backend = _kernel_backend(model, cfg)
     for i, block in enumerate(model.blocks):
         # One code path for every cp: with a world-1 group the ring is a single local kernel call.
         # The cross-rank check stays on: shapes agree by construction (check_same_config), but
@@ -292,13 +290,24 @@ def parallelize(model: nn.Module, pc: ParallelContext, cfg: Config) -> nn.Module
             # Non-reentrant checkpointing replays the ring (and its communication) in backward;
             # every rank replays the same blocks in the same order, so the collectives still match.
             model.blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+    return _replicate_or_shard(model, pc, cfg)
+
+
+def _replicate_or_shard(model: nn.Module, pc: ParallelContext, cfg: Config) -> nn.Module:
+    """FSDP2 over dp × cp (`parallel.fsdp`), sharded in place, or DDP over the *whole* world, not
+    just dp: cp ranks hold different tokens of the same sequences, so their gradients are partial
+    sums that must be added too. DDP averages over the world size; `train.trainer` scales the
+    loss by it so the result is the global mean."""
     if cfg.parallel.fsdp:
         return shard_model(model, pc.dp_cp_mesh, fsdp_policy(cfg, pc.device))
-    # DDP over the *whole* world, not just dp: cp ranks hold different tokens of the same
-    # sequences, so their gradients are partial sums that must be added too. DDP averages over
-    # the world size; `train.trainer` scales the loss by it so the result is the global mean.
     device_ids = [pc.device.index] if pc.device.type == "cuda" else None
     return DDP(model, device_ids=device_ids, process_group=dist.group.WORLD)
+
+
+def _kernel_backend(model: nn.Module, cfg: Config) -> str:
+    """The kernel backend's name, resolved once for every layer: the ring is handed it rather than
+    left to read the environment."""
+    return kernels.get_backend(kernel_backend(cfg.parallel)[0], next(model.parameters()).device).name
 
 
 def transformer_blocks(model: nn.Module) -> nn.ModuleList:
@@ -379,8 +388,7 @@ def parallelize_hf(model: nn.Module, pc: ParallelContext, cfg: Config) -> nn.Mod
     checkpointing (HF's own, non-reentrant) and DDP over the whole world or FSDP2, as for the small model."""
     import ringflash.hf
 
-    device = next(model.parameters()).device
-    backend = kernels.get_backend(kernel_backend(cfg.parallel)[0], device).name
+    backend = _kernel_backend(model, cfg)
     model.context = ringflash.hf.RingContext(pc.cp_group, cfg.parallel.layout, backend, cfg.parallel.transport)
     model.hf.set_attn_implementation(ringflash.hf.ATTN_IMPLEMENTATION)
     if cfg.train.compile:  # the norms and MLPs of every decoder layer; attention stays eager, as above
@@ -390,10 +398,7 @@ def parallelize_hf(model: nn.Module, pc: ParallelContext, cfg: Config) -> nn.Mod
                     setattr(layer, name, torch.compile(getattr(layer, name)))
     if cfg.train.activation_checkpointing:
         model.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if cfg.parallel.fsdp:
-        return shard_model(model, pc.dp_cp_mesh, fsdp_policy(cfg, pc.device))
-    device_ids = [pc.device.index] if pc.device.type == "cuda" else None
-    return DDP(model, device_ids=device_ids, process_group=dist.group.WORLD)
+    return _replicate_or_shard(model, pc, cfg)
 
 
 def shard_batch(

@@ -106,16 +106,26 @@ class RingComm:
             )
         return False
 
-    def _check_pair(self, send: torch.Tensor, recv: torch.Tensor) -> None:
-        if self.world == 1:
-            raise RuntimeError("a ring of one rank has nobody to send to (a rank cannot send to itself)")
+    def _check_pair(self, send: torch.Tensor, recv: torch.Tensor, what: str = "send and recv") -> None:
         if not (send.is_contiguous() and recv.is_contiguous()):
-            raise ValueError("send and recv buffers must be contiguous")
+            raise ValueError(f"{what} buffers must be contiguous")
         if send.shape != recv.shape or send.dtype != recv.dtype or send.device != recv.device:
             raise ValueError(
-                f"send and recv buffers must match: {send.shape}/{send.dtype}/{send.device} vs "
+                f"{what} buffers must match: {send.shape}/{send.dtype}/{send.device} vs "
                 f"{recv.shape}/{recv.dtype}/{recv.device}"
             )
+
+    def _stage(self, send: torch.Tensor, recv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`(src, dst, host_recv)`: the buffers the collective moves. CUDA buffers on a gloo-only
+        group go through pinned host memory; gloo reads the host copy from its own thread as soon
+        as the operation is posted, so the device-to-host copy must have finished first."""
+        if not self._staged(send.device):
+            return send, recv, None
+        host_send = torch.empty(send.shape, dtype=send.dtype, pin_memory=True)
+        host_recv = torch.empty(recv.shape, dtype=recv.dtype, pin_memory=True)
+        host_send.copy_(send, non_blocking=True)
+        torch.cuda.current_stream(send.device).synchronize()
+        return host_send, host_recv, host_recv
 
     def send_recv(self, send: torch.Tensor, recv: torch.Tensor, tag: int = 0) -> _Transfer:
         """Post: `send` to the next rank, the previous rank's buffer into `recv`. Returns at once.
@@ -124,15 +134,10 @@ class RingComm:
         `recv` not read either. Concurrent transfers (K/V and dK/dV in the backward) take
         different `tag`s so gloo can never pair one's send with the other's receive.
         """
+        if self.world == 1:
+            raise RuntimeError("a ring of one rank has nobody to send to (a rank cannot send to itself)")
         self._check_pair(send, recv)
-        host_send = host_recv = None
-        src, dst = send, recv
-        if self._staged(send.device):
-            host_send = torch.empty(send.shape, dtype=send.dtype, pin_memory=True)
-            host_recv = torch.empty(recv.shape, dtype=recv.dtype, pin_memory=True)
-            host_send.copy_(send, non_blocking=True)
-            torch.cuda.current_stream(send.device).synchronize()  # gloo reads host_send right away
-            src, dst = host_send, host_recv
+        src, dst, host_recv = self._stage(send, recv)
         ops = [
             dist.P2POp(dist.isend, src, self.next_peer, self.group, tag),
             dist.P2POp(dist.irecv, dst, self.prev_peer, self.group, tag),
@@ -148,23 +153,13 @@ class RingComm:
         buffers on a gloo-only group are staged through pinned host memory as in `send_recv`.
         `tag` is accepted for the interface: a collective is matched by its order, not a tag.
         """
-        if send.shape != recv.shape or send.dtype != recv.dtype or send.device != recv.device:
-            raise ValueError(f"all_to_all buffers must match: {send.shape}/{send.dtype} vs {recv.shape}/{recv.dtype}")
-        if not (send.is_contiguous() and recv.is_contiguous()):
-            raise ValueError("all_to_all buffers must be contiguous")
+        self._check_pair(send, recv, "all_to_all")
         if send.shape[0] % self.world:
             raise ValueError(f"all_to_all: dim 0 of size {send.shape[0]} does not split over {self.world} ranks")
         if self.world == 1:
             recv.copy_(send)
             return _Transfer([])
-        host_send = host_recv = None
-        src, dst = send, recv
-        if self._staged(send.device):
-            host_send = torch.empty(send.shape, dtype=send.dtype, pin_memory=True)
-            host_recv = torch.empty(recv.shape, dtype=recv.dtype, pin_memory=True)
-            host_send.copy_(send, non_blocking=True)
-            torch.cuda.current_stream(send.device).synchronize()  # gloo reads host_send right away
-            src, dst = host_send, host_recv
+        src, dst, host_recv = self._stage(send, recv)
         work = dist.all_to_all_single(dst, src, group=self.group, async_op=True)
         return _Transfer([work], recv, src, host_recv)
 
