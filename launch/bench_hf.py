@@ -2,6 +2,7 @@
 
     python launch/bench_hf.py                                   # ~1.1B Llama shape, 16k and 32k tokens
     python launch/bench_hf.py --seqlens 8192 --layers 2 --impls ring_attention sdpa --no-record
+    python launch/bench_hf.py --seqlens 16384 --layers 4 --profile 15   # where each one's GPU time goes
 
 One GPU, random init, bf16 weights with float32 AdamW states, activation checkpointing (HF's,
 non-reentrant) for every implementation, batch 1. Each step is forward + backward + optimizer
@@ -20,8 +21,9 @@ import time
 import torch
 from benchlib import BENCHMARKS_DIR, record
 
-# "sdpa:flash" / "sdpa:cudnn" pin SDPA's kernel (plain "sdpa" lets torch's dispatcher choose).
-IMPLS = ("ring_attention", "sdpa", "sdpa:flash", "sdpa:cudnn", "flash_attention_2")
+# "sdpa:flash" / "sdpa:cudnn" pin SDPA's kernel (plain "sdpa" lets torch's dispatcher choose);
+# "ring_attention:cudnn" runs the ring on ringflash's cuDNN kernel backend (plain: the Triton one).
+IMPLS = ("ring_attention", "ring_attention:cudnn", "sdpa", "sdpa:flash", "sdpa:cudnn", "flash_attention_2")
 
 
 def build(impl: str, args) -> torch.nn.Module:
@@ -43,17 +45,29 @@ def build(impl: str, args) -> torch.nn.Module:
     return model
 
 
-def step_fn(model, n: int, args, impl: str):
+def kernel_choice(impl: str):
+    """The context an implementation's steps run in: SDPA pinned to one kernel, or the ring on a
+    given kernel backend, or nothing."""
     from contextlib import nullcontext
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    import ringflash.hf
+
+    name, _, kernel = impl.partition(":")
+    if not kernel:
+        return nullcontext()
+    if name == "ring_attention":
+        return ringflash.hf.context_parallel(backend=kernel)
+    return sdpa_kernel({"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[kernel])
+
+
+def step_fn(model, n: int, args, impl: str):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-    pinned = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}.get(impl.partition(":")[2])
 
     def step():
         ids = torch.randint(0, args.vocab, (1, n), device="cuda")
-        with sdpa_kernel(pinned) if pinned is not None else nullcontext():
+        with kernel_choice(impl):
             loss = model(input_ids=ids, labels=ids, use_cache=False).loss
             loss.backward()
         opt.step()
@@ -67,6 +81,29 @@ def flops_per_step(params: int, n: int, args) -> float:
     head_dim = args.hidden // args.heads
     attn = 3.5 * 2.0 * n * n * args.heads * head_dim * args.layers  # causal: half of 4·N²·H·D, fwd + 2.5× bwd
     return 6.0 * params * n + attn
+
+
+def profile(args) -> None:
+    """One step of each implementation under torch.profiler: its GPU time by kernel, the top rows."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    for n in args.seqlens:
+        for impl in args.impls:
+            model = build(impl, args)
+            step, opt = step_fn(model, n, args, impl)
+            step()
+            torch.cuda.synchronize()
+            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                step()
+                torch.cuda.synchronize()
+            events = prof.key_averages()
+            total = sum(e.self_device_time_total for e in events) / 1e3
+            print(f"\n== {impl}, {n} tokens, {args.layers} layers: {total:.1f} ms of GPU time", flush=True)
+            print(events.table(sort_by="self_device_time_total", row_limit=args.profile, max_name_column_width=70),
+                  flush=True)
+            del model, opt, step
+            torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -83,7 +120,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--record-to", type=str, default=str(BENCHMARKS_DIR))
     ap.add_argument("--no-record", action="store_true")
+    ap.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                    help="instead: one profiled step per implementation, its top ROWS kernels by GPU time")
     args = ap.parse_args()
+    if args.profile:
+        return profile(args)
     rows = []
     for n in args.seqlens:
         times: dict[str, list[float]] = {impl: [] for impl in args.impls}
@@ -116,7 +157,7 @@ def main() -> None:
         args=dict(layers=args.layers, hidden=args.hidden, ffn=args.ffn, heads=args.heads, kv_heads=args.kv_heads,
                   vocab=args.vocab, dtype="bf16 weights, fp32 AdamW", activation_checkpointing=True, batch=1,
                   steps=args.steps, rounds=args.rounds),
-        peers=[i for i in args.impls if i != "ring_attention"],
+        peers=[i for i in args.impls if not i.startswith("ring_attention")],
         notes="Median step time over the rounds; implementations alternate per round; peak = the largest "
               "max_memory_allocated of its rounds.",
         directory=None if args.no_record else __import__("pathlib").Path(args.record_to),

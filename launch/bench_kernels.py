@@ -3,9 +3,10 @@
     python launch/bench_kernels.py                      # the full table, appended to benchmarks/kernels.jsonl
     python launch/bench_kernels.py --seqlens 4096 --head-dims 128 --no-flex   # quicker
     python launch/bench_kernels.py --masks              # packed documents and sliding windows
+    python launch/bench_kernels.py --group 8 --tokens 16384 --seqlens 16384 --head-dims 64   # GQA 32/4, a 1B Llama's
     python launch/benchmarks_md.py                      # then: BENCHMARKS.md and docs/bench_kernels.png
 
-bf16, B·N = 32k tokens, H·D = 2048, causal and not. FLOPs in FlashAttention's convention
+bf16, B·N = 32k tokens, H·D = 2048, causal and not; `--group G` gives K and V H/G heads (GQA). FLOPs in FlashAttention's convention
 (forward 4·B·H·N²·D, halved when causal; backward 2.5× forward). Each implementation is timed in
 its native layout (SDPA and Flex take (B, H, N, D); ours (B, N, H, D)), the backward without the
 forward, through `torch.autograd.grad` for the peers. Also measures the device's ceilings in the
@@ -49,7 +50,7 @@ def _sdpa(backend):
 
         def fwd():
             with sdpa_kernel(chosen):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
 
         o = fwd()
         bwd = lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
@@ -69,7 +70,7 @@ def _flex(q, k, v, do, causal):
     N = q.shape[2]
     mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, N, N) if causal else None
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    fwd = lambda: compiled(q, k, v, block_mask=mask)
+    fwd = lambda: compiled(q, k, v, block_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
     o = fwd()
     bwd = lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
     return fwd, bwd
@@ -93,6 +94,7 @@ def main() -> None:
     ap.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--tokens", type=int, default=32768, help="B·N")
     ap.add_argument("--hidden", type=int, default=2048, help="H·D")
+    ap.add_argument("--group", type=int, default=1, help="query heads per K/V head (GQA; 1: MHA)")
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (it compiles for ~1 min)")
     ap.add_argument("--record-to", type=Path, default=BENCHMARKS_DIR, help="directory of the JSON-lines records")
     ap.add_argument("--no-record", action="store_true", help="print only")
@@ -111,9 +113,11 @@ def main() -> None:
         for N in args.seqlens:
             for causal in (True, False):
                 B, H = args.tokens // N, args.hidden // D
+                if H % args.group:
+                    raise SystemExit(f"--group {args.group} must divide the {H} heads of D = {D}")
                 g = torch.Generator(device="cuda").manual_seed(0)
-                q, k, v, do = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, generator=g)
-                               for _ in range(4))
+                q, k, v, do = (torch.randn(B, H // args.group if i in (1, 2) else H, N, D, device="cuda",
+                                           dtype=torch.bfloat16, generator=g) for i in range(4))
                 f_fwd, f_bwd = (attn_flops(B, H, N, N, D, causal, m) for m in ("fwd", "bwd"))
                 measured = {}
                 for name, make in impls.items():
@@ -127,14 +131,17 @@ def main() -> None:
                     torch.cuda.empty_cache()
                 base = measured.get("sdpa-flash", (float("nan"),) * 3)[2]
                 for name, (tf, tb, tfb) in measured.items():
-                    rows.append((name, D, N, B, H, "yes" if causal else "no", tf, tb, tfb, tfb / base))
+                    rows.append((name, D, N, B, f"{H}/{H // args.group}" if args.group > 1 else H,
+                                 "yes" if causal else "no", tf, tb, tfb, tfb / base))
                 print(markdown_table(["impl", "D", "N", "B", "H", "causal", "fwd", "bwd", "fwd+bwd", "vs flash"],
                                      rows[-len(measured):]), flush=True)
     headers = ["impl", "D", "N", "B", "H", "causal", "fwd TFLOP/s", "bwd TFLOP/s", "fwd+bwd TFLOP/s",
                "fwd+bwd ÷ sdpa-flash"]
-    record("kernels", f"Kernels: bf16 attention, B·N = {args.tokens}, H·D = {args.hidden}", headers, rows,
+    # GQA runs get their own title: the plot draws the newest MHA table (benchmarks_md.plot_kernels).
+    kind = f"GQA ({args.group} query heads per K/V head) attention" if args.group > 1 else "attention"
+    record("kernels", f"Kernels: bf16 {kind}, B·N = {args.tokens}, H·D = {args.hidden}", headers, rows,
            args=dict(dtype="bf16", tokens=args.tokens, hidden=args.hidden, head_dims=args.head_dims,
-                     seqlens=args.seqlens),
+                     seqlens=args.seqlens, **({"group": args.group} if args.group > 1 else {})),
            peers=list(dict.fromkeys(row[0] for row in rows if row[0] != "ringflash")),  # those that ran
            ceilings={"matmul_tflops": matmul_tflops(), "copy_tbps": copy_tbps()}, directory=record_to)
 
