@@ -121,6 +121,11 @@ def test_tuned_tiles_fit_shared_memory(monkeypatch):
             tile = tuning.tile_for(kernel, head_dim, descriptors)
             assert _staged_kib(kernel, tile, head_dim) <= limit, (kernel, head_dim, descriptors, tile)
     assert tuning.tile_for("fwd", 128, True) != tuning.tile_for("fwd", 128, False)  # the case that needs both
+    for (kernel, head_dim), tile in tuning.GQA_TUNED.items():
+        assert _staged_kib(kernel, tile, head_dim) <= 227, (kernel, head_dim, tile)
+        assert tuning.tile_for(kernel, head_dim, True, group=tuning.GQA_MIN_GROUP) == tile
+        assert tuning.tile_for(kernel, head_dim, True, group=tuning.GQA_MIN_GROUP // 2) == tuning.TUNED[kernel, head_dim]
+        assert tuning.tile_for(kernel, head_dim, False, group=tuning.GQA_MIN_GROUP) != tile  # measured with TMA only
 
 
 @triton.jit
@@ -330,6 +335,7 @@ GPU_SHAPES = [
     (1, 1000, 3001, 4, 2, 32),
     (1, 1536, 1536, 4, 4, 256),
     (1, 16384, 16384, 2, 1, 128),
+    (1, 2000, 2000, 8, 1, 64),  # 8 query heads per K/V head: dK/dV's GQA tile (kernels/tuning.py), ragged end
 ]
 
 
