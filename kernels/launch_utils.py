@@ -92,13 +92,14 @@ def kernel_inputs(kernel: str, tensors: tuple[torch.Tensor, ...], tile: Tile | N
                   block_d: int) -> tuple[tuple, Tile | None, bool]:
     """One kernel's `(q, k, v[, do])` arguments, its tile and its TMA flag.
 
-    Descriptors sized for the kernel's tile (from `tile_for`, with q's heads per K/V head) where
+    Descriptors sized for the kernel's tile (from `tile_for`, with q's heads per K/V head and length) where
     `tma_ok`, else the tensors themselves. A descriptor serves one tile shape, so there are none
     while autotuning picks among several.
     """
     if (tile is None and autotuning()) or not tma_ok(*tensors, block_d=block_d):
         return tensors, tile, False
-    tile = tile or tile_for(kernel, block_d, descriptors=True, group=tensors[0].shape[2] // tensors[1].shape[2])
+    q, k = tensors[:2]
+    tile = tile or tile_for(kernel, block_d, descriptors=True, group=q.shape[2] // k.shape[2], queries=q.shape[1])
     q_rows, kv_rows = (tile[1], tile[0]) if kernel == "dkdv" else (tile[0], tile[1])
     rows = (q_rows, kv_rows, kv_rows, q_rows)
     return tuple(row_descriptor(t, n) for t, n in zip(tensors, rows)), tile, True

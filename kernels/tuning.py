@@ -57,10 +57,13 @@ POINTER_TUNED: dict[tuple[str, int], Tile] = {
 
 # dK/dV under GQA with descriptor loads: each program loops over the query heads sharing its K/V
 # head, so the grid has GROUP times fewer, longer programs, and at 8 or more query heads per K/V
-# head (a 1B Llama's 32/4) its causal tail dominates: 64-key tiles give twice the programs.
-# Measured at N = 16k, B = 1 (docs/PERF_NOTES.md, "GQA tiles"); D = 128 and groups of 4 keep TUNED.
+# head (a 1B Llama's 32/4) its causal tail dominates up to 16k queries: 64-key tiles give twice the
+# programs. Beyond that they lose: twice the programs stream the group's Q and dO twice as often,
+# and at 32k those (GROUP·Nq·D·4 bytes, 64 MB at 8 × 64) outgrow the L2 (docs/PERF_NOTES.md,
+# "GQA tiles"). D = 128 and groups of 4 keep TUNED.
 GQA_TUNED: dict[tuple[str, int], Tile] = {("dkdv", 64): (64, 64, 4, 3)}
 GQA_MIN_GROUP = 8
+GQA_MAX_QUERIES = 16384
 
 INTERPRETER_TILE: Tile = (64, 32, 4, 1)  # several key blocks per query block even on tiny shapes
 
@@ -75,13 +78,13 @@ def autotuning() -> bool:
     return os.environ.get("RINGFLASH_AUTOTUNE", "0") == "1" and not interpreting()
 
 
-def tile_for(kernel: str, block_d: int, descriptors: bool = False, group: int = 1) -> Tile:
+def tile_for(kernel: str, block_d: int, descriptors: bool = False, group: int = 1, queries: int = 0) -> Tile:
     """The tuned tile for `kernel` at `block_d`, for descriptor (TMA) loads or pointer loads, with
-    `group` query heads per K/V head."""
+    `group` query heads per K/V head and `queries` query rows."""
     if interpreting():
         return INTERPRETER_TILE
     key = (kernel, min(max(block_d, 32), 256))
-    if descriptors and group >= GQA_MIN_GROUP and key in GQA_TUNED:
+    if descriptors and group >= GQA_MIN_GROUP and queries <= GQA_MAX_QUERIES and key in GQA_TUNED:
         return GQA_TUNED[key]
     return TUNED[key] if descriptors else POINTER_TUNED.get(key, TUNED[key])
 

@@ -126,6 +126,8 @@ def test_tuned_tiles_fit_shared_memory(monkeypatch):
         assert tuning.tile_for(kernel, head_dim, True, group=tuning.GQA_MIN_GROUP) == tile
         assert tuning.tile_for(kernel, head_dim, True, group=tuning.GQA_MIN_GROUP // 2) == tuning.TUNED[kernel, head_dim]
         assert tuning.tile_for(kernel, head_dim, False, group=tuning.GQA_MIN_GROUP) != tile  # measured with TMA only
+        assert tuning.tile_for(kernel, head_dim, True, group=tuning.GQA_MIN_GROUP,
+                               queries=tuning.GQA_MAX_QUERIES + 1) == tuning.TUNED[kernel, head_dim]
 
 
 @triton.jit
