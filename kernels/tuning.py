@@ -59,7 +59,7 @@ POINTER_TUNED: dict[tuple[str, int], Tile] = {
 # head, so the grid has GROUP times fewer, longer programs, and at 8 or more query heads per K/V
 # head (a 1B Llama's 32/4) its causal tail dominates up to 16k queries: 64-key tiles give twice the
 # programs. Beyond that they lose: twice the programs stream the group's Q and dO twice as often,
-# and at 32k those (GROUP·Nq·D·4 bytes, 64 MB at 8 × 64) outgrow the L2 (docs/PERF_NOTES.md,
+# and at 32k those (GROUP·Nq·D·4 bytes, 64 MB at 8 × 64) likely outgrow the L2 (docs/PERF_NOTES.md,
 # "GQA tiles"). D = 128 and groups of 4 keep TUNED.
 GQA_TUNED: dict[tuple[str, int], Tile] = {("dkdv", 64): (64, 64, 4, 3)}
 GQA_MIN_GROUP = 8

@@ -2,7 +2,7 @@
 
     python -m ringflash.plan --heads 32 --kv-heads 8 --head-dim 128 --layers 32 \\
         --seqlen 1M --gpus-per-node 8 --nodes 16
-    python -m ringflash.plan --validate            # predicted vs measured, benchmarks/ring.jsonl
+    python -m ringflash.plan --validate            # predicted vs measured, benchmarks/ring.jsonl, scaling.jsonl
 
 For a grid of `u` head-parallel × `r` ring ranks (ringflash/hybrid.py; u = 1 the ring, r = 1
 pure head parallelism) and a transport for the ring's blocks, the forward + backward time of one
@@ -87,7 +87,9 @@ class KernelRates:
     @classmethod
     def from_records(cls, path: Path = REPO / "benchmarks" / "kernels.jsonl") -> KernelRates:
         records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-        records = [r for r in records if any(x.get("impl") == "ringflash" and "N" in x for x in r.get("results", []))]
+        # Dense MHA tables only: a GQA run (args.group) covers one head dim and its own tiles.
+        records = [r for r in records if (r.get("args") or {}).get("group", 1) == 1
+                   and any(x.get("impl") == "ringflash" and "N" in x for x in r.get("results", []))]
         newest = max(records, key=lambda r: r["date"])
         table: dict = {}
         for x in newest["results"]:
@@ -220,13 +222,21 @@ def plan(
 
 
 def validation_rows(path: Path = REPO / "benchmarks" / "ring.jsonl", c: Cluster | None = None,
-                    rates: KernelRates | None = None) -> list[dict]:  # fmt: skip
+                    rates: KernelRates | None = None,
+                    scaling: Path | None = REPO / "benchmarks" / "scaling.jsonl") -> list[dict]:  # fmt: skip
     """Predicted vs measured fwd+bwd ms for every multi-GPU ringflash row of benchmarks/ring.jsonl
-    (dense masks only; rows without a shape take the records' common one, B=1 H=16 Hkv=16 D=128)."""
+    (dense masks only; rows without a shape take the records' common one, B=1 H=16 Hkv=16 D=128),
+    then for every ring, head-parallel and hybrid row of `scaling` (launch/bench_scaling.py)."""
     c, rates = c or Cluster(), rates or KernelRates.from_records()
     rows = []
-    for i, line in enumerate(Path(path).read_text().splitlines()):
-        rec = json.loads(line)
+
+    def row(source, i, rec, m, world, u, layout, tokens, measured):
+        ms = predict(m, tokens * world, c, u, world // u, "nccl", layout, rates).time_s * 1e3
+        rows.append(dict(source=source, record=i, date=rec.get("date", "")[:10], W=world, grid=f"{u}×{world // u}",
+                         shape=f"{m.heads}/{m.kv_heads}/{m.head_dim}", layout=layout, tokens=tokens,
+                         measured=measured, predicted=round(ms, 2), error=round((ms - measured) / measured, 3)))
+
+    for i, rec in enumerate(_records(path)):
         a = rec.get("args", {})
         for x in rec.get("results", []):
             if "fwd+bwd ms" not in x or "tokens/rank" not in x or x.get("impl", "ringflash") != "ringflash":
@@ -236,20 +246,30 @@ def validation_rows(path: Path = REPO / "benchmarks" / "ring.jsonl", c: Cluster 
             world = x.get("W") or a.get("world") or int(rec["title"].split(" ranks")[0].split()[-1])
             m = Model(a.get("heads", 16), a.get("kv_heads", 16), a.get("head_dim", 128), batch=a.get("batch", 1),
                       causal=a.get("causal", True))  # fmt: skip
-            layout = x.get("layout", "zigzag")
-            p = predict(m, x["tokens/rank"] * world, c, 1, world, "nccl", layout, rates)
-            ms = p.time_s * 1e3
-            rows.append(dict(record=i, date=rec.get("date", "")[:10], W=world, layout=layout, tokens=x["tokens/rank"],
-                             measured=x["fwd+bwd ms"], predicted=round(ms, 2),
-                             error=round((ms - x["fwd+bwd ms"]) / x["fwd+bwd ms"], 3)))  # fmt: skip
+            row("ring", i, rec, m, world, 1, x.get("layout", "zigzag"), x["tokens/rank"], x["fwd+bwd ms"])
+    for i, rec in enumerate(_records(scaling) if scaling is not None and Path(scaling).exists() else []):
+        a = rec["args"]
+        if a.get("smoke"):
+            continue
+        for x in rec["results"]:
+            if x["impl"] not in ("ring", "head-parallel", "hybrid"):
+                continue
+            m = Model(*a["shapes"][x["shape"]], causal=a.get("causal", True))
+            row("scaling", i, rec, m, x["W"], x["u"], a.get("layout", "zigzag"), x["tokens/GPU"], x["fwd+bwd ms"])
     return rows
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
 def validation_table(rows: list[dict]) -> str:
     errs = sorted(abs(r["error"]) for r in rows)
-    lines = ["| record | date | W | layout | tokens/rank | measured ms | predicted ms | error |", "|" + "---|" * 8]
-    lines += [f"| {r['record']} | {r['date']} | {r['W']} | {r['layout']} | {r['tokens']} | {r['measured']} | "
-              f"{r['predicted']} | {r['error']:+.1%} |" for r in rows]  # fmt: skip
+    cols = ("source", "record", "date", "W", "grid", "shape", "layout", "tokens")
+    lines = ["| source | record | date | W | grid u×r | H/Hkv/D | layout | tokens/GPU | measured ms | predicted ms "
+             "| error |", "|" + "---|" * 11]  # fmt: skip
+    lines += ["| " + " | ".join(str(r[k]) for k in cols) + f" | {r['measured']} | {r['predicted']} | {r['error']:+.1%} |"
+              for r in rows]  # fmt: skip
     lines.append(f"\n{len(rows)} rows: median |error| {errs[len(errs) // 2]:.1%}, "
                  f"90th percentile {errs[int(0.9 * (len(errs) - 1))]:.1%}, max {errs[-1]:.1%}.")  # fmt: skip
     return "\n".join(lines)
@@ -273,7 +293,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seqlen", type=_tokens, default=_tokens("1M"), help="global tokens, e.g. 131072, 128k, 1M")
     p.add_argument("--layout", default="zigzag", choices=("zigzag", "contiguous"))
     p.add_argument("--non-causal", action="store_true")
-    p.add_argument("--validate", action="store_true", help="print predicted vs measured for benchmarks/ring.jsonl")
+    p.add_argument("--validate", action="store_true", help="print predicted vs measured for benchmarks/ring.jsonl and scaling.jsonl")
     for f in Cluster.__dataclass_fields__.values():
         p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
     a = p.parse_args(argv)
