@@ -54,6 +54,8 @@ from ringflash.kernels.tiles import (
 )
 from ringflash.kernels.tuning import Tile, launch
 
+PAIR_CAUSAL_DKDV = True  # causal dK/dV programs take two key blocks each (see _bwd_dkdv)
+
 
 @triton.jit
 def _bwd_preprocess(
@@ -123,22 +125,19 @@ def _dkdv_inner(
 
 
 @triton.jit
-def _bwd_dkdv(
-    Q, K, V, DO, LSE, Delta, DK, DV, DKA, DVA,
+def _dkdv_block(
+    start_n, off_b, off_hkv, Q, K, V, DO, LSE, Delta, DK, DV, DKA, DVA,
     stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
     stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
     stride_dkab, stride_dkan, stride_dkah, stride_dvab, stride_dvan, stride_dvah,
     KV_LO, KV_HI, Q_LO, Q_HI, stride_rqb, stride_rkb,
-    Hkv, Nq, Nk, qk_scale, softmax_scale, n_sms,
+    Hkv, Nq, Nk, qk_scale, softmax_scale,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, RANGES: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    rank, off_bh = heaviest_first(n_sms)
-    start_n = rank * BLOCK_N  # first key blocks first: under a causal mask every query sees them
-    off_b = off_bh // Hkv
-    off_hkv = off_bh % Hkv
+    """dK, dV of the key block at `start_n` of K/V head `off_hkv`: computed and stored."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
 
@@ -201,6 +200,39 @@ def _bwd_dkdv(
                dk.to(DK.dtype.element_ty), offs_n, offs_d, Nk, HEAD_DIM, BLOCK_D)
     store_tile(tile_ptrs(DV, off_b, off_hkv, offs_n, offs_d, stride_dvb, stride_dvn, stride_dvh),
                dv.to(DV.dtype.element_ty), offs_n, offs_d, Nk, HEAD_DIM, BLOCK_D)
+
+
+@triton.jit
+def _bwd_dkdv(
+    Q, K, V, DO, LSE, Delta, DK, DV, DKA, DVA,
+    stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
+    stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+    stride_dkab, stride_dkan, stride_dkah, stride_dvab, stride_dvan, stride_dvah,
+    KV_LO, KV_HI, Q_LO, Q_HI, stride_rqb, stride_rkb,
+    Hkv, Nq, Nk, qk_scale, softmax_scale, n_sms,
+    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, RANGES: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, TMA: tl.constexpr,
+    PAIRED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # PAIRED (causal): program i takes key blocks i and n-1-i, which together see n+1 query
+    # blocks' worth of rows: every program is equally long and the grid ends without a tail.
+    rank, off_bh = heaviest_first(n_sms)
+    off_b = off_bh // Hkv
+    off_hkv = off_bh % Hkv
+    n_blocks = tl.cdiv(Nk, BLOCK_N)
+    n_halves: tl.constexpr = 2 if PAIRED else 1
+    for half in tl.static_range(n_halves):
+        block = rank if half == 0 else n_blocks - 1 - rank  # first key blocks first: every query sees them
+        if block >= rank + half:  # the second half of the middle program of an odd count: done already
+            _dkdv_block(block * BLOCK_N, off_b, off_hkv, Q, K, V, DO, LSE, Delta, DK, DV, DKA, DVA,
+                        stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
+                        stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
+                        stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+                        stride_dkab, stride_dkan, stride_dkah, stride_dvab, stride_dvan, stride_dvah,
+                        KV_LO, KV_HI, Q_LO, Q_HI, stride_rqb, stride_rkb, Hkv, Nq, Nk, qk_scale, softmax_scale,
+                        HEAD_DIM, GROUP, CAUSAL, RANGES, UPCAST, PRECISION, ACCUMULATE, TMA, BLOCK_N, BLOCK_M,
+                        BLOCK_D)
 
 
 @triton.jit
@@ -376,11 +408,12 @@ def triton_attn_bwd(
     tiles = tiles or {}
     dqa, dka, dva = sums or out  # placeholders, never read, without sums
     srcs, tile, tma = kernel_inputs("dkdv", (q, k, v, do), tiles.get("dkdv"), BD)
-    launch("dkdv", _bwd_dkdv, lambda meta: (triton.cdiv(Nk, meta["BLOCK_N"]), B * Hkv),
+    paired = PAIR_CAUSAL_DKDV and common["CAUSAL"]
+    launch("dkdv", _bwd_dkdv, lambda meta: (triton.cdiv(triton.cdiv(Nk, meta["BLOCK_N"]), 1 + paired), B * Hkv),
            (*srcs, lse, delta, dk, dv, dka, dva, *strides_in, *bhnd_strides(dk), *bhnd_strides(dv),
             *bhnd_strides(dka), *bhnd_strides(dva), *kv_ranges[:2], *q_ranges[:2], kv_ranges[2], q_ranges[2],
             Hkv, Nq, Nk, scale * LOG2E, scale, num_sms(q.device)),
-           dict(common, ACCUMULATE=sums is not None, TMA=tma), tile)
+           dict(common, ACCUMULATE=sums is not None, TMA=tma, PAIRED=paired), tile)
     if after_dkdv is not None:
         after_dkdv()
     srcs, tile, tma = kernel_inputs("dq", (q, k, v, do), tiles.get("dq"), BD)
