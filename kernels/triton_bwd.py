@@ -52,9 +52,7 @@ from ringflash.kernels.tiles import (
     tile_ptrs,
     visible_keys,
 )
-from ringflash.kernels.tuning import Tile, launch
-
-PAIR_CAUSAL_DKDV = True  # causal dK/dV programs take two key blocks each (see _bwd_dkdv)
+from ringflash.kernels.tuning import GQA_MIN_GROUP, Tile, launch
 
 
 @triton.jit
@@ -217,6 +215,7 @@ def _bwd_dkdv(
 ):
     # PAIRED (causal): program i takes key blocks i and n-1-i, which together see n+1 query
     # blocks' worth of rows: every program is equally long and the grid ends without a tail.
+    # (Each block's gradients are computed as unpaired, so they are bit-identical.)
     rank, off_bh = heaviest_first(n_sms)
     off_b = off_bh // Hkv
     off_hkv = off_bh % Hkv
@@ -408,7 +407,9 @@ def triton_attn_bwd(
     tiles = tiles or {}
     dqa, dka, dva = sums or out  # placeholders, never read, without sums
     srcs, tile, tma = kernel_inputs("dkdv", (q, k, v, do), tiles.get("dkdv"), BD)
-    paired = PAIR_CAUSAL_DKDV and common["CAUSAL"]
+    # Paired only under GQA of 8+ heads a K/V head: there one head's programs are long enough for
+    # their causal tail to show; without it pairing cost 1-3% (docs/PERF_NOTES.md, "GQA tiles").
+    paired = common["CAUSAL"] and H // Hkv >= GQA_MIN_GROUP
     launch("dkdv", _bwd_dkdv, lambda meta: (triton.cdiv(triton.cdiv(Nk, meta["BLOCK_N"]), 1 + paired), B * Hkv),
            (*srcs, lse, delta, dk, dv, dka, dva, *strides_in, *bhnd_strides(dk), *bhnd_strides(dv),
             *bhnd_strides(dka), *bhnd_strides(dva), *kv_ranges[:2], *q_ranges[:2], kv_ranges[2], q_ranges[2],

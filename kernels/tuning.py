@@ -56,14 +56,13 @@ POINTER_TUNED: dict[tuple[str, int], Tile] = {
 }
 
 # dK/dV under GQA with descriptor loads: each program loops over the query heads sharing its K/V
-# head, so the grid has GROUP times fewer, longer programs, and at 8 or more query heads per K/V
-# head (a 1B Llama's 32/4) its causal tail dominates up to 16k queries: 64-key tiles give twice the
-# programs. Beyond that they lose: twice the programs stream the group's Q and dO twice as often,
-# and at 32k those (GROUP·Nq·D·4 bytes, 64 MB at 8 × 64) likely outgrow the L2 (docs/PERF_NOTES.md,
-# "GQA tiles"). D = 128 and groups of 4 keep TUNED.
+# head, so the grid has GROUP times fewer, longer programs. From 8 query heads per K/V head (a 1B
+# Llama's 32/4) causal programs are paired (kernels/triton_bwd.py) and, up to 8k queries, 64-key
+# tiles double the programs again; at 16k the 128-key tile is faster paired, and at 32k the two
+# tie (docs/PERF_NOTES.md, "GQA tiles"). D = 128 and groups of 4 keep TUNED.
 GQA_TUNED: dict[tuple[str, int], Tile] = {("dkdv", 64): (64, 64, 4, 3)}
 GQA_MIN_GROUP = 8
-GQA_MAX_QUERIES = 16384
+GQA_MAX_QUERIES = 8192
 
 INTERPRETER_TILE: Tile = (64, 32, 4, 1)  # several key blocks per query block even on tiny shapes
 
