@@ -52,7 +52,7 @@ from ringflash.kernels.tiles import (
     tile_ptrs,
     visible_keys,
 )
-from ringflash.kernels.tuning import GQA_MIN_GROUP, Tile, launch
+from ringflash.kernels.tuning import Tile, launch, pairs_dkdv
 
 
 @triton.jit
@@ -407,9 +407,7 @@ def triton_attn_bwd(
     tiles = tiles or {}
     dqa, dka, dva = sums or out  # placeholders, never read, without sums
     srcs, tile, tma = kernel_inputs("dkdv", (q, k, v, do), tiles.get("dkdv"), BD)
-    # Paired only under GQA of 8+ heads a K/V head: there one head's programs are long enough for
-    # their causal tail to show; without it pairing cost 1-3% (docs/PERF_NOTES.md, "GQA tiles").
-    paired = common["CAUSAL"] and H // Hkv >= GQA_MIN_GROUP
+    paired = pairs_dkdv(common["CAUSAL"], H // Hkv, BD)
     launch("dkdv", _bwd_dkdv, lambda meta: (triton.cdiv(triton.cdiv(Nk, meta["BLOCK_N"]), 1 + paired), B * Hkv),
            (*srcs, lse, delta, dk, dv, dka, dva, *strides_in, *bhnd_strides(dk), *bhnd_strides(dv),
             *bhnd_strides(dka), *bhnd_strides(dva), *kv_ranges[:2], *q_ranges[:2], kv_ranges[2], q_ranges[2],

@@ -64,6 +64,13 @@ GQA_TUNED: dict[tuple[str, int], Tile] = {("dkdv", 64): (64, 64, 4, 3)}
 GQA_MIN_GROUP = 8
 GQA_MAX_QUERIES = 8192
 
+
+def pairs_dkdv(causal: bool, group: int, block_d: int) -> bool:
+    """Whether causal dK/dV programs take two key blocks each (kernels/triton_bwd.py): where it
+    was measured faster, D = 64 with 8+ query heads a K/V head. Without GQA it cost 1-3%, at
+    D = 128 with 4 heads a K/V head 5-13%; D = 128 with 8 was not measured."""
+    return causal and group >= GQA_MIN_GROUP and block_d == 64
+
 INTERPRETER_TILE: Tile = (64, 32, 4, 1)  # several key blocks per query block even on tiny shapes
 
 

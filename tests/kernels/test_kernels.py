@@ -65,7 +65,7 @@ def test_matches_float64(shape, causal, dtype, backend):
 def test_paired_causal_dkdv_under_wide_gqa(n, dtype):
     """8 query heads a K/V head: causal dK/dV programs take key blocks i and n-1-i
     (kernels/triton_bwd.py), the middle one alone where the count is odd."""
-    q, k, v, do = _inputs((1, n, n, 8, 1, 32), dtype)
+    q, k, v, do = _inputs((1, n, n, 8, 1, 64), dtype)
     _check_all(q, k, v, do, True, "triton")
 
 
