@@ -130,7 +130,8 @@ def predicted(rates, n_global: int, shape, u: int, r: int) -> tuple[float, float
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens-per-gpu", type=parse_tokens, default=parse_tokens("8k,32k"), help="weak scaling")
+    p.add_argument("--tokens-per-gpu", type=lambda s: parse_tokens(s) if s else [], default=parse_tokens("8k,32k"),
+                   help="weak scaling: tokens per GPU (empty string: none)")
     p.add_argument("--total", type=lambda s: parse_tokens(s) if s else [], default=parse_tokens("256k"),
                    help="strong scaling: fixed sequences (empty string: none)")
     p.add_argument("--shapes", default="gqa,mha", help=f"comma-separated, of {sorted(SHAPES)}")
