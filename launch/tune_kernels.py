@@ -1,9 +1,10 @@
 """Time every candidate tile of each Triton kernel on the benchmark shapes; print the best.
 
     python launch/tune_kernels.py [--head-dims 64 128] [--seqlens 4096 16384]
+    python launch/tune_kernels.py --head-dims 64 --seqlens 8192 16384 --tokens 16384 --group 8 --causal 1
 
-Fills `kernels/tuning.py`'s TUNED table by hand from its output (the sweeps and what they taught:
-docs/PERF_NOTES.md, "Tiles"). Needs a CUDA GPU. A tool, not a benchmark: it records nothing under
+Fills `kernels/tuning.py`'s TUNED table (and, with --group, GQA_TUNED) by hand from its output
+(the sweeps and what they taught: docs/PERF_NOTES.md, "Tiles" and "GQA tiles"). Needs a CUDA GPU. A tool, not a benchmark: it records nothing under
 benchmarks/; --out writes every timing as JSON.
 """
 
@@ -35,6 +36,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32768, help="B·N")
     ap.add_argument("--hidden", type=int, default=2048, help="H·D")
     ap.add_argument("--causal", type=int, nargs="+", default=[1, 0])
+    ap.add_argument("--group", type=int, default=1, help="query heads per K/V head (GQA)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -44,8 +46,8 @@ def main() -> None:
             for causal in map(bool, args.causal):
                 B, H = args.tokens // N, args.hidden // D
                 g = torch.Generator(device="cuda").manual_seed(0)
-                q, k, v, do = (torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
-                               for _ in range(4))
+                q, k, v, do = (torch.randn(B, N, H // args.group if i in (1, 2) else H, D, device="cuda",
+                                           dtype=torch.bfloat16, generator=g) for i in range(4))
                 o, lse = triton_attn_fwd(q, k, v, AttnSpec(causal=causal))
                 for kernel in KERNELS:
                     mode = "fwd" if kernel == "fwd" else "bwd"
@@ -64,7 +66,8 @@ def main() -> None:
                         print(f"  D={D} N={N} causal={causal} {kernel} {tile}: {ms:.3f} ms {tflops:.0f} TFLOP/s",
                               flush=True)
                     ms, tile = min(timed)
-                    default = tile_for(kernel, block_d(D), descriptors=tma_ok(q, k, v, block_d=block_d(D)))
+                    default = tile_for(kernel, block_d(D), descriptors=tma_ok(q, k, v, block_d=block_d(D)),
+                                       group=args.group, queries=N)
                     default_ms = next((m for m, t in timed if t == default), float("nan"))
                     best_rows.append((kernel, D, N, causal, str(tile), f"{ms:.3f}", str(default),
                                       f"{default_ms:.3f}"))
