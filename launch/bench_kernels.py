@@ -3,11 +3,12 @@
     python launch/bench_kernels.py                      # the full table, appended to benchmarks/kernels.jsonl
     python launch/bench_kernels.py --seqlens 4096 --head-dims 128 --no-flex   # quicker
     python launch/bench_kernels.py --masks              # packed documents and sliding windows
-    python launch/bench_kernels.py --group 8 --tokens 16384 --seqlens 16384 --head-dims 64   # GQA 32/4, a 1B Llama's
+    python launch/bench_kernels.py --group 8 --tokens 16384 --seqlens 16384 --head-dims 64   # a 1B Llama's GQA
     python launch/benchmarks_md.py                      # then: BENCHMARKS.md and docs/bench_kernels.png
 
-bf16, B·N = 32k tokens, H·D = 2048, causal and not; `--group G` gives K and V H/G heads (GQA). FLOPs in FlashAttention's convention
-(forward 4·B·H·N²·D, halved when causal; backward 2.5× forward). Each implementation is timed in
+bf16, B·N = 32k tokens, H·D = 2048, causal and not; `--group G` gives K and V H/G heads (GQA).
+FLOPs in FlashAttention's convention (forward 4·B·H·N²·D, halved when causal; backward 2.5×
+forward). Each implementation is timed in
 its native layout (SDPA and Flex take (B, H, N, D); ours (B, N, H, D)), the backward without the
 forward, through `torch.autograd.grad` for the peers. Also measures the device's ceilings in the
 same run: a dense bf16 matmul, the rate every attention kernel here is chasing, and a plain

@@ -268,8 +268,8 @@ def validation_table(rows: list[dict]) -> str:
     cols = ("source", "record", "date", "W", "grid", "shape", "layout", "tokens")
     lines = ["| source | record | date | W | grid u×r | H/Hkv/D | layout | tokens/GPU | measured ms | predicted ms "
              "| error |", "|" + "---|" * 11]  # fmt: skip
-    lines += ["| " + " | ".join(str(r[k]) for k in cols) + f" | {r['measured']} | {r['predicted']} | {r['error']:+.1%} |"
-              for r in rows]  # fmt: skip
+    lines += ["| " + " | ".join(str(r[k]) for k in cols)
+              + f" | {r['measured']} | {r['predicted']} | {r['error']:+.1%} |" for r in rows]  # fmt: skip
     lines.append(f"\n{len(rows)} rows: median |error| {errs[len(errs) // 2]:.1%}, "
                  f"90th percentile {errs[int(0.9 * (len(errs) - 1))]:.1%}, max {errs[-1]:.1%}.")  # fmt: skip
     return "\n".join(lines)
@@ -293,7 +293,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seqlen", type=_tokens, default=_tokens("1M"), help="global tokens, e.g. 131072, 128k, 1M")
     p.add_argument("--layout", default="zigzag", choices=("zigzag", "contiguous"))
     p.add_argument("--non-causal", action="store_true")
-    p.add_argument("--validate", action="store_true", help="print predicted vs measured for benchmarks/ring.jsonl and scaling.jsonl")
+    p.add_argument("--validate", action="store_true",
+                   help="print predicted vs measured for benchmarks/ring.jsonl and scaling.jsonl")
     for f in Cluster.__dataclass_fields__.values():
         p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
     a = p.parse_args(argv)

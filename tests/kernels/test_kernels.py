@@ -133,10 +133,11 @@ def test_tuned_tiles_fit_shared_memory(monkeypatch):
     for (kernel, head_dim), tile in tuning.GQA_TUNED.items():
         assert _staged_kib(kernel, tile, head_dim) <= 227, (kernel, head_dim, tile)
         assert tuning.tile_for(kernel, head_dim, True, group=tuning.GQA_MIN_GROUP) == tile
-        assert tuning.tile_for(kernel, head_dim, True, group=tuning.GQA_MIN_GROUP // 2) == tuning.TUNED[kernel, head_dim]
+        tuned = tuning.TUNED[kernel, head_dim]
+        assert tuning.tile_for(kernel, head_dim, True, group=tuning.GQA_MIN_GROUP // 2) == tuned
         assert tuning.tile_for(kernel, head_dim, False, group=tuning.GQA_MIN_GROUP) != tile  # measured with TMA only
         assert tuning.tile_for(kernel, head_dim, True, group=tuning.GQA_MIN_GROUP,
-                               queries=tuning.GQA_MAX_QUERIES + 1) == tuning.TUNED[kernel, head_dim]
+                               queries=tuning.GQA_MAX_QUERIES + 1) == tuned
 
 
 @triton.jit
