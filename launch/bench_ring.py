@@ -558,3 +558,10 @@ def _record_args(args, world: int) -> dict:
 
 if __name__ == "__main__":
     main()
+    # On CPU (gloo), a rank sometimes aborts in the interpreter's teardown after main() returned,
+    # its groups destroyed: "terminate called without an active exception" from a C++ thread of
+    # torch's, about 1 run in 15 with 2 ranks on 2 busy cores (torch 2.13). Everything is written
+    # by now, so the teardown is skipped.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
