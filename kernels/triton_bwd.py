@@ -4,7 +4,9 @@ Three launches, none with atomics, so gradients are deterministic:
 1. `_bwd_preprocess`: `delta = rowsum(do·o)` per query row (float32), from the `o` it is given.
 2. `_bwd_dkdv`: one program per (key block, batch·kv-head). Key/value blocks are the outer loop
    (FA2 order); the program streams every query block of every query head that shares this kv
-   head (GQA), recomputing `P = exp(S·scale − lse)`, and accumulates dK, dV on chip.
+   head (GQA), recomputing `P = exp(S·scale − lse)`, and accumulates dK, dV on chip. Causal under
+   wide GQA a program takes key blocks i and n−1−i, so that all are equally long
+   (`tuning.pairs_dkdv` says when).
 3. `_bwd_dq`: one program per (query block, batch·head) streams key blocks and accumulates dQ.
    Recomputing S and dP once more costs 2 of 7 matmuls; it buys dQ without a race or atomics.
 
