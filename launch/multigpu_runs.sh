@@ -12,7 +12,8 @@
 #            backends: triton, cudnn) and the head-parallel x ring hybrid (--head-parallel 2 at
 #            every W, and 4 at W = 8), each against one GPU in float32. TOKENS_PER_RANK (default
 #            16384) keeps the float32 reference on the whole sequence short.
-#   x2       launch/ring_x2_checks.sh on GPUs 0 and 1 (issue 5's pending goals; ~10 min alone).
+#   x2       launch/ring_x2_checks.sh's benchmarks on GPUs 0 and 1 (issue 5's pending goals), one
+#            step per length (8k, 32k tokens per rank); its checks are the exact step's at W = 2.
 #   scaling  launch/bench_scaling.py at W = 2, 4, 8, two steps each: 8k and 32k tokens per GPU
 #            (weak), a fixed 256k sequence (strong); ring, head-parallel, hybrid, torch CP, each with
 #            the planner's prediction; appends to benchmarks/scaling.jsonl.
@@ -128,7 +129,12 @@ if want x2; then
     step x2_check "${TORCHRUN[@]}" --nproc_per_node=2 launch/check_ring_nccl.py --tokens-per-rank 64 --head-dim 32
     step x2_bench "${TORCHRUN[@]}" --nproc_per_node=2 launch/bench_ring.py --quick "${RECORD[@]}"
   elif [ "$N" -ge 2 ]; then
-    STEP_TIMEOUT=$((STEP_TIMEOUT > 1500 ? STEP_TIMEOUT : 1500)) step x2_ring_checks bash launch/ring_x2_checks.sh
+    # launch/ring_x2_checks.sh as steps that each fit a 10-minute device command (~10 min together):
+    # its NCCL checks are the exact step's at W = 2, then bench_ring at 8k and at 32k tokens per rank.
+    for n in 8k 32k; do
+      step "x2_bench_$n" "${TORCHRUN[@]}" --nproc_per_node=2 launch/bench_ring.py --tokens-per-rank "$n" \
+        --layouts zigzag
+    done
   fi
 fi
 
