@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from bench_ring import bench_single, bench_single_sdpa, bench_torch_cp, time_collective
-from benchlib import BENCHMARKS_DIR, attn_flops, parse_tokens, record, tokens_label
+from benchlib import BENCHMARKS_DIR, attn_flops, exit_without_teardown, parse_tokens, record, tokens_label
 
 from ringflash import hybrid_groups, nccl_options, ring_flash_attn_func
 from ringflash.hybrid import kv_heads_per_rank
@@ -232,4 +232,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_without_teardown(main())

@@ -40,11 +40,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from benchlib import exit_without_teardown
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ringflash import grid_coords, hybrid_groups, nccl_options, ring_flash_attn_func, shard
@@ -239,4 +239,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())
