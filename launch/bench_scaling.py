@@ -128,11 +128,16 @@ def predicted(rates, n_global: int, shape, u: int, r: int) -> tuple[float, float
     return t * 1e3, one / (u * r) / t
 
 
+def _tokens_or_none(s: str) -> list[int]:
+    """`parse_tokens`, with the empty string for none (to run weak or strong scaling alone)."""
+    return parse_tokens(s) if s else []
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens-per-gpu", type=lambda s: parse_tokens(s) if s else [], default=parse_tokens("8k,32k"),
+    p.add_argument("--tokens-per-gpu", type=_tokens_or_none, default=parse_tokens("8k,32k"),
                    help="weak scaling: tokens per GPU (empty string: none)")
-    p.add_argument("--total", type=lambda s: parse_tokens(s) if s else [], default=parse_tokens("256k"),
+    p.add_argument("--total", type=_tokens_or_none, default=parse_tokens("256k"),
                    help="strong scaling: fixed sequences (empty string: none)")
     p.add_argument("--shapes", default="gqa,mha", help=f"comma-separated, of {sorted(SHAPES)}")
     p.add_argument("--grids", default=None, help="comma-separated head-parallel degrees u (default 1,2,4,W)")

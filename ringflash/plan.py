@@ -86,7 +86,7 @@ class KernelRates:
 
     @classmethod
     def from_records(cls, path: Path = REPO / "benchmarks" / "kernels.jsonl") -> KernelRates:
-        records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+        records = _records(path)
         # Dense MHA tables only: a GQA run (args.group) covers one head dim and its own tiles.
         records = [r for r in records if (r.get("args") or {}).get("group", 1) == 1
                    and any(x.get("impl") == "ringflash" and "N" in x for x in r.get("results", []))]
