@@ -96,7 +96,7 @@ def tile_for(kernel: str, block_d: int, descriptors: bool = False, group: int = 
 
 
 @functools.cache  # one per (kernel, tile): building a Config on every launch costs the host
-def _as_config(kernel: str, tile: Tile) -> triton.Config:
+def tile_config(kernel: str, tile: Tile) -> triton.Config:
     outer, inner, warps, stages = tile
     names = ("BLOCK_N", "BLOCK_M") if kernel == "dkdv" else ("BLOCK_M", "BLOCK_N")
     return triton.Config({names[0]: outer, names[1]: inner}, num_warps=warps, num_stages=stages)
@@ -112,11 +112,11 @@ def launch(kernel: str, jit_fn, grid: Callable[[dict], tuple], args: tuple, cons
     if tile is None and autotuning():
         key = (kernel, block_d)
         if key not in _autotuned:
-            configs = [_as_config(kernel, t) for t in candidates(kernel, block_d)]
+            configs = [tile_config(kernel, t) for t in candidates(kernel, block_d)]
             _autotuned[key] = triton.autotune(
                 configs=configs, key=["Nq", "Nk", "CAUSAL", "RANGES", "GROUP", "HEAD_DIM"])(jit_fn)
         _autotuned[key][grid](*args, **consts)
         return
-    config = _as_config(kernel, tile or tile_for(kernel, block_d))  # descriptor loads always pass theirs
+    config = tile_config(kernel, tile or tile_for(kernel, block_d))  # descriptor loads always pass theirs
     meta = {**consts, **config.kwargs}
     jit_fn[grid(meta)](*args, **meta, num_warps=config.num_warps, num_stages=config.num_stages)

@@ -1,0 +1,133 @@
+"""What ptxas makes of each Triton kernel for an H100 (sm_90), on any machine: no GPU needed.
+
+    python launch/kernel_report.py
+    python launch/kernel_report.py --kernels dkdv --head-dims 128 --causal 1 --tiles 128,64,8,3 128,64,8,2
+
+Triton compiles for a named target without a device, with the ptxas its wheel bundles. Each kernel
+is built as an H100 runs it (tensor-descriptor loads, bf16 inputs, dense mask) at its tuned tile
+or the `--tiles` given, and ptxas reports registers per thread, bytes spilled to local memory, and
+whether it serialised the asynchronous matrix multiplies (warning C7514: an instruction touches a
+wgmma's accumulator while it is in flight). A kernel that spills or serialises is slow before it
+is ever timed, so a change to a kernel's body or tile can be checked here first and the scarce GPU
+time kept for what passes (docs/PERF_NOTES.md, "Registers without a GPU"). The figures are the
+installed Triton's; the GPU image runs Triton 3.6, and other versions allocate differently.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.compiler import ASTSource
+
+from ringflash.kernels import interpreting, triton_bwd, triton_fwd
+from ringflash.kernels.tuning import KERNELS, Tile, pairs_dkdv, tile_config, tile_for
+
+JIT_FNS = {"fwd": triton_fwd._attn_fwd_kernel, "dkdv": triton_bwd._bwd_dkdv, "dq": triton_bwd._bwd_dq}
+DESCRIPTORS = ("Q", "K", "V", "DO")  # loaded through tensor descriptors on Hopper
+SM90 = GPUTarget("cuda", 90, 32)
+
+
+def constexprs(kernel: str, head_dim: int, causal: bool, group: int, tile: Tile) -> dict:
+    """The compile-time arguments the launchers in kernels/ pass, for the dense bf16 case."""
+    consts = dict(HEAD_DIM=head_dim, GROUP=group, CAUSAL=causal, RANGES=False, UPCAST=False, PRECISION="tf32",
+                  TMA=True, BLOCK_D=head_dim, MERGE=False, ACCUMULATE=False,
+                  PAIRED=pairs_dkdv(causal, group, head_dim), **tile_config(kernel, tile).kwargs)
+    fn = JIT_FNS[kernel]
+    wanted = {fn.arg_names[i] for i in fn.constexprs}
+    missing = wanted - consts.keys()
+    if missing:
+        raise RuntimeError(f"kernel_report does not know the {kernel} kernel's constexprs {sorted(missing)}")
+    return {k: v for k, v in consts.items() if k in wanted}
+
+
+def signature(kernel: str, consts: dict, head_dim: int) -> tuple[dict, dict]:
+    """Argument types by the kernels' naming, and the divisibility a 16k launch would specialise on."""
+    fn = JIT_FNS[kernel]
+    q_rows, kv_rows = (consts["BLOCK_M"], consts["BLOCK_N"])
+    rows = {"Q": q_rows, "DO": q_rows, "K": kv_rows, "V": kv_rows}
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+            continue
+        if name in DESCRIPTORS:
+            sig[name] = f"tensordesc<bf16[1,{rows[name]},{head_dim}]>"
+            continue
+        if name in ("LSE", "Delta", "OA"):
+            sig[name] = "*fp32"
+        elif name in ("KV_LO", "KV_HI", "Q_LO", "Q_HI"):
+            sig[name] = "*i32"
+        elif name in ("qk_scale", "softmax_scale"):
+            sig[name] = "fp32"
+        elif name.startswith("stride") or name in ("H", "Hkv", "Nq", "Nk", "n_sms"):
+            sig[name] = "i32"
+        else:  # outputs and the tensors they are added to
+            sig[name] = "*bf16"
+        if name != "n_sms" and sig[name] != "fp32":
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, attrs
+
+
+def ptxas_report(kernel: str, head_dim: int, causal: bool, group: int, tile: Tile) -> dict:
+    consts = constexprs(kernel, head_dim, causal, group, tile)
+    sig, attrs = signature(kernel, consts, head_dim)
+    compiled = triton.compile(ASTSource(JIT_FNS[kernel], sig, consts, attrs), target=SM90,
+                              options={"num_warps": tile[2], "num_stages": tile[3]})
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp, "kernel.ptx")
+        ptx.write_text(compiled.asm["ptx"])
+        log = subprocess.run([get_ptxas(90).path, "--gpu-name", "sm_90a", "-v", str(ptx), "-o", str(ptx) + ".o"],
+                             capture_output=True, text=True, check=True).stderr
+    regs = re.search(r"Used (\d+) registers", log)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return dict(registers=int(regs.group(1)), spill_stores=int(spill.group(1)), spill_loads=int(spill.group(2)),
+                shared_kb=compiled.metadata.shared / 1024, serialised="C7514" in log)
+
+
+def parse_tile(text: str) -> Tile:
+    try:
+        tile = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        tile = ()
+    if len(tile) != 4:
+        raise argparse.ArgumentTypeError(f"--tiles: expected outer,inner,warps,stages (e.g. 128,64,8,3), got {text!r}")
+    return tile
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS))
+    ap.add_argument("--head-dims", type=int, nargs="+", choices=(32, 64, 128), default=[64, 128])
+    ap.add_argument("--causal", type=int, nargs="+", choices=(0, 1), default=[1, 0])
+    ap.add_argument("--group", type=int, default=1, help="query heads per K/V head (GQA)")
+    ap.add_argument("--queries", type=int, default=16384, help="query rows, for the GQA tile rule")
+    ap.add_argument("--tiles", type=parse_tile, nargs="+", default=None, help="instead of the tuned tiles")
+    args = ap.parse_args(argv)
+    if interpreting():
+        ap.error("TRITON_INTERPRET=1 turns the kernels into interpreted functions: unset it to compile them")
+
+    print(f"ptxas for sm_90 (Triton {triton.__version__}): dense bf16, descriptor loads\n")
+    print("| kernel | D | causal | group | tile | registers | spilled (stores / loads, B) | shared KiB "
+          "| wgmma serialised |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for kernel in args.kernels:
+        for head_dim in args.head_dims:
+            for causal in map(bool, args.causal):
+                tiles = args.tiles or [tile_for(kernel, head_dim, descriptors=True, group=args.group,
+                                                queries=args.queries)]
+                for tile in tiles:
+                    r = ptxas_report(kernel, head_dim, causal, args.group, tile)
+                    print(f"| {kernel} | {head_dim} | {'yes' if causal else 'no'} | {args.group} | {tile} | "
+                          f"{r['registers']} | {r['spill_stores']} / {r['spill_loads']} | {r['shared_kb']:.0f} | "
+                          f"{'yes (C7514)' if r['serialised'] else 'no'} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

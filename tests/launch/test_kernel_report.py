@@ -1,0 +1,47 @@
+"""launch/kernel_report.py compiles the Triton kernels for an H100 on this CPU machine and reads ptxas.
+
+What is checked is that the report keeps up with the kernels (their constexprs and arguments) and
+parses what ptxas says; the register counts themselves are the installed Triton's and not asserted.
+It runs as its own process: the test suite's interpreter (TRITON_INTERPRET=1) compiles nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+from tests.dist_utils import REPO
+
+
+def _report(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, str(REPO / "launch" / "kernel_report.py"), *args], env=env, cwd=REPO.parent,
+                          capture_output=True, text=True, timeout=600)
+
+
+def _rows(out: str, kernel: str) -> list[list[str]]:
+    return [[c.strip() for c in line.strip().strip("|").split("|")] for line in out.splitlines()
+            if line.startswith(f"| {kernel} |")]
+
+
+def test_every_kernel_compiles_for_sm90_and_ptxas_reports_it():
+    out = _report("--head-dims", "64", "--causal", "1")
+    assert out.returncode == 0, out.stderr[-3000:]
+    for kernel in ("fwd", "dkdv", "dq"):
+        (row,) = _rows(out.stdout, kernel)
+        registers, spilled, shared_kb, serialised = row[5], row[6], row[7], row[8]
+        assert 0 < int(registers) <= 255, row  # ptxas's ceiling per thread
+        assert re.fullmatch(r"\d+ / \d+", spilled), row
+        assert 0 < int(shared_kb) <= 228, row  # an H100's shared memory per block
+        assert serialised in ("no", "yes (C7514)"), row
+
+
+def test_tiles_given_are_reported_one_row_each_and_bad_ones_refused_by_name():
+    out = _report("--kernels", "dkdv", "--head-dims", "64", "--causal", "1", "--group", "8",
+                  "--tiles", "64,64,4,3", "128,32,4,3")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [row[4] for row in _rows(out.stdout, "dkdv")] == ["(64, 64, 4, 3)", "(128, 32, 4, 3)"]
+    bad = _report("--tiles", "128,64,8")
+    assert bad.returncode == 2 and "--tiles: expected outer,inner,warps,stages" in bad.stderr, bad.stderr
