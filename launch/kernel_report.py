@@ -75,11 +75,9 @@ def signature(kernel: str, consts: dict, head_dim: int) -> tuple[dict, dict]:
     return sig, attrs
 
 
-def ptxas_report(kernel: str, head_dim: int, causal: bool, group: int, tile: Tile) -> dict:
-    consts = constexprs(kernel, head_dim, causal, group, tile)
-    sig, attrs = signature(kernel, consts, head_dim)
-    compiled = triton.compile(ASTSource(JIT_FNS[kernel], sig, consts, attrs), target=SM90,
-                              options={"num_warps": tile[2], "num_stages": tile[3]})
+def ptxas_info(compiled) -> dict:
+    """What ptxas says of a kernel Triton compiled for sm_90 (`triton.compile(..., target=SM90)`):
+    registers a thread, bytes spilled, shared memory, and whether it serialised the wgmmas."""
     with tempfile.TemporaryDirectory() as tmp:
         ptx = Path(tmp, "kernel.ptx")
         ptx.write_text(compiled.asm["ptx"])
@@ -89,6 +87,14 @@ def ptxas_report(kernel: str, head_dim: int, causal: bool, group: int, tile: Til
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     return dict(registers=int(regs.group(1)), spill_stores=int(spill.group(1)), spill_loads=int(spill.group(2)),
                 shared_kb=compiled.metadata.shared / 1024, serialised="C7514" in log)
+
+
+def ptxas_report(kernel: str, head_dim: int, causal: bool, group: int, tile: Tile) -> dict:
+    consts = constexprs(kernel, head_dim, causal, group, tile)
+    sig, attrs = signature(kernel, consts, head_dim)
+    compiled = triton.compile(ASTSource(JIT_FNS[kernel], sig, consts, attrs), target=SM90,
+                              options={"num_warps": tile[2], "num_stages": tile[3]})
+    return ptxas_info(compiled)
 
 
 def parse_tile(text: str) -> Tile:
