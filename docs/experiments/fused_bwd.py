@@ -30,7 +30,7 @@ from benchlib import attn_flops, time_ms
 from kernel_report import SM90, ptxas_info
 
 from ringflash.kernels import AttnSpec
-from ringflash.kernels.launch_utils import LOG2E, num_sms, row_descriptor
+from ringflash.kernels.launch_utils import LOG2E, bhnd_strides, num_sms, row_descriptor
 from ringflash.kernels.tiles import heaviest_first
 from ringflash.kernels.triton_bwd import _bwd_preprocess, _load_lse2, triton_attn_bwd
 from ringflash.kernels.triton_fwd import triton_attn_fwd
@@ -106,9 +106,8 @@ def fused_attn_bwd(do, q, k, v, o, lse, causal: bool, variant: str = "C", tile=(
     scale = D ** -0.5
     block_n, block_m, warps, stages = tile
     delta = torch.empty_like(lse)
-    _bwd_preprocess[(triton.cdiv(Nq, 64), B * H)](
-        o, do, delta, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2), H, Nq,
-        HEAD_DIM=D, BLOCK_M=64, BLOCK_D=D)
+    _bwd_preprocess[(triton.cdiv(Nq, 64), B * H)](o, do, delta, *bhnd_strides(o), *bhnd_strides(do), H, Nq,
+                                                   HEAD_DIM=D, BLOCK_M=64, BLOCK_D=D)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     _fused_bwd[(triton.cdiv(Nk, block_n), B * Hkv)](

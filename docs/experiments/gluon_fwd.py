@@ -37,12 +37,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+sys.path.append(str(Path(__file__).resolve().parents[2]))  # tests.truth, last: ringflash stays the installed one
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "launch"))  # benchlib, kernel_report
 from benchlib import attn_flops, time_ms
 from kernel_report import SM90, ptxas_info
 
 from ringflash.kernels import AttnSpec
+from ringflash.kernels.launch_utils import _row_strides
 from ringflash.kernels.triton_fwd import triton_attn_fwd
+from tests.truth import attention_f64
 
 BLOCK_M = 128
 # TMA copies as Triton 3.6 (the GPU image) names them, and as later versions do
@@ -188,10 +191,9 @@ def gluon_attn_fwd(q, k, v, causal: bool, overlap: int = 1, block_n: int = 128, 
         raise ValueError(f"block_n: causal masks only the last key block, so it must be {BLOCK_M}, got {block_n}")
     gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[q.dtype]
 
-    def desc(t, rows):
-        stride_b = t.stride(0) if t.shape[0] > 1 else t.shape[1] * t.stride(1)
-        return TensorDescriptor(t, [t.shape[0], t.shape[1], t.shape[2] * D], [stride_b, t.stride(1), 1],
-                                [1, rows, D], _layout(rows, D, gdt))
+    def desc(t, rows):  # as kernels.launch_utils.row_descriptor, with the layout Gluon's descriptor takes
+        return TensorDescriptor(t, [t.shape[0], t.shape[1], t.shape[2] * D], [*_row_strides(t), 1], [1, rows, D],
+                                _layout(rows, D, gdt))
 
     o = torch.empty_like(q)
     lse = torch.empty(B, H, Nq, device=q.device, dtype=torch.float32)
@@ -224,11 +226,8 @@ def _exactness() -> None:
         g = torch.Generator(device="cuda").manual_seed(1)
         q = torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
         k, v = (torch.randn(B, N, Hkv, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
-        qt, kt, vt = (t.double().transpose(1, 2).repeat_interleave(H // t.shape[2], 1) for t in (q, k, v))
-        s = qt @ kt.transpose(-1, -2) * D ** -0.5
-        if causal:
-            s = s.masked_fill(torch.ones(N, N, dtype=torch.bool, device="cuda").triu(1), float("-inf"))
-        o64, lse64 = (s.softmax(-1) @ vt).transpose(1, 2), s.logsumexp(-1)
+        truth = attention_f64(q, k, v, causal)
+        o64, lse64 = truth["o"], truth["lse"]
         line = f"B{B} N{N} H{H}/{Hkv} D{D} causal={causal}: max |o - o64|: triton "
         line += f"{float((triton_attn_fwd(q, k, v, AttnSpec(causal=causal))[0].double() - o64).abs().max()):.2e}"
         for overlap in (0, 1, 2):
