@@ -8,6 +8,11 @@
 - `reference`: the same contract in plain PyTorch (kernels/reference.py): the CPU path.
 - `cudnn`: NVIDIA's cuDNN attention through PyTorch (kernels/cudnn.py): CUDA, fp16/bf16, full or
   causal only. Never chosen by `auto`.
+- `hopper`: `triton`, except that on an H100/H200 the backward of dense full or causal attention
+  (fp16/bf16, head dim 64 or 128) is one Gluon kernel adding dQ atomically (kernels/hopper_bwd.py):
+  faster, and dQ not bit-reproducible. Other cases, and any under
+  `torch.use_deterministic_algorithms(True)`, run Triton's deterministic backward. Never chosen by
+  `auto`.
 `auto` is Triton on CUDA tensors and the reference elsewhere.
 
 The step API (`fwd_step`, `bwd_step`) is for block-wise callers such as the ring: it writes into
@@ -28,7 +33,7 @@ from ringflash.kernels.spec import AttnSpec
 
 __all__ = ["BACKENDS", "Backend", "backend_named", "get_backend", "interpreting"]
 
-BACKENDS = ("auto", "triton", "reference", "cudnn")  # the names `backend=` and the config accept
+BACKENDS = ("auto", "triton", "reference", "cudnn", "hopper")  # the names `backend=` and the config accept
 ENV = "RINGFLASH_KERNEL_BACKEND"
 
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -56,6 +61,7 @@ class Backend:
     """
 
     name: str
+    deterministic = True  # the same inputs give bit-identical results on every run
 
     def supports(self, kind: str | None, dtype: torch.dtype | None, head_dim: int | None,
                  device: torch.device | None = None) -> str | None:
@@ -97,6 +103,19 @@ class _Triton(Backend):
 
         return triton_attn_bwd(do, q, k, v, o, lse, spec, scale, grad_dtype=grad_dtype, out=out,
                                accumulate=accumulate, acc=acc, after_dkdv=after_dkdv)
+
+
+class _Hopper(_Triton):
+    name = "hopper"
+    deterministic = False
+
+    def bwd_step(self, do, q, k, v, o, lse, spec, scale, *, grad_dtype=None, out=None, accumulate=False, acc=None,
+                 after_dkdv=None):
+        from ringflash.kernels.hopper_bwd import hopper_attn_bwd, hopper_bwd_unsupported
+
+        run = hopper_attn_bwd if hopper_bwd_unsupported(q, k, spec) is None else super().bwd_step
+        return run(do, q, k, v, o, lse, spec, scale, grad_dtype=grad_dtype, out=out, accumulate=accumulate, acc=acc,
+                   after_dkdv=after_dkdv)
 
 
 class _Unfused(Backend):
@@ -151,6 +170,7 @@ class _Reference(_Unfused):
 
 class _Cudnn(_Unfused):
     name = "cudnn"
+    deterministic = False
 
     def supports(self, kind, dtype, head_dim, device=None):
         from ringflash.kernels.cudnn import cudnn_limits
@@ -181,7 +201,7 @@ class _Cudnn(_Unfused):
         add_into(base, grad, out)  # one pass on CUDA, summed in float32 and rounded once
 
 
-_BY_NAME: dict[str, Backend] = {b.name: b for b in (_Triton(), _Reference(), _Cudnn())}
+_BY_NAME: dict[str, Backend] = {b.name: b for b in (_Triton(), _Reference(), _Cudnn(), _Hopper())}
 
 
 def backend_named(name: str) -> Backend | None:
@@ -206,9 +226,9 @@ def get_backend(backend: str | Backend | None, device: torch.device) -> Backend:
         choice = "triton" if device.type == "cuda" else "reference"
     if choice == "cudnn" and device.type != "cuda":
         raise ValueError(f"{source}='cudnn' needs CUDA tensors, got {device.type} ones: use 'auto' or 'reference'")
-    if choice == "triton" and device.type != "cuda" and not interpreting():
+    if choice in ("triton", "hopper") and device.type != "cuda" and not interpreting():
         raise ValueError(
-            f"backend='triton' on a {device.type} tensor needs the Triton interpreter: "
+            f"backend={choice!r} on a {device.type} tensor needs the Triton interpreter: "
             "set TRITON_INTERPRET=1 before importing triton, or use backend='reference'"
         )
     return _BY_NAME[choice]

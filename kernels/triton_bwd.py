@@ -343,6 +343,16 @@ def _copy_or_zero(t: torch.Tensor, src: torch.Tensor | None) -> None:
         t.copy_(src)
 
 
+def row_deltas(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
+    """`rowsum(do·o)` per query row, `(B, H, Nq)` float32: the backward's D_i."""
+    B, Nq, H, D = o.shape
+    delta = torch.empty((B, H, Nq), dtype=torch.float32, device=o.device)
+    _bwd_preprocess[(triton.cdiv(Nq, 64), B * H)](
+        o, do, delta, *bhnd_strides(o), *bhnd_strides(do), H, Nq, HEAD_DIM=D, BLOCK_M=64, BLOCK_D=block_d(D),
+    )
+    return delta
+
+
 def triton_attn_bwd(
     do: torch.Tensor,
     q: torch.Tensor,
@@ -391,11 +401,8 @@ def triton_attn_bwd(
         _copy_or_zero(dq, dqa)
         return dq, dk, dv
     lse = lse.contiguous()
-    delta = torch.empty_like(lse)
+    delta = row_deltas(o, do)
     BD = block_d(D)
-    _bwd_preprocess[(triton.cdiv(Nq, 64), B * H)](
-        o, do, delta, *bhnd_strides(o), *bhnd_strides(do), H, Nq, HEAD_DIM=D, BLOCK_M=64, BLOCK_D=BD,
-    )
     common = dict(
         HEAD_DIM=D, GROUP=H // Hkv, CAUSAL=spec.causal and vis is None, RANGES=vis is not None,
         UPCAST=upcast_dots(q.dtype), PRECISION=dot_precision(q.dtype), BLOCK_D=BD,

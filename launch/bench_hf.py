@@ -22,8 +22,9 @@ import torch
 from benchlib import BENCHMARKS_DIR, record
 
 # "sdpa:flash" / "sdpa:cudnn" pin SDPA's kernel (plain "sdpa" lets torch's dispatcher choose);
-# "ring_attention:cudnn" runs the ring on ringflash's cuDNN kernel backend (plain: the Triton one).
-IMPLS = ("ring_attention", "ring_attention:cudnn", "sdpa", "sdpa:flash", "sdpa:cudnn", "flash_attention_2")
+# "ring_attention:cudnn" / ":hopper" run the ring on that ringflash kernel backend (plain: the Triton one).
+IMPLS = ("ring_attention", "ring_attention:cudnn", "ring_attention:hopper", "sdpa", "sdpa:flash", "sdpa:cudnn",
+         "flash_attention_2")
 
 
 def build(impl: str, args) -> torch.nn.Module:

@@ -24,21 +24,27 @@ import torch
 import torch.nn.functional as F
 from benchlib import BENCHMARKS_DIR, attn_flops, markdown_table, record, time_ms
 
-from ringflash.kernels import AttnSpec, varlen_visibility
+from ringflash.kernels import AttnSpec, backend_named, varlen_visibility
+from ringflash.kernels.hopper_bwd import hopper_bwd_unsupported
 from ringflash.kernels.masks import dense_visibility
 from ringflash.kernels.triton_bwd import triton_attn_bwd
 from ringflash.kernels.triton_fwd import triton_attn_fwd
 
 
-def _ours(q, k, v, do, causal):
-    # (B, H, N, D) inputs viewed as (B, N, H, D) with the same storage would be strided; give our
-    # kernels their native contiguous layout instead, as SDPA gets its own.
-    q, k, v, do = (t.transpose(1, 2).contiguous() for t in (q, k, v, do))
-    spec = AttnSpec(causal=causal)
-    o, lse = triton_attn_fwd(q, k, v, spec)
-    fwd = lambda: triton_attn_fwd(q, k, v, spec)
-    bwd = lambda: triton_attn_bwd(do, q, k, v, o, lse, spec)
-    return fwd, bwd
+def _ours(backend):
+    def make(q, k, v, do, causal):
+        # (B, H, N, D) inputs viewed as (B, N, H, D) with the same storage would be strided; give our
+        # kernels their native contiguous layout instead, as SDPA gets its own.
+        q, k, v, do = (t.transpose(1, 2).contiguous() for t in (q, k, v, do))
+        kern, spec = backend_named(backend), AttnSpec(causal=causal)
+        if backend == "hopper" and hopper_bwd_unsupported(q, k, spec) is not None:
+            raise RuntimeError(f"hopper backward: {hopper_bwd_unsupported(q, k, spec)}")  # no Triton twin row
+        o, lse = kern.fwd_step(q, k, v, spec, None)
+        fwd = lambda: kern.fwd_step(q, k, v, spec, None)
+        bwd = lambda: kern.bwd_step(do, q, k, v, o, lse, spec, None)
+        return fwd, bwd
+
+    return make
 
 
 def _sdpa(backend):
@@ -106,7 +112,8 @@ def main() -> None:
     if args.masks:
         return masks(args.seqlens[-1], args.head_dims[-1], args.hidden, record_to)
 
-    impls = {"ringflash": _ours, "sdpa-flash": _sdpa("flash"), "sdpa-cudnn": _sdpa("cudnn")}
+    impls = {"ringflash": _ours("triton"), "ringflash-hopper": _ours("hopper"), "sdpa-flash": _sdpa("flash"),
+             "sdpa-cudnn": _sdpa("cudnn")}
     if not args.no_flex:
         impls["flex"] = _flex
     rows = []

@@ -120,7 +120,7 @@ def ring_flash_attn_func(
         causal: mask by global position, as on the unsharded sequence (None: the mask's, else False).
         window_size: flash_attn's `(left, right)`; only `(-1, -1)` or, with causal, `(w - 1, 0)`.
         alibi_slopes: must be None (no ALiBi).
-        deterministic: accepted (the Triton and reference backwards are); refused with backend cudnn.
+        deterministic: accepted (the Triton and reference backwards are); refused with backends cudnn and hopper.
         return_attn_probs: also return `lse (B, H, N_local)` float32, natural log (not
             differentiable): `(o, lse, None)`, as flash_attn does without dropout.
         group: the context-parallel process group; None: the default group, or this process alone.
@@ -174,8 +174,10 @@ def _attend(
         if prepare is not None:
             q, k, v, mask = prepare(window, causal, 0 if comm is None else comm.rank, world)
         scale, kern = _check_local(q, k, v, causal, softmax_scale, layout, backend, world)
-        if deterministic and kern.name == "cudnn":
-            raise ValueError("deterministic=True: backend 'cudnn' is not deterministic; use 'triton' (or 'auto')")
+        if deterministic and not kern.deterministic:
+            raise ValueError(
+                f"deterministic=True: backend {kern.name!r} is not deterministic; use 'triton' (or 'auto')"
+            )
         kernels.check_window(window, causal)
         # Here, not mid-ring with transfers posted: what the kernels cannot run.
         if mask is not None:

@@ -456,6 +456,10 @@ GPU_CASES = [
     make_case(w, "zigzag", True, B=1, n_local=4000 // w, H=8, Hkv=hkv, D=128, dtype=torch.bfloat16,
               backend="cudnn", device="cuda")
     for w, hkv in ((2, 8), (2, 2), (4, 2))  # W = 2: partial results in bf16; W = 4: float32 sums
+] + [  # the Hopper backward under the ring (kernels/hopper_bwd.py; Triton's elsewhere): float32 sums added
+    make_case(w, layout, causal, B=1, n_local=4000 // w, H=8, Hkv=2, D=128, dtype=torch.bfloat16, backend="hopper",
+              device="cuda")  # atomically, ragged local lengths, a contiguous and a zigzag layout
+    for w, layout, causal in ((2, "zigzag", True), (4, "contiguous", True), (2, "zigzag", False))
 ] + [  # q, k, v as views of a fused QKV projection's output (descriptor loads with its strides)
     make_case(2, "zigzag", True, B=1, n_local=2000, H=8, Hkv=2, D=128, dtype=torch.bfloat16, backend="triton",
               device="cuda", strided=True)

@@ -1,0 +1,325 @@
+"""The Hopper backward: one Gluon kernel, dQ added atomically (the opt-in `backend="hopper"`).
+
+The deterministic backward (kernels/triton_bwd.py) runs two kernels and 7 matrix multiplies
+where the FLOP convention counts 5: its dQ kernel recomputes S and dP so that no two programs
+write the same dQ rows. This one computes everything from one pass over each key block and adds
+dQ's partial sums into a float32 buffer with TMA reduce-adds, as FlashAttention-3 does. Float
+addition in the order the SMs happen to finish is not associative, so dQ can differ in its last
+bits from run to run; dK and dV are written by one program each and are bit-identical to the
+deterministic kernels'.
+
+One program per (128-key block, batch·kv-head), written in Gluon (Triton's explicit dialect)
+because the structure below is what plain Triton does not let a kernel state:
+- a one-warp loader partition (`gl.warp_specialize`) brings K and V once, then for each query
+  head of the K/V head's group and each 64-query block Q, dO and their rows' lse and delta
+  through a 2-slot ring of TMA copies on mbarriers; `setmaxnreg` hands its registers to the two
+  consumer warpgroups (240 a thread: dK and dV alone hold 128);
+- the consumers (64 keys each) issue the multiplies asynchronously and wait only for what the
+  next step reads: Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ together, dV += Pᵀ·dO beside the dS arithmetic,
+  dK += dSᵀ·Q beside dS's copy to shared memory, then dQ = dS·K, scaled and copied to shared
+  memory for a TMA reduce-add that runs while the next tile computes;
+- only tiles crossing the causal diagonal or the sequences' ends are masked.
+Sequence ends: rows past Nq and keys past Nk read as zeros (TMA) and are masked out of P, so a
+padded row's statistics (read from the next head's) cannot turn into inf or NaN.
+
+Outcome and what was tried on the way: docs/PERF_NOTES.md ("Backward variants", "Gluon").
+Gluon has no interpreter: the CPU suite compiles this kernel for sm_90 (ptxas, no GPU) and the
+`gpu` tests check its gradients against float64.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ringflash.kernels.checks import check_bwd, check_grad_out, check_qkv, resolve_scale
+from ringflash.kernels.launch_utils import LOG2E, _descriptor_fits, _row_strides, bhnd_strides
+from ringflash.kernels.spec import AttnSpec
+
+__all__ = ["HEAD_DIMS", "hopper_attn_bwd", "hopper_bwd_unsupported"]
+
+HEAD_DIMS = (64, 128)
+BLOCK_M, BLOCK_N, STAGES, NUM_WARPS = 64, 128, 2, 8  # measured in docs/PERF_NOTES.md ("Backward variants")
+
+# Triton 3.6 (the GPU image) names the TMA copies async_copy_* and the barrier thread_barrier; later
+# versions async_load and barrier. 3.6 has the reduce-add only as a builder op (async_atomic_add later).
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # a barrier over the partition's warps
+if hasattr(tma, "async_atomic_add"):
+    tma_reduce_add = tma.async_atomic_add
+else:  # pragma: no cover (Triton 3.6)
+    from triton._C.libtriton import ir
+    from triton.experimental.gluon.language._core import builtin
+
+    @builtin
+    def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                  src.handle)
+
+
+@gluon.jit
+def _loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_ring, do_ring, lse_ring, delta_ring, k_smem,
+            v_smem, kv_bar, ready, empty, b, hkv, start_n, lo, Nq, H, GROUP,
+            BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
+    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
+    tma_load(k_desc, [b, start_n, hkv * D], kv_bar, k_smem)
+    tma_load(v_desc, [b, start_n, hkv * D], kv_bar, v_smem)
+    n_m = gl.cdiv(Nq - lo, BLOCK_M)
+    for t in range(GROUP * n_m):
+        h = hkv * GROUP + t // n_m
+        start_m = lo + (t % n_m) * BLOCK_M
+        slot = t % STAGES
+        mbarrier.wait(empty.index(slot), ((t // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1 at once
+        mbarrier.expect(ready.index(slot), 2 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
+        tma_load(q_desc, [b, start_m, h * D], ready.index(slot), q_ring.index(slot))
+        tma_load(do_desc, [b, start_m, h * D], ready.index(slot), do_ring.index(slot))
+        stats = (b * H + h) * Nq + start_m  # lse and delta are (B, H, Nq), read flat
+        tma_load(lse_desc, [stats], ready.index(slot), lse_ring.index(slot))
+        tma_load(delta_desc, [stats], ready.index(slot), delta_ring.index(slot))
+
+
+@gluon.jit
+def _consumer(q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem, ds_smem, dq_smem, dq_desc, kv_bar, ready, empty,
+              b, hkv, start_n, lo, Nq, Nk, GROUP, qk_scale, softmax_scale,
+              CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+              STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
+    dtype: gl.constexpr = q_ring.dtype
+    # Sᵀ tiles (keys × queries) and dK, dV (keys × D): each warpgroup owns 64 keys
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                        instr_shape=[16, BLOCK_M, 16])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                        instr_shape=[16, D, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    # dQ (queries × D): the warpgroups split D, each reading all of dS from shared memory
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, NUM_WARPS // 4],
+                                                        instr_shape=[16, D // (NUM_WARPS // 4), 16])
+    row_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
+    keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
+    row0 = gl.arange(0, BLOCK_M, layout=row_layout)
+    dk = gl.zeros([BLOCK_N, D], gl.float32, layout=kv_layout)
+    dv = gl.zeros([BLOCK_N, D], gl.float32, layout=kv_layout)
+    st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=st_layout)
+    dq_zero = gl.zeros([BLOCK_M, D], gl.float32, layout=dq_layout)
+    k2 = k_smem.reshape([BLOCK_N, D])
+    v2 = v_smem.reshape([BLOCK_N, D])
+    n_m = gl.cdiv(Nq - lo, BLOCK_M)
+    mbarrier.wait(kv_bar, 0)
+    for t in range(GROUP * n_m):
+        h = hkv * GROUP + t // n_m
+        start_m = lo + (t % n_m) * BLOCK_M
+        slot = t % STAGES
+        rows = start_m + row0
+        mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
+        q = q_ring.index(slot).reshape([BLOCK_M, D])
+        do = do_ring.index(slot).reshape([BLOCK_M, D])
+        lse = lse_ring.index(slot).load(row_layout)
+        lse2 = gl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634  # no key seen: P = 0
+        delta = delta_ring.index(slot).load(row_layout)
+        s_t = warpgroup_mma(k2, q.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        dp_t = warpgroup_mma(v2, do.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        s_t = warpgroup_mma_wait(1, deps=(s_t, ))
+        p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
+        edge = (start_m + BLOCK_M > Nq) | (start_n + BLOCK_N > Nk)
+        if CAUSAL:
+            edge = edge | (start_m < start_n + BLOCK_N)
+        if edge:  # the diagonal's tiles and the ragged ends; every other tile sees all its pairs
+            vis = (gl.expand_dims(rows, 0) < Nq) & (gl.expand_dims(keys, 1) < Nk)
+            if CAUSAL:
+                vis = vis & (gl.expand_dims(rows, 0) >= gl.expand_dims(keys, 1))
+            p_t = gl.where(vis, p_t, 0.0)
+        dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do, dv, is_async=True)
+        dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))
+        ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
+        dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q, dk, is_async=True)
+        ds_smem.store(ds_t)
+        fence_async_shared()
+        thread_barrier()  # dQ's multiply reads both warpgroups' dS
+        dq = warpgroup_mma(ds_smem.permute((1, 0)), k2, dq_zero, use_acc=False, is_async=True)
+        dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
+        tma.store_wait(pendings=0)  # the previous tile's reduce-add has read dq_smem
+        # One arrive for the partition, lowered with a barrier over its warps: every warp is done
+        # with this slot's Q, dO, with dS, and past the wait above.
+        mbarrier.arrive(empty.index(slot))
+        dq_smem.reshape([BLOCK_M, D]).store(dq * softmax_scale)
+        fence_async_shared()
+        thread_barrier()
+        tma_reduce_add(dq_desc, [b, start_m, h * D], dq_smem)
+    tma.store_wait(pendings=0)
+    return dk, dv
+
+
+@gluon.jit
+def _hopper_bwd(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, DK, DV, DKA, DVA,
+                stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+                stride_dkab, stride_dkan, stride_dkah, stride_dvab, stride_dvan, stride_dvah,
+                H, GROUP, Nq, Nk, qk_scale, softmax_scale,
+                CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                D: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    pid_n = gl.program_id(0)  # the causal loop's longest key blocks (the first) start first
+    bh = gl.program_id(1)
+    Hkv = H // GROUP
+    b = bh // Hkv
+    hkv = bh % Hkv
+    start_n = pid_n * BLOCK_N
+    lo = start_n if CAUSAL else 0  # causal: queries before the block see none of it (Nq == Nk)
+    dtype: gl.constexpr = q_desc.dtype
+    q_ring = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, D], q_desc.layout)
+    do_ring = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, D], do_desc.layout)
+    lse_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
+    delta_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, D], v_desc.layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
+    dq_smem = gl.allocate_shared_memory(gl.float32, [1, BLOCK_M, D], dq_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    dk, dv = gl.warp_specialize(
+        [(_consumer, (q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem, ds_smem, dq_smem, dq_desc, kv_bar,
+                      ready, empty, b, hkv, start_n, lo, Nq, Nk, GROUP, qk_scale, softmax_scale, CAUSAL, BLOCK_M,
+                      BLOCK_N, D, STAGES, num_warps)),
+         (_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_ring, do_ring, lse_ring, delta_ring,
+                    k_smem, v_smem, kv_bar, ready, empty, b, hkv, start_n, lo, Nq, H, GROUP, BLOCK_M, D, STAGES))],
+        worker_num_warps=[1], worker_num_regs=[24])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                        instr_shape=[16, D, 16])
+    keys = gl.expand_dims(start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout)), 1)
+    cols = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout)), 0)
+    in_range = keys < Nk
+    dk = dk * softmax_scale
+    if ACCUMULATE:
+        dka = gl.load(DKA + b * stride_dkab + hkv * stride_dkah + keys * stride_dkan + cols, mask=in_range)
+        dva = gl.load(DVA + b * stride_dvab + hkv * stride_dvah + keys * stride_dvan + cols, mask=in_range)
+        dk += dka.to(gl.float32)
+        dv += dva.to(gl.float32)
+    gl.store(DK + b * stride_dkb + hkv * stride_dkh + keys * stride_dkn + cols, dk.to(DK.dtype.element_ty),
+             mask=in_range)
+    gl.store(DV + b * stride_dvb + hkv * stride_dvh + keys * stride_dvn + cols, dv.to(DV.dtype.element_ty),
+             mask=in_range)
+
+
+def hopper_bwd_unsupported(q: torch.Tensor, k: torch.Tensor, spec: AttnSpec) -> str | None:
+    """None if `hopper_attn_bwd` runs this case, else why not (the caller falls back to the
+    deterministic kernels)."""
+    if torch.are_deterministic_algorithms_enabled():
+        return "torch.use_deterministic_algorithms(True) is set: dQ's atomic sums are not reproducible"
+    if not q.is_cuda or _capability(q.device) != (9, 0):
+        return "needs an sm_90 GPU (H100, H200): wgmma and TMA reduce-adds"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"needs fp16 or bf16 inputs, got {q.dtype}"
+    if q.shape[-1] not in HEAD_DIMS:
+        return f"needs a head dim in {HEAD_DIMS}, got {q.shape[-1]}"
+    if spec.kind not in ("full", "causal"):
+        return f"runs full or causal attention, not {spec.kind}"
+    if q.shape[0] * q.shape[1] * q.shape[2] * k.shape[1] == 0:
+        return "no (query, key) pair"
+    return None
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def _smem_layout(block: list[int], dtype) -> gl.NVMMASharedLayout:
+    if len(block) == 1:  # lse / delta rows: plain, TMA-aligned
+        return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    return gl.NVMMASharedLayout.get_default_for(block, dtype)
+
+
+def _rows(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """`t (B, N, H, D)` as a `(B, N, H·D)` descriptor of `rows` positions of one head (zeros past N)."""
+    B, N, H, D = t.shape
+    gdt = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[t.dtype]
+    return TensorDescriptor(t, [B, N, H * D], [*_row_strides(t), 1], [1, rows, D], _smem_layout([1, rows, D], gdt))
+
+
+def _flat(t: torch.Tensor) -> TensorDescriptor:
+    return TensorDescriptor(t, [t.numel()], [1], [BLOCK_M], _smem_layout([BLOCK_M], gl.float32))
+
+
+def hopper_attn_bwd(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    spec: AttnSpec,
+    softmax_scale: float | None = None,
+    *,
+    grad_dtype: torch.dtype | None = None,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    accumulate: bool = False,
+    acc: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    after_dkdv: Callable[[], None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`triton_attn_bwd`'s contract (kernels/triton_bwd.py) where `hopper_bwd_unsupported` is None.
+
+    dQ is summed in float32: in `out`'s dq itself where that is a contiguous float32 tensor (the
+    ring's running sums), else in a workspace rounded into it afterwards. `after_dkdv` runs after
+    the kernel: dK, dV and dQ are final together.
+    """
+    from ringflash.kernels.triton_bwd import row_deltas
+
+    check_qkv(q, k, v)
+    check_bwd(do, q, o, lse)
+    why = hopper_bwd_unsupported(q, k, spec)
+    if why is not None:
+        raise ValueError(f"hopper backward: {why}")
+    scale = resolve_scale(softmax_scale, q.shape[-1])
+    out_dtype = grad_dtype or q.dtype
+    check_grad_out(out, accumulate, q, k, out_dtype, acc)
+    B, Nq, H, D = q.shape
+    Nk, Hkv = k.shape[1], k.shape[2]
+    if out is None:
+        out = tuple(torch.empty(t.shape, dtype=out_dtype, device=q.device) for t in (q, k, v))
+    dq, dk, dv = out
+    sums = out if accumulate else acc
+    q, k, v, do = (t if _descriptor_fits(t, D) else t.contiguous() for t in (q, k, v, do))
+    lse = lse.contiguous()
+    if lse.data_ptr() % 16:
+        lse = lse.clone()
+    delta = row_deltas(o, do)
+    in_place = dq.dtype == torch.float32 and dq.is_contiguous() and dq.data_ptr() % 16 == 0
+    if in_place:
+        dq_sum = dq
+        if sums is None:
+            dq_sum.zero_()
+        elif sums[0] is not dq_sum:
+            dq_sum.copy_(sums[0])
+    else:
+        dq_sum = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if sums is None else sums[0].float()
+    dka, dva = (sums[1], sums[2]) if sums is not None else (dk, dv)  # placeholders, never read, without sums
+    _hopper_bwd[(triton.cdiv(Nk, BLOCK_N), B * Hkv)](
+        _rows(q, BLOCK_M), _rows(do, BLOCK_M), _rows(k, BLOCK_N), _rows(v, BLOCK_N), _rows(dq_sum, BLOCK_M),
+        _flat(lse), _flat(delta), dk, dv, dka, dva,
+        *bhnd_strides(dk), *bhnd_strides(dv), *bhnd_strides(dka), *bhnd_strides(dva),
+        H, H // Hkv, Nq, Nk, scale * LOG2E, scale,
+        CAUSAL=spec.causal, ACCUMULATE=sums is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D=D, STAGES=STAGES,
+        num_warps=NUM_WARPS,
+    )
+    if after_dkdv is not None:
+        after_dkdv()
+    if not in_place:
+        dq.copy_(dq_sum)
+    return dq, dk, dv

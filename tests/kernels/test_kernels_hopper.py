@@ -1,0 +1,151 @@
+"""`backend="hopper"`: the one-kernel backward with dQ added atomically (kernels/hopper_bwd.py).
+
+On an H100/H200 (`-m gpu`): gradients against float64, no further from it than the deterministic
+Triton kernels' on the same inputs, over ragged lengths, GQA, both head dims, fp16 and bf16; the
+ring-step arguments (`out=`, `accumulate=`, `acc=`, `after_dkdv`); dK and dV reproducible. On CPU:
+which cases fall back to the deterministic kernels and why, and the refusals. The kernel's sm_90
+compile (ptxas, no GPU) is checked by tests/launch/test_kernel_report.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ringflash import ring_flash_attn_func
+from ringflash.kernels import AttnSpec, attn_bwd, attn_fwd, get_backend
+from ringflash.kernels.hopper_bwd import hopper_attn_bwd, hopper_bwd_unsupported
+from tests.kernels.steps import bwd_step
+from tests.truth import TOL, attention_f64, rel_err
+
+sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                          reason="the Hopper backward needs an sm_90 GPU")
+
+
+def _inputs(B, Nq, Nk, H, Hkv, D, dtype, device="cuda", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, generator=g).to(device, dtype)
+    return mk(B, Nq, H, D), mk(B, Nk, Hkv, D), mk(B, Nk, Hkv, D), mk(B, Nq, H, D)
+
+
+SHAPES = [  # (B, Nq, Nk, H, Hkv, D)
+    (2, 1024, 1024, 16, 16, 128),
+    (1, 4096, 4096, 8, 2, 64),
+    (1, 1000, 1000, 4, 4, 128),  # ragged: the last query and key blocks are partial
+    (1, 1950, 1950, 8, 1, 64),  # 8 query heads a K/V head, 16 key blocks
+    (1, 1000, 3001, 4, 2, 64),  # a ring step's rectangle (full only): more keys than queries
+    (2, 300, 77, 4, 1, 128),  # fewer keys than one key block
+]
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_as_close_to_float64_as_the_deterministic_kernels(shape, causal, dtype):
+    if causal and shape[1] != shape[2]:
+        pytest.skip("causal needs Nq == Nk")
+    q, k, v, do = _inputs(*shape, dtype, seed=7)
+    truth = attention_f64(q, k, v, causal, do=do)
+    o, lse = attn_fwd(q, k, v, causal=causal)
+    spec = AttnSpec(causal=causal)
+    assert hopper_bwd_unsupported(q, k, spec) is None
+    got = hopper_attn_bwd(do, q, k, v, o, lse, spec)  # called directly: a fallback cannot pass for it
+    ref = attn_bwd(do, q, k, v, o, lse, causal=causal, backend="triton")
+    for name, g, r in zip(("dq", "dk", "dv"), got, ref):
+        assert g.dtype == dtype and g.shape == r.shape
+        err, base = rel_err(g, truth[name]), rel_err(r, truth[name])
+        assert err < TOL[dtype] and err <= 1.25 * base + 1e-5, f"{name}: {err:.2e} against Triton's {base:.2e}"
+
+
+@pytest.mark.gpu
+@sm90
+def test_dk_dv_reproducible_and_dq_within_rounding():
+    q, k, v, do = _inputs(1, 2048, 2048, 8, 2, 128, torch.bfloat16, seed=3)
+    o, lse = attn_fwd(q, k, v, causal=True)
+    runs = [hopper_attn_bwd(do, q, k, v, o, lse, AttnSpec(causal=True), grad_dtype=torch.float32) for _ in range(3)]
+    for dq, dk, dv in runs[1:]:
+        assert torch.equal(dk, runs[0][1]) and torch.equal(dv, runs[0][2])
+        assert rel_err(dq, runs[0][0]) < 1e-6  # float32 sums in another order
+
+
+@pytest.mark.gpu
+@sm90
+def test_views_of_a_packed_qkv_and_a_scale():
+    B, N, H, D = 2, 333, 4, 64
+    qkv = torch.randn(B, N, 3, H, D, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv.unbind(2)
+    do = torch.randn_like(q)
+    truth = attention_f64(q, k, v, True, scale=0.2, do=do)
+    o, lse = attn_fwd(q, k, v, causal=True, softmax_scale=0.2)
+    grads = hopper_attn_bwd(do, q, k, v, o, lse, AttnSpec(causal=True), 0.2)
+    for name, got in zip(("dq", "dk", "dv"), grads):
+        assert rel_err(got, truth[name]) < TOL[torch.bfloat16], name
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("sums_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_ring_step_contract(sums_dtype):
+    # As the ring calls it: float32 running sums added to in place (dQ summed atomically straight
+    # into out's dq), or sums only read and the totals written rounded; after_dkdv runs once,
+    # after dK and dV are final.
+    q, k, v, do = _inputs(2, 300, 500, 4, 2, 128, torch.bfloat16, seed=5)
+    o, lse = attn_fwd(q, k, v)
+    grads = bwd_step(do, q, k, v, o, lse, grad_dtype=torch.float32, backend="triton")
+    gen = torch.Generator().manual_seed(6)
+    sums = tuple(torch.randn(g.shape, generator=gen).cuda().to(sums_dtype) for g in grads)
+    before = tuple(s.clone() for s in sums)
+    seen = []
+
+    def hook():
+        torch.cuda.synchronize()
+        seen.append(True)
+
+    if sums_dtype == torch.float32:
+        ret = bwd_step(do, q, k, v, o, lse, grad_dtype=torch.float32, out=sums, accumulate=True, after_dkdv=hook,
+                       backend="hopper")
+        assert all(r is s for r, s in zip(ret, sums))
+        totals = sums
+    else:
+        totals = tuple(torch.full_like(t, 7.0) for t in (q, k, v))
+        ret = bwd_step(do, q, k, v, o, lse, out=totals, acc=sums, after_dkdv=hook, backend="hopper")
+        assert all(r is t for r, t in zip(ret, totals))
+        assert all(torch.equal(s, b) for s, b in zip(sums, before))  # acc is read, never written
+    assert seen == [True]
+    for got, b, g in zip(totals, before, grads):
+        assert rel_err(got, b.float() + g) < (1e-5 if sums_dtype == torch.float32 else TOL[torch.bfloat16])
+
+
+def test_falls_back_where_it_does_not_run(monkeypatch):
+    # On CPU (the interpreter), for masks it does not take, other head dims or float32, and under
+    # torch.use_deterministic_algorithms, the backend is the Triton one, bit for bit.
+    q, k, v, do = _inputs(1, 70, 70, 2, 1, 64, torch.float32, device="cpu", seed=1)
+    assert "sm_90" in hopper_bwd_unsupported(q, k, AttnSpec(causal=True))
+    o, lse = attn_fwd(q, k, v, causal=True, window=20, backend="hopper")
+    got = attn_bwd(do, q, k, v, o, lse, causal=True, window=20, backend="hopper")
+    ref = attn_bwd(do, q, k, v, o, lse, causal=True, window=20, backend="triton")
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    assert not get_backend("hopper", q.device).deterministic
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    assert "use_deterministic_algorithms" in hopper_bwd_unsupported(q, k, AttnSpec(causal=True))
+
+
+@pytest.mark.gpu
+@sm90
+def test_what_it_does_not_run_is_named():
+    q, k, v, _ = _inputs(1, 128, 128, 2, 2, 96, torch.bfloat16)
+    assert "head dim in (64, 128), got 96" in hopper_bwd_unsupported(q, k, AttnSpec(causal=True))
+    assert "float32" in hopper_bwd_unsupported(q.float(), k.float(), AttnSpec(causal=True))
+    q, k, v, do = _inputs(1, 128, 128, 2, 2, 64, torch.bfloat16)
+    assert "not window" in hopper_bwd_unsupported(q, k, AttnSpec(causal=True, window=16))
+    o, lse = attn_fwd(q, k, v, causal=True, window=16)
+    with pytest.raises(ValueError, match="hopper backward: runs full or causal attention, not window"):
+        hopper_attn_bwd(do, q, k, v, o, lse, AttnSpec(causal=True, window=16))
+
+
+def test_deterministic_true_refuses_it():
+    q, k, v, _ = _inputs(1, 32, 32, 2, 2, 16, torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="backend 'hopper' is not deterministic"):
+        ring_flash_attn_func(q, k, v, causal=True, deterministic=True, backend="hopper")
