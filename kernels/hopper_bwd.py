@@ -19,8 +19,8 @@ because the structure below is what plain Triton does not let a kernel state:
   dK += dSᵀ·Q beside dS's copy to shared memory, then dQ = dS·K, scaled and copied to shared
   memory for a TMA reduce-add that runs while the next tile computes;
 - only tiles crossing the causal diagonal or the sequences' ends are masked.
-Sequence ends: rows past Nq and keys past Nk read as zeros (TMA) and are masked out of P, so a
-padded row's statistics (read from the next head's) cannot turn into inf or NaN.
+Sequence ends: rows past Nq and keys past Nk read as zeros (TMA) and are masked out of P, so
+they contribute nothing and cannot turn into inf or NaN.
 
 Outcome and what was tried on the way: docs/PERF_NOTES.md ("Backward variants", "Gluon").
 Gluon has no interpreter: the CPU suite compiles this kernel for sm_90 (ptxas, no GPU) and the
@@ -87,9 +87,8 @@ def _loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_ring, do_ri
         mbarrier.expect(ready.index(slot), 2 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
         tma_load(q_desc, [b, start_m, h * D], ready.index(slot), q_ring.index(slot))
         tma_load(do_desc, [b, start_m, h * D], ready.index(slot), do_ring.index(slot))
-        stats = (b * H + h) * Nq + start_m  # lse and delta are (B, H, Nq), read flat
-        tma_load(lse_desc, [stats], ready.index(slot), lse_ring.index(slot))
-        tma_load(delta_desc, [stats], ready.index(slot), delta_ring.index(slot))
+        tma_load(lse_desc, [b * H + h, start_m], ready.index(slot), lse_ring.index(slot))
+        tma_load(delta_desc, [b * H + h, start_m], ready.index(slot), delta_ring.index(slot))
 
 
 @gluon.jit
@@ -126,9 +125,9 @@ def _consumer(q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem, ds_smem, dq
         mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
         q = q_ring.index(slot).reshape([BLOCK_M, D])
         do = do_ring.index(slot).reshape([BLOCK_M, D])
-        lse = lse_ring.index(slot).load(row_layout)
+        lse = lse_ring.index(slot).reshape([BLOCK_M]).load(row_layout)
         lse2 = gl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634  # no key seen: P = 0
-        delta = delta_ring.index(slot).load(row_layout)
+        delta = delta_ring.index(slot).reshape([BLOCK_M]).load(row_layout)
         s_t = warpgroup_mma(k2, q.permute((1, 0)), st_zero, use_acc=False, is_async=True)
         dp_t = warpgroup_mma(v2, do.permute((1, 0)), st_zero, use_acc=False, is_async=True)
         s_t = warpgroup_mma_wait(1, deps=(s_t, ))
@@ -179,8 +178,8 @@ def _hopper_bwd(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, 
     dtype: gl.constexpr = q_desc.dtype
     q_ring = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, D], q_desc.layout)
     do_ring = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, D], do_desc.layout)
-    lse_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
-    delta_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
+    lse_ring = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], lse_desc.layout)
+    delta_ring = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], delta_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, D], v_desc.layout)
     ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M],
@@ -241,8 +240,8 @@ def _capability(device: torch.device) -> tuple[int, int]:
 
 
 def _smem_layout(block: list[int], dtype) -> gl.NVMMASharedLayout:
-    if len(block) == 1:  # lse / delta rows: plain, TMA-aligned
-        return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    if len(block) == 2:  # lse / delta rows: plain
+        return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     return gl.NVMMASharedLayout.get_default_for(block, dtype)
 
 
@@ -253,8 +252,16 @@ def _rows(t: torch.Tensor, rows: int) -> TensorDescriptor:
     return TensorDescriptor(t, [B, N, H * D], [*_row_strides(t), 1], [1, rows, D], _smem_layout([1, rows, D], gdt))
 
 
-def _flat(t: torch.Tensor) -> TensorDescriptor:
-    return TensorDescriptor(t, [t.numel()], [1], [BLOCK_M], _smem_layout([BLOCK_M], gl.float32))
+def _stats(lse: torch.Tensor, delta: torch.Tensor) -> tuple[TensorDescriptor, TensorDescriptor]:
+    """lse and delta `(B, H, Nq)` as `(B·H, Nq')` descriptors of `BLOCK_M` rows, Nq' = Nq rounded up to a
+    block: a TMA copy's start must be 16-byte aligned, which row b·h of an odd Nq is not. The padding is
+    never used (rows past Nq are masked)."""
+    B, H, Nq = lse.shape
+    stats = torch.zeros((2, B * H, triton.cdiv(Nq, BLOCK_M) * BLOCK_M), dtype=torch.float32, device=lse.device)
+    stats[0, :, :Nq] = lse.reshape(B * H, Nq)
+    stats[1, :, :Nq] = delta.reshape(B * H, Nq)
+    layout = _smem_layout([1, BLOCK_M], gl.float32)
+    return tuple(TensorDescriptor(s, list(s.shape), [s.stride(0), 1], [1, BLOCK_M], layout) for s in stats)
 
 
 def hopper_attn_bwd(
@@ -296,10 +303,7 @@ def hopper_attn_bwd(
     dq, dk, dv = out
     sums = out if accumulate else acc
     q, k, v, do = (t if _descriptor_fits(t, D) else t.contiguous() for t in (q, k, v, do))
-    lse = lse.contiguous()
-    if lse.data_ptr() % 16:
-        lse = lse.clone()
-    delta = row_deltas(o, do)
+    lse_desc, delta_desc = _stats(lse, row_deltas(o, do))
     in_place = dq.dtype == torch.float32 and dq.is_contiguous() and dq.data_ptr() % 16 == 0
     if in_place:
         dq_sum = dq
@@ -312,7 +316,7 @@ def hopper_attn_bwd(
     dka, dva = (sums[1], sums[2]) if sums is not None else (dk, dv)  # placeholders, never read, without sums
     _hopper_bwd[(triton.cdiv(Nk, BLOCK_N), B * Hkv)](
         _rows(q, BLOCK_M), _rows(do, BLOCK_M), _rows(k, BLOCK_N), _rows(v, BLOCK_N), _rows(dq_sum, BLOCK_M),
-        _flat(lse), _flat(delta), dk, dv, dka, dva,
+        lse_desc, delta_desc, dk, dv, dka, dva,
         *bhnd_strides(dk), *bhnd_strides(dv), *bhnd_strides(dka), *bhnd_strides(dva),
         H, H // Hkv, Nq, Nk, scale * LOG2E, scale,
         CAUSAL=spec.causal, ACCUMULATE=sums is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D=D, STAGES=STAGES,

@@ -113,8 +113,8 @@ def hopper_report(head_dim: int, causal: bool, group: int) -> dict:
     consts = dict(CAUSAL=causal, ACCUMULATE=False, BLOCK_M=hb.BLOCK_M, BLOCK_N=hb.BLOCK_N, D=head_dim,
                   STAGES=hb.STAGES, num_warps=hb.NUM_WARPS)
     sig = dict(q_desc=desc("bf16", q_block), do_desc=desc("bf16", q_block), k_desc=desc("bf16", kv_block),
-               v_desc=desc("bf16", kv_block), dq_desc=desc("fp32", q_block), lse_desc=desc("fp32", [hb.BLOCK_M]),
-               delta_desc=desc("fp32", [hb.BLOCK_M]), DK="*bf16", DV="*bf16", DKA="*bf16", DVA="*bf16")
+               v_desc=desc("bf16", kv_block), dq_desc=desc("fp32", q_block), lse_desc=desc("fp32", [1, hb.BLOCK_M]),
+               delta_desc=desc("fp32", [1, hb.BLOCK_M]), DK="*bf16", DV="*bf16", DKA="*bf16", DVA="*bf16")
     for name in hb._hopper_bwd.arg_names:
         if name in consts:
             sig[name] = "constexpr"

@@ -32,6 +32,7 @@ SHAPES = [  # (B, Nq, Nk, H, Hkv, D)
     (2, 1024, 1024, 16, 16, 128),
     (1, 4096, 4096, 8, 2, 64),
     (1, 1000, 1000, 4, 4, 128),  # ragged: the last query and key blocks are partial
+    (2, 1001, 1001, 2, 2, 128),  # an odd length: no head's rows start 16-byte aligned
     (1, 1950, 1950, 8, 1, 64),  # 8 query heads a K/V head, 16 key blocks
     (1, 1000, 3001, 4, 2, 64),  # a ring step's rectangle (full only): more keys than queries
     (2, 300, 77, 4, 1, 128),  # fewer keys than one key block
