@@ -432,8 +432,9 @@ def main() -> None:
             p.error(f"--transports: each must be one of {TRANSPORTS} (copy-engine needs CUDA), got {t!r}")
     backends = (args.kernel_backends or ("triton,cudnn" if cuda else "auto")).split(",")
     for b in backends:
-        if b not in kernels.BACKENDS or (b in ("triton", "cudnn") and not cuda):
-            p.error(f"--kernel-backends: each must be one of {kernels.BACKENDS} (triton, cudnn need CUDA), got {b!r}")
+        if b not in kernels.BACKENDS or (b in ("triton", "cudnn", "hopper") and not cuda):
+            p.error(f"--kernel-backends: each must be one of {kernels.BACKENDS} (triton, cudnn, hopper need CUDA), "
+                    f"got {b!r}")
     args.transports, args.kernel_backends = ",".join(transports), ",".join(backends)  # as resolved, for the record
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if cuda:
