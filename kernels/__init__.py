@@ -10,7 +10,7 @@ and lse = -inf; NaN or Inf in the inputs propagate as in SDPA.
 
 What each query sees is an `AttnSpec` (kernels/spec.py), built here from `causal=` / `window=`.
 Which implementation runs is a `Backend` (kernels/backends.py: `triton`, `reference`, `cudnn`,
-`auto`), chosen from `backend=` or `RINGFLASH_KERNEL_BACKEND`. Block-wise callers (the ring) use
+`hopper`, `auto`), chosen from `backend=` or `RINGFLASH_KERNEL_BACKEND`. Block-wise callers (the ring) use
 the backends' step API, which merges and accumulates into given buffers.
 """
 

@@ -9,6 +9,7 @@ Three launches, none with atomics, so gradients are deterministic:
    (`tuning.pairs_dkdv` says when).
 3. `_bwd_dq`: one program per (query block, batch·head) streams key blocks and accumulates dQ.
    Recomputing S and dP once more costs 2 of 7 matmuls; it buys dQ without a race or atomics.
+   (kernels/hopper_bwd.py is the opt-in other way: one kernel, dQ added atomically.)
 
 On Hopper both kernels load Q, K, V and dO through tensor descriptors (TMA; see
 `kernels.launch_utils.tma_ok` for when), else through pointers; the results are the same.

@@ -13,8 +13,12 @@ asynchronous wgmma whose waits are placed by hand. `OVERLAP` says where:
      (warning C7514: the loop-carried accumulator is touched while in flight).
 Two warpgroups of 64 query rows each (8 warps), 128-row query blocks, dense causal or full
 attention, bf16/fp16, D = 64 or 128, GQA. Causal needs BLOCK_N = 128: only the last key block is
-masked. The outcome is in docs/PERF_NOTES.md ("Gluon"): none of the three beats the Triton kernel;
-what is left (a producer warp, register reallocation, two warpgroups ping-ponging) is named there.
+masked. `gluon_attn_fwd_ws` is the next step of FlashAttention-3's structure: a one-warp TMA loader
+partition (`gl.warp_specialize`) fills the ring while the two consumer warpgroups, given 240
+registers each by `setmaxnreg`, only compute (overlap as 1). The outcome is in docs/PERF_NOTES.md
+("Gluon"): none of them beats the Triton kernel; what is left (consumer warpgroups as partitions of
+their own, ping-pong) is named there. The same loader structure is what made the backward fast
+(kernels/hopper_bwd.py).
 """
 
 import argparse
@@ -204,18 +208,136 @@ def gluon_attn_fwd(q, k, v, causal: bool, overlap: int = 1, block_n: int = 128, 
     return o, lse
 
 
-def ptxas_report(causal: bool, overlap: int, head_dim: int = 128, block_n: int = 128, stages: int = 3) -> str:
-    """Registers, spills and wgmma serialisation for sm_90, compiled here without a GPU."""
+@gluon.jit
+def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, b, h, kv_col, start_m, n_blocks,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, D: gl.constexpr):
+    mbarrier.expect(q_bar, BLOCK_M * D * q_desc.dtype.primitive_bitwidth // 8)
+    tma_load(q_desc, [b, start_m, h * D], q_bar, q_smem)
+    for j in range(n_blocks):
+        slot = j % STAGES
+        mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1 at once
+        mbarrier.expect(ready.index(slot), 2 * BLOCK_N * D * k_desc.dtype.primitive_bitwidth // 8)
+        tma_load(k_desc, [b, j * BLOCK_N, kv_col], ready.index(slot), k_smem.index(slot))
+        tma_load(v_desc, [b, j * BLOCK_N, kv_col], ready.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def _ws_consumer(q_smem, k_smem, v_smem, q_bar, ready, empty, start_m, n_blocks, Nk, qk_scale,
+                 CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                 STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                       instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    rows = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_layout)
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_layout)
+    acc = gl.zeros([BLOCK_M, D], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    q = q_smem.reshape([BLOCK_M, D])
+    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(ready.index(0), 0)
+    s = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, D]).permute((1, 0)), s_zero, use_acc=False,
+                      is_async=True)
+    s = warpgroup_mma_wait(0, deps=(s, ))
+    for j in range(0, n_blocks - 1):
+        nxt = j + 1
+        mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1)
+        s_next = warpgroup_mma(q, k_smem.index(nxt % STAGES).reshape([BLOCK_N, D]).permute((1, 0)), s_zero,
+                               use_acc=False, is_async=True)
+        p, alpha, l_i, m_i = _softmax(s, m_i, l_i, qk_scale, rows, j * BLOCK_N + offs_n, Nk, False, CAUSAL)
+        acc = _pv(acc, p, alpha, v_smem.index(j % STAGES).reshape([BLOCK_N, D]), o_layout, p_layout)
+        acc, s = warpgroup_mma_wait(0, deps=(acc, s_next))
+        # Block j's K and V are read: the loader may refill the slot. Gluon lowers one arrive for the
+        # partition as a barrier over its 8 warps and one thread's arrive, so the two warpgroups meet
+        # here every block.
+        mbarrier.arrive(empty.index(j % STAGES))
+    last = n_blocks - 1
+    p, alpha, l_i, m_i = _softmax(s, m_i, l_i, qk_scale, rows, last * BLOCK_N + offs_n, Nk, True, CAUSAL)
+    acc = _pv(acc, p, alpha, v_smem.index(last % STAGES).reshape([BLOCK_N, D]), o_layout, p_layout)
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    return acc, l_i, m_i
+
+
+@gluon.jit
+def _gl_attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, H, GROUP, Nq, Nk, qk_scale,
+                    CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                    STAGES: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
+    bh = gl.program_id(1)
+    b = bh // H
+    h = bh % H
+    kv_col = (h // GROUP) * D
+    start_m = pid_m * BLOCK_M
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_M, D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, D], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    n_blocks = gl.cdiv(gl.minimum(start_m + BLOCK_M, Nk) if CAUSAL else Nk, BLOCK_N)
+    acc, l_i, m_i = gl.warp_specialize(
+        [(_ws_consumer, (q_smem, k_smem, v_smem, q_bar, ready, empty, start_m, n_blocks, Nk, qk_scale, CAUSAL,
+                         BLOCK_M, BLOCK_N, D, STAGES, num_warps)),
+         (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, b, h, kv_col, start_m,
+                       n_blocks, BLOCK_M, BLOCK_N, STAGES, D))],
+        worker_num_warps=[1], worker_num_regs=[LOADER_REGS])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, D, 16])
+    rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])))
+    empty_rows = l_i == 0.0
+    l_safe = gl.where(empty_rows, 1.0, l_i)
+    lse = gl.where(empty_rows, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
+    gl.store(LSE + bh * Nq + rows, lse, mask=rows < Nq)
+    o = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
+    q_smem.reshape([BLOCK_M, D]).store(o.to(dtype))
+    fence_async_shared()
+    tma_store(o_desc, [b, start_m, h * D], q_smem)
+    tma.store_wait(pendings=0)
+
+
+def gluon_attn_fwd_ws(q, k, v, causal: bool, block_n: int = 128, stages: int = 3, loader_regs: int = 24):
+    """As `gluon_attn_fwd`, with a one-warp TMA loader beside the two consumer warpgroups."""
+    B, Nq, H, D = q.shape
+    Nk, Hkv = k.shape[1], k.shape[2]
+    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[q.dtype]
+
+    def desc(t, rows):
+        return TensorDescriptor(t, [t.shape[0], t.shape[1], t.shape[2] * D], [*_row_strides(t), 1], [1, rows, D],
+                                _layout(rows, D, gdt))
+
+    o = torch.empty_like(q)
+    lse = torch.empty(B, H, Nq, device=q.device, dtype=torch.float32)
+    _gl_attn_fwd_ws[(triton.cdiv(Nq, BLOCK_M), B * H)](
+        desc(q, BLOCK_M), desc(k, block_n), desc(v, block_n), desc(o, BLOCK_M), lse, H, H // Hkv, Nq, Nk,
+        D ** -0.5 * 1.4426950408889634, CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=block_n, D=D, STAGES=stages,
+        LOADER_REGS=loader_regs, num_warps=8)
+    return o, lse
+
+
+def ptxas_report(causal: bool, overlap: int | None, head_dim: int = 128, block_n: int = 128, stages: int = 3) -> str:
+    """Registers, spills and wgmma serialisation for sm_90, compiled here without a GPU; overlap None:
+    the warp-specialised kernel."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     def desc(rows):
         return f"tensordesc<bf16[1,{rows},{head_dim}],{_layout(rows, head_dim, gl.bfloat16)!r}>"
 
-    consts = dict(CAUSAL=causal, OVERLAP=overlap, BLOCK_M=BLOCK_M, BLOCK_N=block_n, D=head_dim, STAGES=stages,
-                  num_warps=8)
+    consts = dict(CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=block_n, D=head_dim, STAGES=stages, num_warps=8)
+    consts.update(OVERLAP=overlap) if overlap is not None else consts.update(LOADER_REGS=24)
     sig = dict(q_desc=desc(BLOCK_M), k_desc=desc(block_n), v_desc=desc(block_n), o_desc=desc(BLOCK_M), LSE="*fp32",
                H="i32", GROUP="i32", Nq="i32", Nk="i32", qk_scale="fp32", **{c: "constexpr" for c in consts})
-    info = ptxas_info(triton.compile(GluonASTSource(_gl_attn_fwd, sig, consts), target=SM90, options={"num_warps": 8}))
+    fn = _gl_attn_fwd if overlap is not None else _gl_attn_fwd_ws
+    info = ptxas_info(triton.compile(GluonASTSource(fn, sig, consts), target=SM90, options={"num_warps": 8}))
     return (f"{info['registers']} registers, {info['spill_stores']} B spilled, "
             f"serialised: {'yes (C7514)' if info['serialised'] else 'no'}")
 
@@ -230,9 +352,12 @@ def _exactness() -> None:
         o64, lse64 = truth["o"], truth["lse"]
         line = f"B{B} N{N} H{H}/{Hkv} D{D} causal={causal}: max |o - o64|: triton "
         line += f"{float((triton_attn_fwd(q, k, v, AttnSpec(causal=causal))[0].double() - o64).abs().max()):.2e}"
-        for overlap in (0, 1, 2):
-            o, lse = gluon_attn_fwd(q, k, v, causal, overlap)
-            line += (f", gluon {overlap} {float((o.double() - o64).abs().max()):.2e}"
+        for overlap in (0, 1, 2, None):
+            if overlap is None:
+                o, lse = gluon_attn_fwd_ws(q, k, v, causal)
+            else:
+                o, lse = gluon_attn_fwd(q, k, v, causal, overlap)
+            line += (f", gluon {overlap if overlap is not None else 'ws'} {float((o.double() - o64).abs().max()):.2e}"
                      f" (lse {float((lse.double() - lse64).abs().max()):.1e})")
         print(line, flush=True)
 
@@ -243,8 +368,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.ptxas:
         for causal in (True, False):
-            for overlap in (0, 1, 2):
-                print(f"D128 causal={causal} overlap={overlap}: {ptxas_report(causal, overlap)}")
+            for overlap in (0, 1, 2, None):
+                name = f"overlap={overlap}" if overlap is not None else "warp-specialised"
+                print(f"D128 causal={causal} {name}: {ptxas_report(causal, overlap)}")
         return
 
     _exactness()
@@ -264,6 +390,7 @@ def _bench(label, B, N, H, D, causal) -> None:
 
     fns = {"triton": lambda: triton_attn_fwd(q, k, v, AttnSpec(causal=causal)), "cudnn": cudnn}
     fns.update({f"gluon overlap={ov}": (lambda ov=ov: gluon_attn_fwd(q, k, v, causal, ov)) for ov in (0, 1, 2)})
+    fns["gluon warp-specialised"] = lambda: gluon_attn_fwd_ws(q, k, v, causal)
     times = {name: [] for name in fns}
     for _ in range(2):  # interleaved rounds: drift falls on every variant
         for name, fn in fns.items():
