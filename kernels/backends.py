@@ -8,11 +8,11 @@
 - `reference`: the same contract in plain PyTorch (kernels/reference.py): the CPU path.
 - `cudnn`: NVIDIA's cuDNN attention through PyTorch (kernels/cudnn.py): CUDA, fp16/bf16, full or
   causal only. Never chosen by `auto`.
-- `hopper`: `triton`, except that on an H100/H200 the backward of dense full or causal attention
-  (fp16/bf16, head dim 64 or 128) is one Gluon kernel adding dQ atomically (kernels/hopper_bwd.py):
-  faster, and dQ not bit-reproducible. Other cases, and any under
-  `torch.use_deterministic_algorithms(True)`, run Triton's deterministic backward. Never chosen by
-  `auto`.
+- `hopper`: `triton`, except that on an H100/H200, for dense full or causal attention (fp16/bf16,
+  head dim 64 or 128), the forward is a warp-specialised Gluon kernel (kernels/hopper_fwd.py; not
+  for merges into an accumulator) and the backward one Gluon kernel adding dQ atomically
+  (kernels/hopper_bwd.py): faster, and dQ not bit-reproducible. Other cases, and backwards under
+  `torch.use_deterministic_algorithms(True)`, run the Triton kernels. Never chosen by `auto`.
 `auto` is Triton on CUDA tensors and the reference elsewhere.
 
 The step API (`fwd_step`, `bwd_step`) is for block-wise callers such as the ring: it writes into
@@ -108,6 +108,13 @@ class _Triton(Backend):
 class _Hopper(_Triton):
     name = "hopper"
     deterministic = False
+
+    def fwd_step(self, q, k, v, spec, scale, *, out_dtype=None, acc=None, out=None):
+        from ringflash.kernels.hopper_fwd import hopper_attn_fwd, hopper_fwd_unsupported
+
+        if hopper_fwd_unsupported(q, k, spec, out_dtype, acc, out) is None:
+            return hopper_attn_fwd(q, k, v, spec, scale, out=out)
+        return super().fwd_step(q, k, v, spec, scale, out_dtype=out_dtype, acc=acc, out=out)
 
     def bwd_step(self, do, q, k, v, o, lse, spec, scale, *, grad_dtype=None, out=None, accumulate=False, acc=None,
                  after_dkdv=None):

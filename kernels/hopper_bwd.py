@@ -5,8 +5,8 @@ where the FLOP convention counts 5: its dQ kernel recomputes S and dP so that no
 write the same dQ rows. This one computes everything from one pass over each key block and adds
 dQ's partial sums into a float32 buffer with TMA reduce-adds, as FlashAttention-3 does. Float
 addition in the order the SMs happen to finish is not associative, so dQ can differ in its last
-bits from run to run; dK and dV are written by one program each and are bit-identical to the
-deterministic kernels'.
+bits from run to run; dK and dV are written by one program each, so they are reproducible (and
+were bit-identical to the deterministic kernels' in every case compared).
 
 One program per (128-key block, batch·kv-head), written in Gluon (Triton's explicit dialect)
 because the structure below is what plain Triton does not let a kernel state:
@@ -23,13 +23,10 @@ Sequence ends: rows past Nq and keys past Nk read as zeros (TMA) and are masked 
 they contribute nothing and cannot turn into inf or NaN.
 
 Outcome and what was tried on the way: docs/PERF_NOTES.md ("Backward variants", "Gluon").
-Gluon has no interpreter: the CPU suite compiles this kernel for sm_90 (ptxas, no GPU) and the
-`gpu` tests check its gradients against float64.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
@@ -43,32 +40,23 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ringflash.kernels.checks import check_bwd, check_grad_out, check_qkv, resolve_scale
-from ringflash.kernels.launch_utils import LOG2E, _descriptor_fits, _row_strides, bhnd_strides
+from ringflash.kernels.hopper import (
+    TensorDescriptor,
+    rows_descriptor,
+    smem_layout,
+    thread_barrier,
+    tma_load,
+    tma_reduce_add,
+    unsupported,
+)
+from ringflash.kernels.launch_utils import LOG2E, _descriptor_fits, bhnd_strides
 from ringflash.kernels.spec import AttnSpec
 
-__all__ = ["HEAD_DIMS", "hopper_attn_bwd", "hopper_bwd_unsupported"]
+__all__ = ["hopper_attn_bwd", "hopper_bwd_unsupported"]
 
-HEAD_DIMS = (64, 128)
 BLOCK_M, BLOCK_N, STAGES, NUM_WARPS = 64, 128, 2, 8  # measured in docs/PERF_NOTES.md ("Backward variants")
-
-# Triton 3.6 (the GPU image) names the TMA copies async_copy_* and the barrier thread_barrier; later
-# versions async_load and barrier. 3.6 has the reduce-add only as a builder op (async_atomic_add later).
-tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # a barrier over the partition's warps
-if hasattr(tma, "async_atomic_add"):
-    tma_reduce_add = tma.async_atomic_add
-else:  # pragma: no cover (Triton 3.6)
-    from triton._C.libtriton import ir
-    from triton.experimental.gluon.language._core import builtin
-
-    @builtin
-    def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
-        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-        _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
-                                                  src.handle)
 
 
 @gluon.jit
@@ -221,35 +209,7 @@ def hopper_bwd_unsupported(q: torch.Tensor, k: torch.Tensor, spec: AttnSpec) -> 
     deterministic kernels)."""
     if torch.are_deterministic_algorithms_enabled():
         return "torch.use_deterministic_algorithms(True) is set: dQ's atomic sums are not reproducible"
-    if not q.is_cuda or _capability(q.device) != (9, 0):
-        return "needs an sm_90 GPU (H100, H200): wgmma and TMA reduce-adds"
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return f"needs fp16 or bf16 inputs, got {q.dtype}"
-    if q.shape[-1] not in HEAD_DIMS:
-        return f"needs a head dim in {HEAD_DIMS}, got {q.shape[-1]}"
-    if spec.kind not in ("full", "causal"):
-        return f"runs full or causal attention, not {spec.kind}"
-    if q.shape[0] * q.shape[1] * q.shape[2] * k.shape[1] == 0:
-        return "no (query, key) pair"
-    return None
-
-
-@functools.cache
-def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
-
-
-def _smem_layout(block: list[int], dtype) -> gl.NVMMASharedLayout:
-    if len(block) == 2:  # lse / delta rows: plain
-        return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    return gl.NVMMASharedLayout.get_default_for(block, dtype)
-
-
-def _rows(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    """`t (B, N, H, D)` as a `(B, N, H·D)` descriptor of `rows` positions of one head (zeros past N)."""
-    B, N, H, D = t.shape
-    gdt = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[t.dtype]
-    return TensorDescriptor(t, [B, N, H * D], [*_row_strides(t), 1], [1, rows, D], _smem_layout([1, rows, D], gdt))
+    return unsupported(q, k, spec)
 
 
 def _stats(lse: torch.Tensor, delta: torch.Tensor) -> tuple[TensorDescriptor, TensorDescriptor]:
@@ -260,7 +220,7 @@ def _stats(lse: torch.Tensor, delta: torch.Tensor) -> tuple[TensorDescriptor, Te
     stats = torch.zeros((2, B * H, triton.cdiv(Nq, BLOCK_M) * BLOCK_M), dtype=torch.float32, device=lse.device)
     stats[0, :, :Nq] = lse.reshape(B * H, Nq)
     stats[1, :, :Nq] = delta.reshape(B * H, Nq)
-    layout = _smem_layout([1, BLOCK_M], gl.float32)
+    layout = smem_layout([1, BLOCK_M], gl.float32)
     return tuple(TensorDescriptor(s, list(s.shape), [s.stride(0), 1], [1, BLOCK_M], layout) for s in stats)
 
 
@@ -315,7 +275,8 @@ def hopper_attn_bwd(
         dq_sum = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if sums is None else sums[0].float()
     dka, dva = (sums[1], sums[2]) if sums is not None else (dk, dv)  # placeholders, never read, without sums
     _hopper_bwd[(triton.cdiv(Nk, BLOCK_N), B * Hkv)](
-        _rows(q, BLOCK_M), _rows(do, BLOCK_M), _rows(k, BLOCK_N), _rows(v, BLOCK_N), _rows(dq_sum, BLOCK_M),
+        rows_descriptor(q, BLOCK_M), rows_descriptor(do, BLOCK_M), rows_descriptor(k, BLOCK_N),
+        rows_descriptor(v, BLOCK_N), rows_descriptor(dq_sum, BLOCK_M),
         lse_desc, delta_desc, dk, dv, dka, dva,
         *bhnd_strides(dk), *bhnd_strides(dv), *bhnd_strides(dka), *bhnd_strides(dva),
         H, H // Hkv, Nq, Nk, scale * LOG2E, scale,

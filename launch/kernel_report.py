@@ -25,8 +25,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
+from triton.experimental.gluon import language as gl
 
-from ringflash.kernels import hopper_bwd, interpreting, triton_bwd, triton_fwd
+from ringflash.kernels import hopper_bwd, hopper_fwd, interpreting, triton_bwd, triton_fwd
+from ringflash.kernels.hopper import smem_layout
 from ringflash.kernels.tuning import KERNELS, Tile, pairs_dkdv, tile_config, tile_for
 
 JIT_FNS = {"fwd": triton_fwd._attn_fwd_kernel, "dkdv": triton_bwd._bwd_dkdv, "dq": triton_bwd._bwd_dq}
@@ -97,31 +99,38 @@ def ptxas_report(kernel: str, head_dim: int, causal: bool, group: int, tile: Til
     return ptxas_info(compiled)
 
 
-def hopper_report(head_dim: int, causal: bool, group: int) -> dict:
-    """`ptxas_report` for the Gluon backward (kernels/hopper_bwd.py): one tile, so none to choose;
-    `group` is a runtime argument there."""
+def hopper_report(kernel: str, head_dim: int, causal: bool) -> dict:
+    """`ptxas_report` for a Gluon kernel (kernels/hopper_fwd.py, kernels/hopper_bwd.py): one tile
+    each, so none to choose; GQA's group is a runtime argument there."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    hb = hopper_bwd
-    layout = hb._smem_layout
-
     def desc(dtype: str, block: list[int]) -> str:
-        gdt = {"bf16": hb.gl.bfloat16, "fp32": hb.gl.float32}[dtype]
-        return f"tensordesc<{dtype}[{','.join(map(str, block))}],{layout(block, gdt)!r}>"
+        gdt = {"bf16": gl.bfloat16, "fp32": gl.float32}[dtype]
+        return f"tensordesc<{dtype}[{','.join(map(str, block))}],{smem_layout(block, gdt)!r}>"
 
-    q_block, kv_block = [1, hb.BLOCK_M, head_dim], [1, hb.BLOCK_N, head_dim]
-    consts = dict(CAUSAL=causal, ACCUMULATE=False, BLOCK_M=hb.BLOCK_M, BLOCK_N=hb.BLOCK_N, D=head_dim,
-                  STAGES=hb.STAGES, num_warps=hb.NUM_WARPS)
-    sig = dict(q_desc=desc("bf16", q_block), do_desc=desc("bf16", q_block), k_desc=desc("bf16", kv_block),
-               v_desc=desc("bf16", kv_block), dq_desc=desc("fp32", q_block), lse_desc=desc("fp32", [1, hb.BLOCK_M]),
-               delta_desc=desc("fp32", [1, hb.BLOCK_M]), DK="*bf16", DV="*bf16", DKA="*bf16", DVA="*bf16")
-    for name in hb._hopper_bwd.arg_names:
+    if kernel == "hopper_fwd":
+        fn, num_warps = hopper_fwd._hopper_fwd, 4
+        q_block, kv_block = [1, hopper_fwd.WG_ROWS, head_dim], [1, hopper_fwd.BLOCK_N, head_dim]
+        consts = dict(CAUSAL=causal, WG_ROWS=hopper_fwd.WG_ROWS, BLOCK_N=hopper_fwd.BLOCK_N, D=head_dim,
+                      STAGES=hopper_fwd.STAGES, num_warps=num_warps)
+        sig = dict(q_desc=desc("bf16", q_block), k_desc=desc("bf16", kv_block), v_desc=desc("bf16", kv_block),
+                   o_desc=desc("bf16", q_block), LSE="*fp32")
+    else:
+        hb = hopper_bwd
+        fn, num_warps = hb._hopper_bwd, hb.NUM_WARPS
+        q_block, kv_block = [1, hb.BLOCK_M, head_dim], [1, hb.BLOCK_N, head_dim]
+        consts = dict(CAUSAL=causal, ACCUMULATE=False, BLOCK_M=hb.BLOCK_M, BLOCK_N=hb.BLOCK_N, D=head_dim,
+                      STAGES=hb.STAGES, num_warps=num_warps)
+        sig = dict(q_desc=desc("bf16", q_block), do_desc=desc("bf16", q_block), k_desc=desc("bf16", kv_block),
+                   v_desc=desc("bf16", kv_block), dq_desc=desc("fp32", q_block),
+                   lse_desc=desc("fp32", [1, hb.BLOCK_M]), delta_desc=desc("fp32", [1, hb.BLOCK_M]), DK="*bf16",
+                   DV="*bf16", DKA="*bf16", DVA="*bf16")
+    for name in fn.arg_names:
         if name in consts:
             sig[name] = "constexpr"
         elif name not in sig:
             sig[name] = "fp32" if name in ("qk_scale", "softmax_scale") else "i32"
-    compiled = triton.compile(GluonASTSource(hb._hopper_bwd, sig, consts), target=SM90,
-                              options={"num_warps": hb.NUM_WARPS})
+    compiled = triton.compile(GluonASTSource(fn, sig, consts), target=SM90, options={"num_warps": num_warps})
     return ptxas_info(compiled)
 
 
@@ -137,7 +146,8 @@ def parse_tile(text: str) -> Tile:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kernels", nargs="+", choices=(*KERNELS, "hopper_bwd"), default=[*KERNELS, "hopper_bwd"])
+    hopper = ("hopper_fwd", "hopper_bwd")  # Gluon: their own tiles
+    ap.add_argument("--kernels", nargs="+", choices=(*KERNELS, *hopper), default=[*KERNELS, *hopper])
     ap.add_argument("--head-dims", type=int, nargs="+", choices=(32, 64, 128), default=[64, 128])
     ap.add_argument("--causal", type=int, nargs="+", choices=(0, 1), default=[1, 0])
     ap.add_argument("--group", type=int, default=1, help="query heads per K/V head (GQA)")
@@ -154,14 +164,16 @@ def main(argv: list[str] | None = None) -> None:
     for kernel in args.kernels:
         for head_dim in args.head_dims:
             for causal in map(bool, args.causal):
-                if kernel == "hopper_bwd":
-                    tiles = [(hopper_bwd.BLOCK_N, hopper_bwd.BLOCK_M, hopper_bwd.NUM_WARPS, hopper_bwd.STAGES)]
+                if kernel == "hopper_fwd":
+                    tiles = [(2 * hopper_fwd.WG_ROWS, hopper_fwd.BLOCK_N, 4 + 4 + 1, hopper_fwd.STAGES)]
+                elif kernel == "hopper_bwd":
+                    tiles = [(hopper_bwd.BLOCK_N, hopper_bwd.BLOCK_M, hopper_bwd.NUM_WARPS + 1, hopper_bwd.STAGES)]
                 else:
                     tiles = args.tiles or [tile_for(kernel, head_dim, descriptors=True, group=args.group,
                                                     queries=args.queries)]
                 for tile in tiles:
-                    if kernel == "hopper_bwd":
-                        r = hopper_report(head_dim, causal, args.group)
+                    if kernel in hopper:
+                        r = hopper_report(kernel, head_dim, causal)
                     else:
                         r = ptxas_report(kernel, head_dim, causal, args.group, tile)
                     print(f"| {kernel} | {head_dim} | {'yes' if causal else 'no'} | {args.group} | {tile} | "

@@ -47,39 +47,13 @@ from benchlib import attn_flops, time_ms
 from kernel_report import SM90, ptxas_info
 
 from ringflash.kernels import AttnSpec
+from ringflash.kernels.hopper import tma_load, tma_store
+from ringflash.kernels.hopper_fwd import _pv, _softmax  # the shipped forward's online softmax and P·V
 from ringflash.kernels.launch_utils import _row_strides
 from ringflash.kernels.triton_fwd import triton_attn_fwd
 from tests.truth import attention_f64
 
 BLOCK_M = 128
-# TMA copies as Triton 3.6 (the GPU image) names them, and as later versions do
-tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
-
-
-@gluon.jit
-def _softmax(s, m_i, l_i, qk_scale, rows, cols, Nk, MASK: gl.constexpr, CAUSAL: gl.constexpr):
-    """One key block's online-softmax update, as kernels/triton_fwd.py's `_fwd_inner` does it."""
-    s = s * qk_scale
-    if MASK:
-        vis = gl.expand_dims(cols, 0) < Nk
-        if CAUSAL:
-            vis = vis & (gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0))
-        s = gl.where(vis, s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1))
-    if MASK:
-        m_new = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(s - gl.expand_dims(m_new, 1))
-    alpha = gl.exp2(m_i - m_new)
-    return p, alpha, l_i * alpha + gl.sum(p, 1), m_new
-
-
-@gluon.jit
-def _pv(acc, p, alpha, v_tile, o_layout: gl.constexpr, p_layout: gl.constexpr):
-    """acc·alpha + P·V issued asynchronously (acc complete); P stays in registers as wgmma's A."""
-    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-    p = gl.convert_layout(p.to(v_tile.dtype), p_layout)
-    return warpgroup_mma(p, v_tile, acc, is_async=True)
 
 
 @gluon.jit

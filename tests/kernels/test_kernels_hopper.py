@@ -1,10 +1,11 @@
-"""`backend="hopper"`: the one-kernel backward with dQ added atomically (kernels/hopper_bwd.py).
+"""`backend="hopper"`: the Gluon forward (kernels/hopper_fwd.py) and the one-kernel backward with dQ
+added atomically (kernels/hopper_bwd.py).
 
-On an H100/H200 (`-m gpu`): gradients against float64, no further from it than the deterministic
+On an H100/H200 (`-m gpu`): o, lse and the gradients against float64, no further from it than the
 Triton kernels' on the same inputs, over ragged lengths, GQA, both head dims, fp16 and bf16; the
 ring-step arguments (`out=`, `accumulate=`, `acc=`, `after_dkdv`); dK and dV reproducible. On CPU:
-which cases fall back to the deterministic kernels and why, and the refusals. The kernel's sm_90
-compile (ptxas, no GPU) is checked by tests/launch/test_kernel_report.py.
+which cases fall back to the Triton kernels and why, and the refusals. The kernels' sm_90 compile
+(ptxas, no GPU) is checked by tests/launch/test_kernel_report.py.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from ringflash import ring_flash_attn_func
 from ringflash.kernels import AttnSpec, attn_bwd, attn_fwd, get_backend
 from ringflash.kernels.hopper_bwd import hopper_attn_bwd, hopper_bwd_unsupported
+from ringflash.kernels.hopper_fwd import hopper_attn_fwd, hopper_fwd_unsupported
 from tests.kernels.steps import bwd_step
 from tests.truth import TOL, attention_f64, rel_err
 
@@ -58,6 +60,47 @@ def test_as_close_to_float64_as_the_deterministic_kernels(shape, causal, dtype):
         assert g.dtype == dtype and g.shape == r.shape
         err, base = rel_err(g, truth[name]), rel_err(r, truth[name])
         assert err < TOL[dtype] and err <= 1.25 * base + 1e-5, f"{name}: {err:.2e} against Triton's {base:.2e}"
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_forward_as_close_to_float64_as_the_triton_kernel(shape, causal, dtype):
+    if causal and shape[1] != shape[2]:
+        pytest.skip("causal needs Nq == Nk")
+    q, k, v, _ = _inputs(*shape, dtype, seed=8)
+    truth = attention_f64(q, k, v, causal)
+    spec = AttnSpec(causal=causal)
+    assert hopper_fwd_unsupported(q, k, spec) is None
+    o, lse = hopper_attn_fwd(q, k, v, spec)  # called directly: a fallback cannot pass for it
+    o_ref, lse_ref = attn_fwd(q, k, v, causal=causal, backend="triton")
+    assert o.dtype == dtype and o.is_contiguous() and lse.shape == lse_ref.shape
+    err, base = rel_err(o, truth["o"]), rel_err(o_ref, truth["o"])
+    assert err < TOL[dtype] and err <= 1.25 * base + 1e-5, f"o: {err:.2e} against Triton's {base:.2e}"
+    assert (lse.double() - truth["lse"]).abs().max() < 1e-3
+
+
+@pytest.mark.gpu
+@sm90
+def test_forward_out_and_what_falls_back():
+    # out= (a view of a larger buffer is written through a copy); a merge into an accumulator or
+    # float32 o runs the Triton kernel, whose results it then matches bit for bit.
+    q, k, v, _ = _inputs(2, 500, 500, 4, 2, 128, torch.bfloat16, seed=9)
+    spec = AttnSpec(causal=True)
+    o, lse = hopper_attn_fwd(q, k, v, spec)
+    big = torch.zeros(2, 500, 4, 256, device="cuda", dtype=torch.bfloat16)
+    ret, lse2 = hopper_attn_fwd(q, k, v, spec, out=big[..., :128])
+    assert ret.data_ptr() == big.data_ptr() and torch.equal(ret, o) and torch.equal(lse2, lse)
+    assert (big[..., 128:] == 0).all()
+    assert "acc=" in hopper_fwd_unsupported(q, k, spec, acc=(o.float(), lse))
+    assert "q's dtype" in hopper_fwd_unsupported(q, k, spec, out_dtype=torch.float32)
+    hop, tri = get_backend("hopper", q.device), get_backend("triton", q.device)
+    for kw in (dict(out_dtype=torch.float32), dict(acc=(o.float(), lse.clone()))):
+        kw2 = {n: (tuple(t.clone() for t in x) if n == "acc" else x) for n, x in kw.items()}
+        got, want = hop.fwd_step(q, k, v, spec, None, **kw), tri.fwd_step(q, k, v, spec, None, **kw2)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 @pytest.mark.gpu
@@ -124,6 +167,7 @@ def test_falls_back_where_it_does_not_run(monkeypatch):
     # torch.use_deterministic_algorithms, the backend is the Triton one, bit for bit.
     q, k, v, do = _inputs(1, 70, 70, 2, 1, 64, torch.float32, device="cpu", seed=1)
     assert "sm_90" in hopper_bwd_unsupported(q, k, AttnSpec(causal=True))
+    assert "sm_90" in hopper_fwd_unsupported(q, k, AttnSpec(causal=True))
     o, lse = attn_fwd(q, k, v, causal=True, window=20, backend="hopper")
     got = attn_bwd(do, q, k, v, o, lse, causal=True, window=20, backend="hopper")
     ref = attn_bwd(do, q, k, v, o, lse, causal=True, window=20, backend="triton")

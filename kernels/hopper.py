@@ -1,0 +1,79 @@
+"""What the Hopper kernels (kernels/hopper_fwd.py, kernels/hopper_bwd.py) share: Gluon's names
+across Triton versions, descriptors, and the cases they run.
+
+Gluon is Triton's explicit dialect: layouts, shared memory, mbarriers, TMA copies, warpgroup
+multiplies and warp specialisation are written out instead of chosen by the compiler. It has no
+interpreter: the CPU suite compiles these kernels for sm_90 (launch/kernel_report.py, ptxas) and the
+`gpu` tests check their results against float64.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ringflash.kernels.launch_utils import _row_strides
+from ringflash.kernels.spec import AttnSpec
+
+__all__ = ["HEAD_DIMS", "TensorDescriptor", "rows_descriptor", "smem_layout", "thread_barrier", "tma_load",
+           "tma_reduce_add", "tma_store", "unsupported"]
+
+HEAD_DIMS = (64, 128)
+
+# Triton 3.6 (the GPU image) names the TMA copies async_copy_* and the barrier thread_barrier; later
+# versions async_load / async_store and barrier. 3.6 has the reduce-add only as a builder op
+# (async_atomic_add later).
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # a barrier over the partition's warps
+if hasattr(tma, "async_atomic_add"):
+    tma_reduce_add = tma.async_atomic_add
+else:  # pragma: no cover (Triton 3.6)
+    from triton._C.libtriton import ir
+    from triton.experimental.gluon.language._core import builtin
+
+    @builtin
+    def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                  src.handle)
+
+
+def unsupported(q: torch.Tensor, k: torch.Tensor, spec: AttnSpec) -> str | None:
+    """None if the Hopper kernels run attention of q over k under `spec`, else why not."""
+    if not q.is_cuda or _capability(q.device) != (9, 0):
+        return "needs an sm_90 GPU (H100, H200): wgmma and TMA"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"needs fp16 or bf16 inputs, got {q.dtype}"
+    if q.shape[-1] not in HEAD_DIMS:
+        return f"needs a head dim in {HEAD_DIMS}, got {q.shape[-1]}"
+    if spec.kind not in ("full", "causal"):
+        return f"runs full or causal attention, not {spec.kind}"
+    if q.shape[0] * q.shape[1] * q.shape[2] * k.shape[1] == 0:
+        return "no (query, key) pair"
+    return None
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def smem_layout(block: list[int], dtype) -> gl.NVMMASharedLayout:
+    """The shared-memory layout a TMA copy of `block` lands in: swizzled for tiles that feed the
+    multiplies, plain for 2-D rows of float32 statistics."""
+    if len(block) == 2:
+        return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    return gl.NVMMASharedLayout.get_default_for(block, dtype)
+
+
+def rows_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """`t (B, N, H, D)` as a `(B, N, H·D)` descriptor of `rows` positions of one head (zeros past N):
+    `kernels.launch_utils.row_descriptor` with the layout Gluon's descriptors carry."""
+    B, N, H, D = t.shape
+    gdt = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[t.dtype]
+    return TensorDescriptor(t, [B, N, H * D], [*_row_strides(t), 1], [1, rows, D], smem_layout([1, rows, D], gdt))

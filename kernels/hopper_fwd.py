@@ -1,0 +1,194 @@
+"""The Hopper forward: Gluon, a loader warp and two consumer warpgroups that never wait for each
+other (the opt-in `backend="hopper"`; results as the Triton kernel's, to float rounding).
+
+One program per (128-query block, batch·head), FlashAttention-3's structure in three partitions
+(`gl.warp_specialize`):
+- a one-warp loader brings the block's two 64-row halves of Q, then K and V through a 3-slot ring
+  of TMA copies on mbarriers;
+- two consumer warpgroups, each a partition of its own with 240 registers a thread (`setmaxnreg`),
+  each owning 64 query rows: S = Q·Kᵀ of the next key block is issued before this block's softmax,
+  P·V from registers, both asynchronous; each writes its own rows of O (TMA) and lse.
+Each warpgroup releases a slot with its own arrive (the slot's barrier counts two), so the two
+never meet: Gluon lowers a partition's arrive with a barrier over all of that partition's warps,
+and with both warpgroups in one partition that barrier tied them together at every key block
+(docs/PERF_NOTES.md, "Gluon", where this and the variants before it were measured).
+Only the last key block of a causal row block, or the ragged end of the keys, is masked.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from ringflash.kernels.checks import check_qkv, resolve_scale
+from ringflash.kernels.hopper import rows_descriptor, tma_load, tma_store, unsupported
+from ringflash.kernels.launch_utils import LOG2E, _descriptor_fits
+from ringflash.kernels.spec import AttnSpec
+
+__all__ = ["hopper_attn_fwd", "hopper_fwd_unsupported"]
+
+WG_ROWS, BLOCK_N, STAGES = 64, 128, 3  # measured in docs/PERF_NOTES.md ("Gluon")
+
+
+@gluon.jit
+def _loader(q_desc, k_desc, v_desc, q0, q1, k_smem, v_smem, q_bar, ready, empty, b, h, kv_col, start_m, n_blocks,
+            WG_ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, D: gl.constexpr):
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    tma_load(q_desc, [b, start_m, h * D], q_bar, q0)
+    tma_load(q_desc, [b, start_m + WG_ROWS, h * D], q_bar, q1)
+    for j in range(n_blocks):
+        slot = j % STAGES
+        mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1 at once
+        mbarrier.expect(ready.index(slot), 2 * k_desc.block_type.nbytes)
+        tma_load(k_desc, [b, j * BLOCK_N, kv_col], ready.index(slot), k_smem.index(slot))
+        tma_load(v_desc, [b, j * BLOCK_N, kv_col], ready.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def _softmax(s, m_i, l_i, qk_scale, rows, cols, Nk, MASK: gl.constexpr, CAUSAL: gl.constexpr):
+    """One key block's online-softmax update, as kernels/triton_fwd.py's `_fwd_inner` does it."""
+    s = s * qk_scale
+    if MASK:
+        vis = gl.expand_dims(cols, 0) < Nk
+        if CAUSAL:
+            vis = vis & (gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0))
+        s = gl.where(vis, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1))
+    if MASK:
+        m_new = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(s - gl.expand_dims(m_new, 1))
+    alpha = gl.exp2(m_i - m_new)
+    return p, alpha, l_i * alpha + gl.sum(p, 1), m_new
+
+
+@gluon.jit
+def _pv(acc, p, alpha, v_tile, o_layout: gl.constexpr, p_layout: gl.constexpr):
+    """acc·alpha + P·V issued asynchronously (acc complete); P stays in registers as wgmma's A."""
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    p = gl.convert_layout(p.to(v_tile.dtype), p_layout)
+    return warpgroup_mma(p, v_tile, acc, is_async=True)
+
+
+@gluon.jit
+def _consumer(q_smem, o_desc, LSE, k_smem, v_smem, q_bar, ready, empty, b, h, bh, first, n_blocks, Nq, Nk,
+              qk_scale, CAUSAL: gl.constexpr, WG_ROWS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+              STAGES: gl.constexpr):
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    rows = first + gl.arange(0, WG_ROWS, layout=row_layout)
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, layout=row_layout)
+    l_i = gl.zeros([WG_ROWS], gl.float32, layout=row_layout)
+    acc = gl.zeros([WG_ROWS, D], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    q = q_smem.reshape([WG_ROWS, D])
+    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(ready.index(0), 0)
+    s = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, D]).permute((1, 0)), s_zero, use_acc=False,
+                      is_async=True)
+    s = warpgroup_mma_wait(0, deps=(s, ))
+    for j in range(0, n_blocks - 1):
+        nxt = j + 1
+        mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1)
+        s_next = warpgroup_mma(q, k_smem.index(nxt % STAGES).reshape([BLOCK_N, D]).permute((1, 0)), s_zero,
+                               use_acc=False, is_async=True)
+        p, alpha, l_i, m_i = _softmax(s, m_i, l_i, qk_scale, rows, j * BLOCK_N + offs_n, Nk, False, CAUSAL)
+        acc = _pv(acc, p, alpha, v_smem.index(j % STAGES).reshape([BLOCK_N, D]), o_layout, p_layout)
+        acc, s = warpgroup_mma_wait(0, deps=(acc, s_next))
+        mbarrier.arrive(empty.index(j % STAGES))  # this warpgroup is done with the slot (it counts two)
+    last = n_blocks - 1
+    p, alpha, l_i, m_i = _softmax(s, m_i, l_i, qk_scale, rows, last * BLOCK_N + offs_n, Nk, True, CAUSAL)
+    acc = _pv(acc, p, alpha, v_smem.index(last % STAGES).reshape([BLOCK_N, D]), o_layout, p_layout)
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    no_key = l_i == 0.0
+    l_safe = gl.where(no_key, 1.0, l_i)
+    lse = gl.where(no_key, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
+    gl.store(LSE + bh * Nq + rows, lse, mask=rows < Nq)
+    o = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
+    q_smem.reshape([WG_ROWS, D]).store(o.to(q_smem.dtype))  # Q's buffer is free: O leaves through it
+    fence_async_shared()
+    tma_store(o_desc, [b, first, h * D], q_smem)  # rows past Nq are clipped
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _hopper_fwd(q_desc, k_desc, v_desc, o_desc, LSE, H, GROUP, Nq, Nk, qk_scale,
+                CAUSAL: gl.constexpr, WG_ROWS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                STAGES: gl.constexpr, num_warps: gl.constexpr):
+    pid_m = gl.num_programs(0) - 1 - gl.program_id(0)  # causal: the longest row blocks start first
+    bh = gl.program_id(1)
+    b = bh // H
+    h = bh % H
+    kv_col = (h // GROUP) * D
+    start_m = pid_m * 2 * WG_ROWS
+    dtype: gl.constexpr = q_desc.dtype
+    q0 = gl.allocate_shared_memory(dtype, [1, WG_ROWS, D], q_desc.layout)
+    q1 = gl.allocate_shared_memory(dtype, [1, WG_ROWS, D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, D], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    # Causal (Nq == Nk): keys up to the block's last row; only the last key block holds masked pairs.
+    n_blocks = gl.cdiv(gl.minimum(start_m + 2 * WG_ROWS, Nk) if CAUSAL else Nk, BLOCK_N)
+    gl.warp_specialize(
+        [(_consumer, (q0, o_desc, LSE, k_smem, v_smem, q_bar, ready, empty, b, h, bh, start_m, n_blocks, Nq, Nk,
+                      qk_scale, CAUSAL, WG_ROWS, BLOCK_N, D, STAGES)),
+         (_consumer, (q1, o_desc, LSE, k_smem, v_smem, q_bar, ready, empty, b, h, bh, start_m + WG_ROWS, n_blocks,
+                      Nq, Nk, qk_scale, CAUSAL, WG_ROWS, BLOCK_N, D, STAGES)),
+         (_loader, (q_desc, k_desc, v_desc, q0, q1, k_smem, v_smem, q_bar, ready, empty, b, h, kv_col, start_m,
+                    n_blocks, WG_ROWS, BLOCK_N, STAGES, D))],
+        worker_num_warps=[4, 1], worker_num_regs=[240, 24])
+
+
+def hopper_fwd_unsupported(q: torch.Tensor, k: torch.Tensor, spec: AttnSpec, out_dtype: torch.dtype | None = None,
+                           acc=None, out: torch.Tensor | None = None) -> str | None:
+    """None if `hopper_attn_fwd` runs this call, else why not (the caller runs the Triton kernel)."""
+    if acc is not None:
+        return "merges into an accumulator (acc=) only in the Triton kernel"
+    if (out_dtype or q.dtype) != q.dtype or (out is not None and out.dtype != q.dtype):
+        return f"writes o in q's dtype ({q.dtype}) only"
+    return unsupported(q, k, spec)
+
+
+def hopper_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
+                    softmax_scale: float | None = None, *, out: torch.Tensor | None = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`triton_attn_fwd`'s contract (kernels/triton_fwd.py) where `hopper_fwd_unsupported` is None:
+    `o` in q's dtype (new and contiguous, or written to `out`) and `lse (B, H, Nq)` float32."""
+    check_qkv(q, k, v)
+    why = hopper_fwd_unsupported(q, k, spec, out=out)
+    if why is not None:
+        raise ValueError(f"hopper forward: {why}")
+    scale = resolve_scale(softmax_scale, q.shape[-1])
+    B, Nq, H, D = q.shape
+    Nk, Hkv = k.shape[1], k.shape[2]
+    q, k, v = (t if _descriptor_fits(t, D) else t.contiguous() for t in (q, k, v))
+    o = out if out is not None and _descriptor_fits(out, D) else torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
+    _hopper_fwd[(triton.cdiv(Nq, 2 * WG_ROWS), B * H)](
+        rows_descriptor(q, WG_ROWS), rows_descriptor(k, BLOCK_N), rows_descriptor(v, BLOCK_N),
+        rows_descriptor(o, WG_ROWS), lse, H, H // Hkv, Nq, Nk, scale * LOG2E,
+        CAUSAL=spec.causal, WG_ROWS=WG_ROWS, BLOCK_N=BLOCK_N, D=D, STAGES=STAGES, num_warps=4,
+    )
+    if out is not None and o is not out:
+        out.copy_(o)
+        o = out
+    return o, lse
