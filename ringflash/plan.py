@@ -80,7 +80,8 @@ class Cluster:
 class KernelRates:
     """Kernel TFLOP/s by (head dim, causal, direction), tabulated over lengths N (log-interpolated).
 
-    `from_records` takes ringflash's rows of the newest dense kernels.jsonl records (bf16, one H100),
+    `from_records` takes ringflash's rows of the newest dense kernels.jsonl records (bf16, one H100 or
+    H200: their kernels run within a few percent of each other),
     the median of the newest `POOLED` at each shape: one run's kernels read up to 5% off another's.
     """
 
