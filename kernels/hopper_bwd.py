@@ -271,8 +271,10 @@ def hopper_attn_bwd(
             dq_sum.zero_()
         elif sums[0] is not dq_sum:
             dq_sum.copy_(sums[0])
-    else:
-        dq_sum = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if sums is None else sums[0].float()
+    elif sums is None:
+        dq_sum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    else:  # a copy: acc is only read, even where it is float32 already
+        dq_sum = torch.empty(q.shape, dtype=torch.float32, device=q.device).copy_(sums[0])
     dka, dva = (sums[1], sums[2]) if sums is not None else (dk, dv)  # placeholders, never read, without sums
     _hopper_bwd[(triton.cdiv(Nk, BLOCK_N), B * Hkv)](
         rows_descriptor(q, BLOCK_M), rows_descriptor(do, BLOCK_M), rows_descriptor(k, BLOCK_N),

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ringflash import ring_flash_attn_func
-from ringflash.kernels import AttnSpec, attn_bwd, attn_fwd, get_backend
+from ringflash.kernels import AttnSpec, attn_bwd, attn_fwd, get_backend, hopper_bwd
 from ringflash.kernels.hopper_bwd import hopper_attn_bwd, hopper_bwd_unsupported
 from ringflash.kernels.hopper_fwd import hopper_attn_fwd, hopper_fwd_unsupported
 from tests.kernels.steps import bwd_step
@@ -188,6 +188,39 @@ def test_what_it_does_not_run_is_named():
     o, lse = attn_fwd(q, k, v, causal=True, window=16)
     with pytest.raises(ValueError, match="hopper backward: runs full or causal attention, not window"):
         hopper_attn_bwd(do, q, k, v, o, lse, AttnSpec(causal=True, window=16))
+
+
+@pytest.mark.parametrize("mode", ["accumulate", "acc float32", "acc bf16", "new"])
+def test_where_dq_is_summed(monkeypatch, mode):
+    # Host side of the backward, on CPU: the kernel adds dQ's partials into the float32 tensor behind
+    # its dQ descriptor. A stand-in kernel adds ones there; what reaches out's dq, and that acc is
+    # never written, is the wrapper's doing.
+    class AddsOnes:
+        def __getitem__(self, grid):
+            def run(q_desc, do_desc, k_desc, v_desc, dq_desc, *args, **kwargs):
+                dq_desc.base.add_(1.0)
+            return run
+
+    monkeypatch.setattr(hopper_bwd, "_hopper_bwd", AddsOnes())
+    monkeypatch.setattr(hopper_bwd, "unsupported", lambda q, k, spec: None)
+    q, k, v, do = _inputs(1, 40, 40, 2, 1, 64, torch.bfloat16, device="cpu", seed=2)
+    o, lse = attn_fwd(q, k, v, causal=True, backend="reference")
+    start = torch.randn(q.shape)
+    sums = (start.clone(), torch.zeros(k.shape), torch.zeros(v.shape))
+    if mode == "accumulate":  # the ring's running float32 sums: dQ is added straight into them
+        dq, *_ = hopper_attn_bwd(do, q, k, v, o, lse, AttnSpec(causal=True), grad_dtype=torch.float32, out=sums,
+                                 accumulate=True)
+        assert dq is sums[0] and torch.equal(dq, start + 1)
+    elif mode.startswith("acc"):
+        acc = sums if mode == "acc float32" else tuple(t.to(torch.bfloat16) for t in sums)
+        before = acc[0].clone()
+        out = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+        dq, *_ = hopper_attn_bwd(do, q, k, v, o, lse, AttnSpec(causal=True), out=out, acc=acc)
+        assert dq is out[0] and torch.equal(acc[0], before)  # acc is only read
+        assert torch.equal(dq, (before.float() + 1).to(torch.bfloat16))
+    else:
+        dq, *_ = hopper_attn_bwd(do, q, k, v, o, lse, AttnSpec(causal=True))
+        assert dq.dtype == torch.bfloat16 and torch.equal(dq, torch.ones_like(dq))
 
 
 def test_deterministic_true_refuses_it():
