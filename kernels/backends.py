@@ -9,10 +9,12 @@
 - `cudnn`: NVIDIA's cuDNN attention through PyTorch (kernels/cudnn.py): CUDA, fp16/bf16, full or
   causal only. Never chosen by `auto`.
 - `hopper`: `triton`, except that on an H100/H200, for dense full or causal attention (fp16/bf16,
-  head dim 64 or 128), the forward is a warp-specialised Gluon kernel (kernels/hopper_fwd.py; not
-  for merges into an accumulator) and the backward one Gluon kernel adding dQ atomically
-  (kernels/hopper_bwd.py): faster, and dQ not bit-reproducible. Other cases, and backwards under
-  `torch.use_deterministic_algorithms(True)`, run the Triton kernels. Never chosen by `auto`.
+  head dim 64 or 128), the forward is a warp-specialised Gluon kernel (kernels/hopper_fwd.py) and
+  the backward one Gluon kernel adding dQ atomically (kernels/hopper_bwd.py): faster, and dQ not
+  bit-reproducible. The Gluon forward writes o in q's dtype only: a ring of two or more ranks
+  (float32 partials, merges) runs the Triton forward and gains the backward alone. Other cases, and
+  backwards under `torch.use_deterministic_algorithms(True)`, run the Triton kernels. Never
+  chosen by `auto`.
 `auto` is Triton on CUDA tensors and the reference elsewhere.
 
 The step API (`fwd_step`, `bwd_step`) is for block-wise callers such as the ring: it writes into
@@ -27,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from ringflash.kernels.checks import check_grad_out
+from ringflash.kernels.checks import check_grad_out, check_qkv
 from ringflash.kernels.reference import ref_attn_bwd, ref_attn_fwd
 from ringflash.kernels.spec import AttnSpec
 
@@ -57,7 +59,8 @@ class Backend:
       acc=None, after_dkdv=None) -> (dq, dk, dv)`: o and lse may be global (a ring's merged
       ones). `out=(dq, dk, dv)`: write there; `accumulate=True`: add to what out holds;
       `acc=(...)`: add to these sums and write the totals to out, rounded to `grad_dtype`.
-      `after_dkdv()` is called once dk and dv are final, before dq is computed.
+      `after_dkdv()` is called once dk and dv are final, before dq is computed (`hopper`: after its
+      one kernel, which computes all three together).
     """
 
     name: str
@@ -112,6 +115,7 @@ class _Hopper(_Triton):
     def fwd_step(self, q, k, v, spec, scale, *, out_dtype=None, acc=None, out=None):
         from ringflash.kernels.hopper_fwd import hopper_attn_fwd, hopper_fwd_unsupported
 
+        check_qkv(q, k, v)  # before the support check reads their attributes
         if hopper_fwd_unsupported(q, k, spec, out_dtype, acc, out) is None:
             return hopper_attn_fwd(q, k, v, spec, scale, out=out)
         return super().fwd_step(q, k, v, spec, scale, out_dtype=out_dtype, acc=acc, out=out)
@@ -120,6 +124,7 @@ class _Hopper(_Triton):
                  after_dkdv=None):
         from ringflash.kernels.hopper_bwd import hopper_attn_bwd, hopper_bwd_unsupported
 
+        check_qkv(q, k, v)
         run = hopper_attn_bwd if hopper_bwd_unsupported(q, k, spec) is None else super().bwd_step
         return run(do, q, k, v, o, lse, spec, scale, grad_dtype=grad_dtype, out=out, accumulate=accumulate, acc=acc,
                    after_dkdv=after_dkdv)

@@ -26,7 +26,7 @@ HEAD_DIMS = (64, 128)
 
 # Triton 3.6 (the GPU image) names the TMA copies async_copy_* and the barrier thread_barrier; later
 # versions async_load / async_store and barrier. 3.6 has the reduce-add only as a builder op
-# (async_atomic_add later).
+# (async_atomic_add later): the one use of Triton's private API, kept to that version's branch.
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # a barrier over the partition's warps
@@ -53,6 +53,8 @@ def unsupported(q: torch.Tensor, k: torch.Tensor, spec: AttnSpec) -> str | None:
         return f"needs a head dim in {HEAD_DIMS}, got {q.shape[-1]}"
     if spec.kind not in ("full", "causal"):
         return f"runs full or causal attention, not {spec.kind}"
+    if spec.causal and q.shape[1] != k.shape[1]:
+        return "causal needs as many queries as keys"  # the Triton kernels raise it, naming the shapes
     if q.shape[0] * q.shape[1] * q.shape[2] * k.shape[1] == 0:
         return "no (query, key) pair"
     return None

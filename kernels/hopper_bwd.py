@@ -5,8 +5,7 @@ where the FLOP convention counts 5: its dQ kernel recomputes S and dP so that no
 write the same dQ rows. This one computes everything from one pass over each key block and adds
 dQ's partial sums into a float32 buffer with TMA reduce-adds, as FlashAttention-3 does. Float
 addition in the order the SMs happen to finish is not associative, so dQ can differ in its last
-bits from run to run; dK and dV are written by one program each, so they are reproducible (and
-were bit-identical to the deterministic kernels' in every case compared).
+bits from run to run; dK and dV are written by one program each, so they are reproducible.
 
 One program per (128-key block, batch·kv-head), written in Gluon (Triton's explicit dialect)
 because the structure below is what plain Triton does not let a kernel state:
@@ -244,11 +243,12 @@ def hopper_attn_bwd(
 
     dQ is summed in float32: in `out`'s dq itself where that is a contiguous float32 tensor (the
     ring's running sums), else in a workspace rounded into it afterwards. `after_dkdv` runs after
-    the kernel: dK, dV and dQ are final together.
+    the kernel: dK, dV and dQ are final together, so a ring's last dK/dV hop cannot hide behind dQ.
     """
     from ringflash.kernels.triton_bwd import row_deltas
 
     check_qkv(q, k, v)
+    spec.intervals_for(q, k)  # raises for causal with Nq != Nk, as the Triton kernels do
     check_bwd(do, q, o, lse)
     why = hopper_bwd_unsupported(q, k, spec)
     if why is not None:

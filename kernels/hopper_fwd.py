@@ -29,7 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ringflash.kernels.checks import check_qkv, resolve_scale
+from ringflash.kernels.checks import check_fwd_out, check_qkv, resolve_scale
 from ringflash.kernels.hopper import rows_descriptor, tma_load, tma_store, unsupported
 from ringflash.kernels.launch_utils import LOG2E, _descriptor_fits
 from ringflash.kernels.spec import AttnSpec
@@ -174,6 +174,9 @@ def hopper_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Att
     """`triton_attn_fwd`'s contract (kernels/triton_fwd.py) where `hopper_fwd_unsupported` is None:
     `o` in q's dtype (new and contiguous, or written to `out`) and `lse (B, H, Nq)` float32."""
     check_qkv(q, k, v)
+    spec.intervals_for(q, k)  # raises for causal with Nq != Nk, as the Triton kernel does
+    if out is not None:
+        check_fwd_out(out, q)
     why = hopper_fwd_unsupported(q, k, spec, out=out)
     if why is not None:
         raise ValueError(f"hopper forward: {why}")

@@ -37,8 +37,9 @@ def _ours(backend):
         # kernels their native contiguous layout instead, as SDPA gets its own.
         q, k, v, do = (t.transpose(1, 2).contiguous() for t in (q, k, v, do))
         kern, spec = backend_named(backend), AttnSpec(causal=causal)
-        if backend == "hopper" and hopper_bwd_unsupported(q, k, spec) is not None:
-            raise RuntimeError(f"hopper backward: {hopper_bwd_unsupported(q, k, spec)}")  # no Triton twin row
+        why = hopper_bwd_unsupported(q, k, spec) if backend == "hopper" else None
+        if why is not None:
+            raise RuntimeError(f"hopper backward: {why}")  # a row of it, not a second Triton row
         o, lse = kern.fwd_step(q, k, v, spec, None)
         fwd = lambda: kern.fwd_step(q, k, v, spec, None)
         bwd = lambda: kern.bwd_step(do, q, k, v, o, lse, spec, None)

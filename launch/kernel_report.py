@@ -102,7 +102,7 @@ def ptxas_report(kernel: str, head_dim: int, causal: bool, group: int, tile: Til
 def hopper_report(kernel: str, head_dim: int, causal: bool) -> dict:
     """`ptxas_report` for a Gluon kernel (kernels/hopper_fwd.py, kernels/hopper_bwd.py): one tile
     each, so none to choose; GQA's group is a runtime argument there."""
-    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource  # Gluon's ASTSource: no public name yet
 
     def desc(dtype: str, block: list[int]) -> str:
         gdt = {"bf16": gl.bfloat16, "fp32": gl.float32}[dtype]

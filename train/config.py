@@ -172,8 +172,9 @@ class ParallelConfig:
         "auto",
         "Attention kernels: auto (Triton on CUDA, the PyTorch reference on CPU), triton, reference, cudnn "
         "(cuDNN's, through PyTorch: faster on Hopper; CUDA only, causal attention without model.window or "
-        "data.pack_documents), or hopper (triton with a faster backward on H100/H200 whose dQ is summed "
-        "atomically, so not bit-reproducible). auto defers to RINGFLASH_KERNEL_BACKEND if set.",
+        "data.pack_documents), or hopper (triton with Gluon kernels on H100/H200: a faster forward, and a "
+        "faster backward whose dQ is summed atomically, so not bit-reproducible). auto defers to "
+        "RINGFLASH_KERNEL_BACKEND if set.",
         BACKENDS,
     )
     fsdp: bool = opt(

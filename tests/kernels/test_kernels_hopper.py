@@ -21,7 +21,7 @@ from tests.kernels.steps import bwd_step
 from tests.truth import TOL, attention_f64, rel_err
 
 sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                          reason="the Hopper backward needs an sm_90 GPU")
+                          reason="the Hopper kernels need an sm_90 GPU")
 
 
 def _inputs(B, Nq, Nk, H, Hkv, D, dtype, device="cuda", seed=0):
@@ -132,10 +132,11 @@ def test_views_of_a_packed_qkv_and_a_scale():
 @sm90
 @pytest.mark.parametrize("sums_dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_the_ring_step_contract(sums_dtype):
-    # As the ring calls it: float32 running sums added to in place (dQ summed atomically straight
+    # The step API's sums: float32 running sums added to in place (dQ summed atomically straight
     # into out's dq), or sums only read and the totals written rounded; after_dkdv runs once,
     # after dK and dV are final.
     q, k, v, do = _inputs(2, 300, 500, 4, 2, 128, torch.bfloat16, seed=5)
+    assert hopper_bwd_unsupported(q, k, AttnSpec()) is None  # not a fallback to the Triton kernels
     o, lse = attn_fwd(q, k, v)
     grads = bwd_step(do, q, k, v, o, lse, grad_dtype=torch.float32, backend="triton")
     gen = torch.Generator().manual_seed(6)
@@ -145,26 +146,26 @@ def test_the_ring_step_contract(sums_dtype):
 
     def hook():
         torch.cuda.synchronize()
-        seen.append(True)
+        seen.append(tuple(t.clone() for t in totals[1:]))  # dK and dV as they are when it runs
 
     if sums_dtype == torch.float32:
+        totals = sums
         ret = bwd_step(do, q, k, v, o, lse, grad_dtype=torch.float32, out=sums, accumulate=True, after_dkdv=hook,
                        backend="hopper")
         assert all(r is s for r, s in zip(ret, sums))
-        totals = sums
     else:
         totals = tuple(torch.full_like(t, 7.0) for t in (q, k, v))
         ret = bwd_step(do, q, k, v, o, lse, out=totals, acc=sums, after_dkdv=hook, backend="hopper")
         assert all(r is t for r, t in zip(ret, totals))
         assert all(torch.equal(s, b) for s, b in zip(sums, before))  # acc is read, never written
-    assert seen == [True]
+    assert len(seen) == 1 and all(torch.equal(a, b) for a, b in zip(seen[0], totals[1:]))
     for got, b, g in zip(totals, before, grads):
         assert rel_err(got, b.float() + g) < (1e-5 if sums_dtype == torch.float32 else TOL[torch.bfloat16])
 
 
-def test_falls_back_where_it_does_not_run(monkeypatch):
-    # On CPU (the interpreter), for masks it does not take, other head dims or float32, and under
-    # torch.use_deterministic_algorithms, the backend is the Triton one, bit for bit.
+def test_falls_back_where_it_does_not_run():
+    # Where the Gluon kernels do not run (here: CPU tensors, float32, a window) the backend is the
+    # Triton one, bit for bit; and the backward does not under torch.use_deterministic_algorithms.
     q, k, v, do = _inputs(1, 70, 70, 2, 1, 64, torch.float32, device="cpu", seed=1)
     assert "sm_90" in hopper_bwd_unsupported(q, k, AttnSpec(causal=True))
     assert "sm_90" in hopper_fwd_unsupported(q, k, AttnSpec(causal=True))
@@ -173,8 +174,23 @@ def test_falls_back_where_it_does_not_run(monkeypatch):
     ref = attn_bwd(do, q, k, v, o, lse, causal=True, window=20, backend="triton")
     assert all(torch.equal(a, b) for a, b in zip(got, ref))
     assert not get_backend("hopper", q.device).deterministic
-    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
-    assert "use_deterministic_algorithms" in hopper_bwd_unsupported(q, k, AttnSpec(causal=True))
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert "use_deterministic_algorithms" in hopper_bwd_unsupported(q, k, AttnSpec(causal=True))
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_refuses_what_the_triton_kernels_refuse():
+    # Checked before the device is: causal over a rectangle, an out= of another shape.
+    q, k, v, do = _inputs(1, 40, 60, 2, 1, 64, torch.bfloat16, device="cpu")
+    with pytest.raises(ValueError, match="causal=True needs as many queries as keys"):
+        hopper_attn_fwd(q, k, v, AttnSpec(causal=True))
+    o, lse = attn_fwd(q, k, v, backend="reference")
+    with pytest.raises(ValueError, match="causal=True needs as many queries as keys"):
+        hopper_attn_bwd(do, q, k, v, o, lse, AttnSpec(causal=True))
+    with pytest.raises(ValueError, match="out must have q's shape"):
+        hopper_attn_fwd(q, k, v, AttnSpec(), out=torch.empty(1, 41, 2, 64, dtype=torch.bfloat16))
 
 
 @pytest.mark.gpu
@@ -190,7 +206,7 @@ def test_what_it_does_not_run_is_named():
         hopper_attn_bwd(do, q, k, v, o, lse, AttnSpec(causal=True, window=16))
 
 
-@pytest.mark.parametrize("mode", ["accumulate", "acc float32", "acc bf16", "new"])
+@pytest.mark.parametrize("mode", ["accumulate", "ring", "acc float32", "acc bf16", "new"])
 def test_where_dq_is_summed(monkeypatch, mode):
     # Host side of the backward, on CPU: the kernel adds dQ's partials into the float32 tensor behind
     # its dQ descriptor. A stand-in kernel adds ones there; what reaches out's dq, and that acc is
@@ -210,6 +226,10 @@ def test_where_dq_is_summed(monkeypatch, mode):
     if mode == "accumulate":  # the ring's running float32 sums: dQ is added straight into them
         dq, *_ = hopper_attn_bwd(do, q, k, v, o, lse, AttnSpec(causal=True), grad_dtype=torch.float32, out=sums,
                                  accumulate=True)
+        assert dq is sums[0] and torch.equal(dq, start + 1)
+    elif mode == "ring":  # the ring's call: its running sums are both what is added to and where it goes
+        dq, *_ = hopper_attn_bwd(do, q, k, v, o, lse, AttnSpec(causal=True), grad_dtype=torch.float32, out=sums,
+                                 acc=sums)
         assert dq is sums[0] and torch.equal(dq, start + 1)
     elif mode.startswith("acc"):
         acc = sums if mode == "acc float32" else tuple(t.to(torch.bfloat16) for t in sums)
