@@ -79,22 +79,26 @@ def _pv(acc, p, alpha, v_tile, o_layout: gl.constexpr, p_layout: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(q_smem, o_desc, LSE, k_smem, v_smem, q_bar, ready, empty, b, h, bh, first, n_blocks, Nq, Nk,
-              qk_scale, CAUSAL: gl.constexpr, WG_ROWS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-              STAGES: gl.constexpr):
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+def _attend(q_smem, k_smem, v_smem, q_bar, ready, empty, first, n_blocks, Nk, qk_scale,
+            CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+            STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """Query rows [first, first + ROWS) of `q_smem` against the K/V ring's `n_blocks` blocks:
+    the unnormalised `acc`, the rows' `l_i`, `m_i` (log2 domain) and indices, each slot released
+    after use.
+    S = Q·Kᵀ of the next block is issued before this block's softmax; P·V from registers."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                        instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    rows = first + gl.arange(0, WG_ROWS, layout=row_layout)
+    rows = first + gl.arange(0, ROWS, layout=row_layout)
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, layout=row_layout)
-    l_i = gl.zeros([WG_ROWS], gl.float32, layout=row_layout)
-    acc = gl.zeros([WG_ROWS, D], gl.float32, layout=o_layout)
-    s_zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=s_layout)
-    q = q_smem.reshape([WG_ROWS, D])
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
+    l_i = gl.zeros([ROWS], gl.float32, layout=row_layout)
+    acc = gl.zeros([ROWS, D], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    q = q_smem.reshape([ROWS, D])
     mbarrier.wait(q_bar, 0)
     mbarrier.wait(ready.index(0), 0)
     s = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, D]).permute((1, 0)), s_zero, use_acc=False,
@@ -108,20 +112,43 @@ def _consumer(q_smem, o_desc, LSE, k_smem, v_smem, q_bar, ready, empty, b, h, bh
         p, alpha, l_i, m_i = _softmax(s, m_i, l_i, qk_scale, rows, j * BLOCK_N + offs_n, Nk, False, CAUSAL)
         acc = _pv(acc, p, alpha, v_smem.index(j % STAGES).reshape([BLOCK_N, D]), o_layout, p_layout)
         acc, s = warpgroup_mma_wait(0, deps=(acc, s_next))
-        mbarrier.arrive(empty.index(j % STAGES))  # this warpgroup is done with the slot (it counts two)
+        # Done with the slot. Gluon lowers a partition's arrive as a barrier over all its warps plus
+        # one thread's arrive: the hopper forward gives each warpgroup a partition and the slot a
+        # count of two, so that barrier spans one warpgroup.
+        mbarrier.arrive(empty.index(j % STAGES))
     last = n_blocks - 1
     p, alpha, l_i, m_i = _softmax(s, m_i, l_i, qk_scale, rows, last * BLOCK_N + offs_n, Nk, True, CAUSAL)
     acc = _pv(acc, p, alpha, v_smem.index(last % STAGES).reshape([BLOCK_N, D]), o_layout, p_layout)
     acc = warpgroup_mma_wait(0, deps=(acc, ))
+    return acc, l_i, m_i, rows
+
+
+@gluon.jit
+def _finish(acc, l_i, m_i, rows, q_smem, o_desc, LSE, b, h, bh, first, Nq,
+            ROWS: gl.constexpr, D: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """`_attend`'s rows written out: o = acc / l by TMA through Q's buffer, which is free now (rows
+    past Nq are clipped), and lse for the rows before Nq (-inf where no key was seen)."""
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                       instr_shape=[16, D, 16])
     no_key = l_i == 0.0
     l_safe = gl.where(no_key, 1.0, l_i)
     lse = gl.where(no_key, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
     gl.store(LSE + bh * Nq + rows, lse, mask=rows < Nq)
     o = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
-    q_smem.reshape([WG_ROWS, D]).store(o.to(q_smem.dtype))  # Q's buffer is free: O leaves through it
+    q_smem.reshape([ROWS, D]).store(o.to(q_smem.dtype))
     fence_async_shared()
-    tma_store(o_desc, [b, first, h * D], q_smem)  # rows past Nq are clipped
+    tma_store(o_desc, [b, first, h * D], q_smem)
     tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _consumer(q_smem, o_desc, LSE, k_smem, v_smem, q_bar, ready, empty, b, h, bh, first, n_blocks, Nq, Nk,
+              qk_scale, CAUSAL: gl.constexpr, WG_ROWS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+              STAGES: gl.constexpr):
+    """One warpgroup's partition: its 64 rows attended and written out."""
+    acc, l_i, m_i, rows = _attend(q_smem, k_smem, v_smem, q_bar, ready, empty, first, n_blocks, Nk, qk_scale,
+                                  CAUSAL, WG_ROWS, BLOCK_N, D, STAGES, 4)
+    _finish(acc, l_i, m_i, rows, q_smem, o_desc, LSE, b, h, bh, first, Nq, WG_ROWS, D, 4)
 
 
 @gluon.jit

@@ -16,9 +16,9 @@ attention, bf16/fp16, D = 64 or 128, GQA. Causal needs BLOCK_N = 128: only the l
 masked. `gluon_attn_fwd_ws` is the next step of FlashAttention-3's structure: a one-warp TMA loader
 partition (`gl.warp_specialize`) fills the ring while the two consumer warpgroups, given 240
 registers each by `setmaxnreg`, only compute (overlap as 1). The outcome is in docs/PERF_NOTES.md
-("Gluon"): none of them beats the Triton kernel; what is left (consumer warpgroups as partitions of
-their own, ping-pong) is named there. The same loader structure is what made the backward fast
-(kernels/hopper_bwd.py).
+("Gluon"): none of them beats the Triton kernel. The step after, each consumer warpgroup a
+partition of its own, is the hopper backend's forward (kernels/hopper_fwd.py): the variants here
+call its online softmax, its loop (`_attend`) and its epilogue (`_finish`).
 """
 
 import argparse
@@ -32,14 +32,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_init,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.append(str(Path(__file__).resolve().parents[2]))  # tests.truth, last: ringflash stays the installed one
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "launch"))  # benchlib, kernel_report
@@ -47,9 +44,8 @@ from benchlib import attn_flops, time_ms
 from kernel_report import SM90, ptxas_info
 
 from ringflash.kernels import AttnSpec
-from ringflash.kernels.hopper import tma_load, tma_store
-from ringflash.kernels.hopper_fwd import _pv, _softmax  # the shipped forward's online softmax and P·V
-from ringflash.kernels.launch_utils import _row_strides
+from ringflash.kernels.hopper import rows_descriptor, smem_layout, tma_load
+from ringflash.kernels.hopper_fwd import _attend, _finish, _pv, _softmax  # the shipped forward's pieces
 from ringflash.kernels.triton_fwd import triton_attn_fwd
 from tests.truth import attention_f64
 
@@ -146,19 +142,7 @@ def _gl_attn_fwd(q_desc, k_desc, v_desc, o_desc, LSE, H, GROUP, Nq, Nk, qk_scale
         mbarrier.invalidate(kv_bar.index(i))
     mbarrier.invalidate(q_bar)
 
-    empty = l_i == 0.0  # rows that saw no key: o = 0, lse = -inf, as the Triton kernel
-    l_safe = gl.where(empty, 1.0, l_i)
-    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
-    gl.store(LSE + bh * Nq + rows, lse, mask=rows < Nq)
-    o = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
-    q.store(o.to(dtype))  # Q's buffer is free: O leaves through it in one TMA store, rows past Nq clipped
-    fence_async_shared()
-    tma_store(o_desc, [b, start_m, h * D], q_smem)
-    tma.store_wait(pendings=0)
-
-
-def _layout(rows: int, head_dim: int, dtype) -> gl.NVMMASharedLayout:
-    return gl.NVMMASharedLayout.get_default_for([1, rows, head_dim], dtype)
+    _finish(acc, l_i, m_i, rows, q_smem, o_desc, LSE, b, h, bh, start_m, Nq, BLOCK_M, D, num_warps)
 
 
 def gluon_attn_fwd(q, k, v, causal: bool, overlap: int = 1, block_n: int = 128, stages: int = 3):
@@ -167,16 +151,11 @@ def gluon_attn_fwd(q, k, v, causal: bool, overlap: int = 1, block_n: int = 128, 
     Nk, Hkv = k.shape[1], k.shape[2]
     if causal and block_n != BLOCK_M:
         raise ValueError(f"block_n: causal masks only the last key block, so it must be {BLOCK_M}, got {block_n}")
-    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[q.dtype]
-
-    def desc(t, rows):  # as kernels.launch_utils.row_descriptor, with the layout Gluon's descriptor takes
-        return TensorDescriptor(t, [t.shape[0], t.shape[1], t.shape[2] * D], [*_row_strides(t), 1], [1, rows, D],
-                                _layout(rows, D, gdt))
-
     o = torch.empty_like(q)
     lse = torch.empty(B, H, Nq, device=q.device, dtype=torch.float32)
     _gl_attn_fwd[(triton.cdiv(Nq, BLOCK_M), B * H)](
-        desc(q, BLOCK_M), desc(k, block_n), desc(v, block_n), desc(o, BLOCK_M), lse, H, H // Hkv, Nq, Nk,
+        rows_descriptor(q, BLOCK_M), rows_descriptor(k, block_n), rows_descriptor(v, block_n),
+        rows_descriptor(o, BLOCK_M), lse, H, H // Hkv, Nq, Nk,
         D ** -0.5 * 1.4426950408889634, CAUSAL=causal, OVERLAP=overlap, BLOCK_M=BLOCK_M, BLOCK_N=block_n, D=D,
         STAGES=stages, num_warps=8)
     return o, lse
@@ -193,47 +172,6 @@ def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, emp
         mbarrier.expect(ready.index(slot), 2 * BLOCK_N * D * k_desc.dtype.primitive_bitwidth // 8)
         tma_load(k_desc, [b, j * BLOCK_N, kv_col], ready.index(slot), k_smem.index(slot))
         tma_load(v_desc, [b, j * BLOCK_N, kv_col], ready.index(slot), v_smem.index(slot))
-
-
-@gluon.jit
-def _ws_consumer(q_smem, k_smem, v_smem, q_bar, ready, empty, start_m, n_blocks, Nk, qk_scale,
-                 CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                 STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                       instr_shape=[16, D, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    rows = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
-    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_layout)
-    l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_layout)
-    acc = gl.zeros([BLOCK_M, D], gl.float32, layout=o_layout)
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-    q = q_smem.reshape([BLOCK_M, D])
-    mbarrier.wait(q_bar, 0)
-    mbarrier.wait(ready.index(0), 0)
-    s = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, D]).permute((1, 0)), s_zero, use_acc=False,
-                      is_async=True)
-    s = warpgroup_mma_wait(0, deps=(s, ))
-    for j in range(0, n_blocks - 1):
-        nxt = j + 1
-        mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1)
-        s_next = warpgroup_mma(q, k_smem.index(nxt % STAGES).reshape([BLOCK_N, D]).permute((1, 0)), s_zero,
-                               use_acc=False, is_async=True)
-        p, alpha, l_i, m_i = _softmax(s, m_i, l_i, qk_scale, rows, j * BLOCK_N + offs_n, Nk, False, CAUSAL)
-        acc = _pv(acc, p, alpha, v_smem.index(j % STAGES).reshape([BLOCK_N, D]), o_layout, p_layout)
-        acc, s = warpgroup_mma_wait(0, deps=(acc, s_next))
-        # Block j's K and V are read: the loader may refill the slot. Gluon lowers one arrive for the
-        # partition as a barrier over its 8 warps and one thread's arrive, so the two warpgroups meet
-        # here every block.
-        mbarrier.arrive(empty.index(j % STAGES))
-    last = n_blocks - 1
-    p, alpha, l_i, m_i = _softmax(s, m_i, l_i, qk_scale, rows, last * BLOCK_N + offs_n, Nk, True, CAUSAL)
-    acc = _pv(acc, p, alpha, v_smem.index(last % STAGES).reshape([BLOCK_N, D]), o_layout, p_layout)
-    acc = warpgroup_mma_wait(0, deps=(acc, ))
-    return acc, l_i, m_i
 
 
 @gluon.jit
@@ -258,41 +196,26 @@ def _gl_attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, H, GROUP, Nq, Nk, qk_sc
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
     n_blocks = gl.cdiv(gl.minimum(start_m + BLOCK_M, Nk) if CAUSAL else Nk, BLOCK_N)
-    acc, l_i, m_i = gl.warp_specialize(
-        [(_ws_consumer, (q_smem, k_smem, v_smem, q_bar, ready, empty, start_m, n_blocks, Nk, qk_scale, CAUSAL,
-                         BLOCK_M, BLOCK_N, D, STAGES, num_warps)),
+    # The consumers are the shipped forward's loop (kernels/hopper_fwd.py), over all 8 warps of one
+    # partition: its slot release then spans both warpgroups.
+    acc, l_i, m_i, rows = gl.warp_specialize(
+        [(_attend, (q_smem, k_smem, v_smem, q_bar, ready, empty, start_m, n_blocks, Nk, qk_scale, CAUSAL,
+                    BLOCK_M, BLOCK_N, D, STAGES, num_warps)),
          (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, b, h, kv_col, start_m,
                        n_blocks, BLOCK_M, BLOCK_N, STAGES, D))],
         worker_num_warps=[1], worker_num_regs=[LOADER_REGS])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, D, 16])
-    rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])))
-    empty_rows = l_i == 0.0
-    l_safe = gl.where(empty_rows, 1.0, l_i)
-    lse = gl.where(empty_rows, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
-    gl.store(LSE + bh * Nq + rows, lse, mask=rows < Nq)
-    o = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
-    q_smem.reshape([BLOCK_M, D]).store(o.to(dtype))
-    fence_async_shared()
-    tma_store(o_desc, [b, start_m, h * D], q_smem)
-    tma.store_wait(pendings=0)
+    _finish(acc, l_i, m_i, rows, q_smem, o_desc, LSE, b, h, bh, start_m, Nq, BLOCK_M, D, num_warps)
 
 
 def gluon_attn_fwd_ws(q, k, v, causal: bool, block_n: int = 128, stages: int = 3, loader_regs: int = 24):
     """As `gluon_attn_fwd`, with a one-warp TMA loader beside the two consumer warpgroups."""
     B, Nq, H, D = q.shape
     Nk, Hkv = k.shape[1], k.shape[2]
-    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[q.dtype]
-
-    def desc(t, rows):
-        return TensorDescriptor(t, [t.shape[0], t.shape[1], t.shape[2] * D], [*_row_strides(t), 1], [1, rows, D],
-                                _layout(rows, D, gdt))
-
     o = torch.empty_like(q)
     lse = torch.empty(B, H, Nq, device=q.device, dtype=torch.float32)
     _gl_attn_fwd_ws[(triton.cdiv(Nq, BLOCK_M), B * H)](
-        desc(q, BLOCK_M), desc(k, block_n), desc(v, block_n), desc(o, BLOCK_M), lse, H, H // Hkv, Nq, Nk,
+        rows_descriptor(q, BLOCK_M), rows_descriptor(k, block_n), rows_descriptor(v, block_n),
+        rows_descriptor(o, BLOCK_M), lse, H, H // Hkv, Nq, Nk,
         D ** -0.5 * 1.4426950408889634, CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=block_n, D=D, STAGES=stages,
         LOADER_REGS=loader_regs, num_warps=8)
     return o, lse
@@ -304,7 +227,7 @@ def ptxas_report(causal: bool, overlap: int | None, head_dim: int = 128, block_n
     from triton.experimental.gluon._runtime import GluonASTSource
 
     def desc(rows):
-        return f"tensordesc<bf16[1,{rows},{head_dim}],{_layout(rows, head_dim, gl.bfloat16)!r}>"
+        return f"tensordesc<bf16[1,{rows},{head_dim}],{smem_layout([1, rows, head_dim], gl.bfloat16)!r}>"
 
     consts = dict(CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=block_n, D=head_dim, STAGES=stages, num_warps=8)
     consts.update(OVERLAP=overlap) if overlap is not None else consts.update(LOADER_REGS=24)
