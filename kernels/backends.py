@@ -11,10 +11,9 @@
 - `hopper`: `triton`, except that on an H100/H200, for dense full or causal attention (fp16/bf16,
   head dim 64 or 128), the forward is a warp-specialised Gluon kernel (kernels/hopper_fwd.py) and
   the backward one Gluon kernel adding dQ atomically (kernels/hopper_bwd.py): faster, and dQ not
-  bit-reproducible. The Gluon forward writes o in q's dtype only: a ring of two or more ranks
-  (float32 partials, merges) runs the Triton forward and gains the backward alone. Other cases, and
-  backwards under `torch.use_deterministic_algorithms(True)`, run the Triton kernels. Never
-  chosen by `auto`.
+  bit-reproducible. Both serve a ring's steps (float32 partials, merges, running sums). Other
+  cases, and backwards under `torch.use_deterministic_algorithms(True)`, run the Triton kernels.
+  Never chosen by `auto`.
 `auto` is Triton on CUDA tensors and the reference elsewhere.
 
 The step API (`fwd_step`, `bwd_step`) is for block-wise callers such as the ring: it writes into
@@ -116,9 +115,8 @@ class _Hopper(_Triton):
         from ringflash.kernels.hopper_fwd import hopper_attn_fwd, hopper_fwd_unsupported
 
         check_qkv(q, k, v)  # before the support check reads their attributes
-        if hopper_fwd_unsupported(q, k, spec, out_dtype, acc, out) is None:
-            return hopper_attn_fwd(q, k, v, spec, scale, out=out)
-        return super().fwd_step(q, k, v, spec, scale, out_dtype=out_dtype, acc=acc, out=out)
+        run = hopper_attn_fwd if hopper_fwd_unsupported(q, k, spec) is None else super().fwd_step
+        return run(q, k, v, spec, scale, out_dtype=out_dtype, acc=acc, out=out)
 
     def bwd_step(self, do, q, k, v, o, lse, spec, scale, *, grad_dtype=None, out=None, accumulate=False, acc=None,
                  after_dkdv=None):

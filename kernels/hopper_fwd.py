@@ -7,7 +7,9 @@ One program per (128-query block, batch·head), FlashAttention-3's structure in 
   of TMA copies on mbarriers;
 - two consumer warpgroups, each a partition of its own with 240 registers a thread (`setmaxnreg`),
   each owning 64 query rows: S = Q·Kᵀ of the next key block is issued before this block's softmax,
-  P·V from registers, both asynchronous; each writes its own rows of O (TMA) and lse.
+  P·V from registers, both asynchronous; each writes its own rows of O and lse: o in q's dtype by
+  TMA, or (a ring's steps) merged into a running float32 accumulator, or as float32 partials, by
+  pointer stores.
 Each warpgroup releases a slot with its own arrive (the slot's barrier counts two), so the two
 never meet: Gluon lowers a partition's arrive with a barrier over all of that partition's warps,
 and with both warpgroups in one partition that barrier tied them together at every key block
@@ -29,9 +31,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ringflash.kernels.checks import check_fwd_out, check_qkv, resolve_scale
+from ringflash.kernels.checks import check_qkv, resolve_fwd_outputs, resolve_scale
 from ringflash.kernels.hopper import rows_descriptor, tma_load, tma_store, unsupported
-from ringflash.kernels.launch_utils import LOG2E, _descriptor_fits
+from ringflash.kernels.launch_utils import LOG2E, _descriptor_fits, bhnd_strides
 from ringflash.kernels.spec import AttnSpec
 
 __all__ = ["hopper_attn_fwd", "hopper_fwd_unsupported"]
@@ -55,17 +57,18 @@ def _loader(q_desc, k_desc, v_desc, q0, q1, k_smem, v_smem, q_bar, ready, empty,
 
 @gluon.jit
 def _softmax(s, m_i, l_i, qk_scale, rows, cols, Nk, MASK: gl.constexpr, CAUSAL: gl.constexpr):
-    """One key block's online-softmax update, as kernels/triton_fwd.py's `_fwd_inner` does it."""
-    s = s * qk_scale
+    """One key block's online-softmax update, as kernels/triton_fwd.py's `_fwd_inner` does it: the
+    row max taken before scaling (qk_scale > 0), so that the scale folds into exp2's argument: one
+    FFMA an element instead of a multiply and an FFMA (docs/PERF_NOTES.md, "Gluon")."""
     if MASK:
         vis = gl.expand_dims(cols, 0) < Nk
         if CAUSAL:
             vis = vis & (gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0))
         s = gl.where(vis, s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     if MASK:
         m_new = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(s - gl.expand_dims(m_new, 1))
+    p = gl.exp2(gl.fma(s, qk_scale, -gl.expand_dims(m_new, 1)))
     alpha = gl.exp2(m_i - m_new)
     return p, alpha, l_i * alpha + gl.sum(p, 1), m_new
 
@@ -124,37 +127,66 @@ def _attend(q_smem, k_smem, v_smem, q_bar, ready, empty, first, n_blocks, Nk, qk
 
 
 @gluon.jit
-def _finish(acc, l_i, m_i, rows, q_smem, o_desc, LSE, b, h, bh, first, Nq,
-            ROWS: gl.constexpr, D: gl.constexpr, NUM_WARPS: gl.constexpr):
-    """`_attend`'s rows written out: o = acc / l by TMA through Q's buffer, which is free now (rows
-    past Nq are clipped), and lse for the rows before Nq (-inf where no key was seen)."""
+def _finish(acc, l_i, m_i, rows, q_smem, o_desc, O, OA, LSE, o_strides, oa_strides, lse_strides, b, h, first, Nq,
+            TMA_OUT: gl.constexpr, MERGE: gl.constexpr, ROWS: gl.constexpr, D: gl.constexpr,
+            NUM_WARPS: gl.constexpr):
+    """`_attend`'s rows written out, rows past Nq left alone: o = acc / l and lse (-inf where no key
+    was seen). MERGE: merged first with the running accumulator (o_acc at OA, lse_acc at LSE) as
+    kernels/triton_fwd.py's `_merge_into` does it. TMA_OUT: o goes by TMA through Q's buffer, free by
+    now, else by pointer stores to O in its own dtype (float32 partials, views)."""
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                        instr_shape=[16, D, 16])
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     no_key = l_i == 0.0
     l_safe = gl.where(no_key, 1.0, l_i)
     lse = gl.where(no_key, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
-    gl.store(LSE + bh * Nq + rows, lse, mask=rows < Nq)
-    o = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
-    q_smem.reshape([ROWS, D]).store(o.to(q_smem.dtype))
-    fence_async_shared()
-    tma_store(o_desc, [b, first, h * D], q_smem)
-    tma.store_wait(pendings=0)
+    o = acc / gl.expand_dims(gl.convert_layout(l_safe, o_rows), 1)
+    lse_ptrs = LSE + b * lse_strides[0] + h * lse_strides[1] + rows * lse_strides[2]
+    row_ok = rows < Nq
+    if not TMA_OUT:
+        rows_o = gl.expand_dims(gl.convert_layout(rows, o_rows), 1)
+        cols = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, o_layout)), 0)
+        in_range = (rows_o < Nq) & (cols < D)
+    if MERGE:
+        lse_acc = gl.load(lse_ptrs, mask=row_ok, other=float("-inf"))
+        o_acc = gl.load(OA + b * oa_strides[0] + h * oa_strides[2] + rows_o * oa_strides[1] + cols, mask=in_range,
+                        other=0.0)
+        both = (lse_acc == float("-inf")) & (lse == float("-inf"))  # weights of 0/0: any finite d will do
+        d = gl.where(both, 0.0, lse) - gl.where(both, 0.0, lse_acc)
+        w_blk = gl.convert_layout(1.0 / (1.0 + gl.exp(-d)), o_rows)  # sigmoid(d), exact at any |lse|
+        w_acc = gl.convert_layout(1.0 / (1.0 + gl.exp(d)), o_rows)
+        top = gl.maximum(lse_acc, lse)
+        lse = gl.where(top == float("-inf"), float("-inf"), top + gl.log(1.0 + gl.exp(-gl.abs(d))))
+        o = o_acc.to(gl.float32) * gl.expand_dims(w_acc, 1) + o * gl.expand_dims(w_blk, 1)
+    gl.store(lse_ptrs, lse, mask=row_ok)
+    if TMA_OUT:
+        q_smem.reshape([ROWS, D]).store(o.to(q_smem.dtype))
+        fence_async_shared()
+        tma_store(o_desc, [b, first, h * D], q_smem)
+        tma.store_wait(pendings=0)
+    else:
+        gl.store(O + b * o_strides[0] + h * o_strides[2] + rows_o * o_strides[1] + cols, o.to(O.dtype.element_ty),
+                 mask=in_range)
 
 
 @gluon.jit
-def _consumer(q_smem, o_desc, LSE, k_smem, v_smem, q_bar, ready, empty, b, h, bh, first, n_blocks, Nq, Nk,
-              qk_scale, CAUSAL: gl.constexpr, WG_ROWS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-              STAGES: gl.constexpr):
-    """One warpgroup's partition: its 64 rows attended and written out."""
+def _consumer(q_smem, o_desc, out, k_smem, v_smem, q_bar, ready, empty, b, h, first, n_blocks, Nq, Nk, qk_scale,
+              CAUSAL: gl.constexpr, TMA_OUT: gl.constexpr, MERGE: gl.constexpr, WG_ROWS: gl.constexpr,
+              BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
+    """One warpgroup's partition: its 64 rows attended and written out (`out`: `_finish`'s O, OA, LSE
+    and their strides)."""
     acc, l_i, m_i, rows = _attend(q_smem, k_smem, v_smem, q_bar, ready, empty, first, n_blocks, Nk, qk_scale,
                                   CAUSAL, WG_ROWS, BLOCK_N, D, STAGES, 4)
-    _finish(acc, l_i, m_i, rows, q_smem, o_desc, LSE, b, h, bh, first, Nq, WG_ROWS, D, 4)
+    O, OA, LSE, o_strides, oa_strides, lse_strides = out
+    _finish(acc, l_i, m_i, rows, q_smem, o_desc, O, OA, LSE, o_strides, oa_strides, lse_strides, b, h, first, Nq,
+            TMA_OUT, MERGE, WG_ROWS, D, 4)
 
 
 @gluon.jit
-def _hopper_fwd(q_desc, k_desc, v_desc, o_desc, LSE, H, GROUP, Nq, Nk, qk_scale,
-                CAUSAL: gl.constexpr, WG_ROWS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                STAGES: gl.constexpr, num_warps: gl.constexpr):
+def _hopper_fwd(q_desc, k_desc, v_desc, o_desc, O, OA, LSE, stride_ob, stride_on, stride_oh,
+                stride_oab, stride_oan, stride_oah, stride_lb, stride_lh, stride_ln, H, GROUP, Nq, Nk, qk_scale,
+                CAUSAL: gl.constexpr, TMA_OUT: gl.constexpr, MERGE: gl.constexpr, WG_ROWS: gl.constexpr,
+                BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
     pid_m = gl.num_programs(0) - 1 - gl.program_id(0)  # causal: the longest row blocks start first
     bh = gl.program_id(1)
     b = bh // H
@@ -175,50 +207,51 @@ def _hopper_fwd(q_desc, k_desc, v_desc, o_desc, LSE, H, GROUP, Nq, Nk, qk_scale,
         mbarrier.init(empty.index(i), count=2)
     # Causal (Nq == Nk): keys up to the block's last row; only the last key block holds masked pairs.
     n_blocks = gl.cdiv(gl.minimum(start_m + 2 * WG_ROWS, Nk) if CAUSAL else Nk, BLOCK_N)
+    o_strides = (stride_ob, stride_on, stride_oh)
+    oa_strides = (stride_oab, stride_oan, stride_oah)
+    lse_strides = (stride_lb, stride_lh, stride_ln)
+    out = (O, OA, LSE, o_strides, oa_strides, lse_strides)
     gl.warp_specialize(
-        [(_consumer, (q0, o_desc, LSE, k_smem, v_smem, q_bar, ready, empty, b, h, bh, start_m, n_blocks, Nq, Nk,
-                      qk_scale, CAUSAL, WG_ROWS, BLOCK_N, D, STAGES)),
-         (_consumer, (q1, o_desc, LSE, k_smem, v_smem, q_bar, ready, empty, b, h, bh, start_m + WG_ROWS, n_blocks,
-                      Nq, Nk, qk_scale, CAUSAL, WG_ROWS, BLOCK_N, D, STAGES)),
+        [(_consumer, (q0, o_desc, out, k_smem, v_smem, q_bar, ready, empty, b, h, start_m, n_blocks, Nq, Nk, qk_scale,
+                      CAUSAL, TMA_OUT, MERGE, WG_ROWS, BLOCK_N, D, STAGES)),
+         (_consumer, (q1, o_desc, out, k_smem, v_smem, q_bar, ready, empty, b, h, start_m + WG_ROWS, n_blocks, Nq, Nk,
+                      qk_scale, CAUSAL, TMA_OUT, MERGE, WG_ROWS, BLOCK_N, D, STAGES)),
          (_loader, (q_desc, k_desc, v_desc, q0, q1, k_smem, v_smem, q_bar, ready, empty, b, h, kv_col, start_m,
                     n_blocks, WG_ROWS, BLOCK_N, STAGES, D))],
         worker_num_warps=[4, 1], worker_num_regs=[240, 24])
 
 
-def hopper_fwd_unsupported(q: torch.Tensor, k: torch.Tensor, spec: AttnSpec, out_dtype: torch.dtype | None = None,
-                           acc=None, out: torch.Tensor | None = None) -> str | None:
-    """None if `hopper_attn_fwd` runs this call, else why not (the caller runs the Triton kernel)."""
-    if acc is not None:
-        return "merges into an accumulator (acc=) only in the Triton kernel"
-    if (out_dtype or q.dtype) != q.dtype or (out is not None and out.dtype != q.dtype):
-        return f"writes o in q's dtype ({q.dtype}) only"
+def hopper_fwd_unsupported(q: torch.Tensor, k: torch.Tensor, spec: AttnSpec) -> str | None:
+    """None if `hopper_attn_fwd` runs attention of q over k under `spec`, else why not (the caller
+    runs the Triton kernel)."""
     return unsupported(q, k, spec)
 
 
 def hopper_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
-                    softmax_scale: float | None = None, *, out: torch.Tensor | None = None,
+                    softmax_scale: float | None = None, *, out_dtype: torch.dtype | None = None,
+                    acc: tuple[torch.Tensor, torch.Tensor] | None = None, out: torch.Tensor | None = None,
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """`triton_attn_fwd`'s contract (kernels/triton_fwd.py) where `hopper_fwd_unsupported` is None:
-    `o` in q's dtype (new and contiguous, or written to `out`) and `lse (B, H, Nq)` float32."""
+    `o` (new and contiguous in `out_dtype`, default q's; or `out`) and `lse (B, H, Nq)` float32, or
+    this block merged into `acc=(o_acc, lse_acc)` in place."""
     check_qkv(q, k, v)
     spec.intervals_for(q, k)  # raises for causal with Nq != Nk, as the Triton kernel does
-    if out is not None:
-        check_fwd_out(out, q)
-    why = hopper_fwd_unsupported(q, k, spec, out=out)
+    o, lse = resolve_fwd_outputs(q, out_dtype, acc, out)
+    why = hopper_fwd_unsupported(q, k, spec)
     if why is not None:
         raise ValueError(f"hopper forward: {why}")
     scale = resolve_scale(softmax_scale, q.shape[-1])
     B, Nq, H, D = q.shape
     Nk, Hkv = k.shape[1], k.shape[2]
     q, k, v = (t if _descriptor_fits(t, D) else t.contiguous() for t in (q, k, v))
-    o = out if out is not None and _descriptor_fits(out, D) else torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
+    # A fresh o in q's dtype goes out by TMA; merges, float32 partials and views by pointer stores.
+    tma_out = acc is None and o.dtype == q.dtype and _descriptor_fits(o, D)
+    o_acc = o if acc is None else acc[0]  # never read without acc
     _hopper_fwd[(triton.cdiv(Nq, 2 * WG_ROWS), B * H)](
         rows_descriptor(q, WG_ROWS), rows_descriptor(k, BLOCK_N), rows_descriptor(v, BLOCK_N),
-        rows_descriptor(o, WG_ROWS), lse, H, H // Hkv, Nq, Nk, scale * LOG2E,
-        CAUSAL=spec.causal, WG_ROWS=WG_ROWS, BLOCK_N=BLOCK_N, D=D, STAGES=STAGES, num_warps=4,
+        rows_descriptor(o if tma_out else q, WG_ROWS), o, o_acc, lse, *bhnd_strides(o), *bhnd_strides(o_acc),
+        *lse.stride(), H, H // Hkv, Nq, Nk, scale * LOG2E,
+        CAUSAL=spec.causal, TMA_OUT=tma_out, MERGE=acc is not None, WG_ROWS=WG_ROWS, BLOCK_N=BLOCK_N, D=D,
+        STAGES=STAGES, num_warps=4,
     )
-    if out is not None and o is not out:
-        out.copy_(o)
-        o = out
     return o, lse

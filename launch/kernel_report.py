@@ -111,10 +111,10 @@ def hopper_report(kernel: str, head_dim: int, causal: bool) -> dict:
     if kernel == "hopper_fwd":
         fn, num_warps = hopper_fwd._hopper_fwd, 4
         q_block, kv_block = [1, hopper_fwd.WG_ROWS, head_dim], [1, hopper_fwd.BLOCK_N, head_dim]
-        consts = dict(CAUSAL=causal, WG_ROWS=hopper_fwd.WG_ROWS, BLOCK_N=hopper_fwd.BLOCK_N, D=head_dim,
-                      STAGES=hopper_fwd.STAGES, num_warps=num_warps)
+        consts = dict(CAUSAL=causal, TMA_OUT=True, MERGE=False, WG_ROWS=hopper_fwd.WG_ROWS,
+                      BLOCK_N=hopper_fwd.BLOCK_N, D=head_dim, STAGES=hopper_fwd.STAGES, num_warps=num_warps)
         sig = dict(q_desc=desc("bf16", q_block), k_desc=desc("bf16", kv_block), v_desc=desc("bf16", kv_block),
-                   o_desc=desc("bf16", q_block), LSE="*fp32")
+                   o_desc=desc("bf16", q_block), O="*bf16", OA="*bf16", LSE="*fp32")
     else:
         hb = hopper_bwd
         fn, num_warps = hb._hopper_bwd, hb.NUM_WARPS

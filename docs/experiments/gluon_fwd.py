@@ -142,7 +142,9 @@ def _gl_attn_fwd(q_desc, k_desc, v_desc, o_desc, LSE, H, GROUP, Nq, Nk, qk_scale
         mbarrier.invalidate(kv_bar.index(i))
     mbarrier.invalidate(q_bar)
 
-    _finish(acc, l_i, m_i, rows, q_smem, o_desc, LSE, b, h, bh, start_m, Nq, BLOCK_M, D, num_warps)
+    lse_strides = (H * Nq, Nq, 1)  # LSE (B, H, Nq) contiguous; o goes by TMA (O and OA unused)
+    _finish(acc, l_i, m_i, rows, q_smem, o_desc, LSE, LSE, LSE, lse_strides, lse_strides, lse_strides, b, h, start_m,
+            Nq, True, False, BLOCK_M, D, num_warps)
 
 
 def gluon_attn_fwd(q, k, v, causal: bool, overlap: int = 1, block_n: int = 128, stages: int = 3):
@@ -204,7 +206,9 @@ def _gl_attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, H, GROUP, Nq, Nk, qk_sc
          (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, b, h, kv_col, start_m,
                        n_blocks, BLOCK_M, BLOCK_N, STAGES, D))],
         worker_num_warps=[1], worker_num_regs=[LOADER_REGS])
-    _finish(acc, l_i, m_i, rows, q_smem, o_desc, LSE, b, h, bh, start_m, Nq, BLOCK_M, D, num_warps)
+    lse_strides = (H * Nq, Nq, 1)  # LSE (B, H, Nq) contiguous; o goes by TMA (O and OA unused)
+    _finish(acc, l_i, m_i, rows, q_smem, o_desc, LSE, LSE, LSE, lse_strides, lse_strides, lse_strides, b, h, start_m,
+            Nq, True, False, BLOCK_M, D, num_warps)
 
 
 def gluon_attn_fwd_ws(q, k, v, causal: bool, block_n: int = 128, stages: int = 3, loader_regs: int = 24):

@@ -3,7 +3,8 @@ added atomically (kernels/hopper_bwd.py).
 
 On an H100/H200 (`-m gpu`): o, lse and the gradients against float64, no further from it than the
 Triton kernels' on the same inputs, over ragged lengths, GQA, both head dims, fp16 and bf16; the
-ring-step arguments (`out=`, `accumulate=`, `acc=`, `after_dkdv`); dK and dV reproducible. On CPU:
+ring-step arguments (forward: float32 partials, merges into an accumulator, `out=`; backward:
+`out=`, `accumulate=`, `acc=`, `after_dkdv`); dK and dV reproducible. On CPU:
 which cases fall back to the Triton kernels and why, and the refusals. The kernels' sm_90 compile
 (ptxas, no GPU) is checked by tests/launch/test_kernel_report.py.
 """
@@ -82,25 +83,62 @@ def test_forward_as_close_to_float64_as_the_triton_kernel(shape, causal, dtype):
     assert (lse.double() - truth["lse"]).abs().max() < 1e-3
 
 
+def _fwd_steps(backend, q, blocks, rows, last_out=None):
+    """A ring's forward steps through `backend`'s `fwd_step`: the first key block's float32 partials
+    over all rows, then each later block merged into the accumulator's `rows` (views, as the ring
+    passes them); the last merge writes o to `last_out` if given (the accumulator then only read)."""
+    (k, v), *rest = blocks
+    o, lse = backend.fwd_step(q, k, v, AttnSpec(), None, out_dtype=torch.float32)
+    assert o.dtype == torch.float32
+    for i, (k, v) in enumerate(rest):
+        out = last_out if i == len(rest) - 1 else None
+        ret = backend.fwd_step(q[:, rows], k, v, AttnSpec(), None, acc=(o[:, rows], lse[:, :, rows]),
+                               out=None if out is None else out[:, rows])
+        assert ret[1].data_ptr() == lse[:, :, rows].data_ptr()
+    return o, lse
+
+
 @pytest.mark.gpu
 @sm90
-def test_forward_out_and_what_falls_back():
-    # out= (a view of a larger buffer is written through a copy); a merge into an accumulator or
-    # float32 o runs the Triton kernel, whose results it then matches bit for bit.
-    q, k, v, _ = _inputs(2, 500, 500, 4, 2, 128, torch.bfloat16, seed=9)
-    spec = AttnSpec(causal=True)
-    o, lse = hopper_attn_fwd(q, k, v, spec)
-    big = torch.zeros(2, 500, 4, 256, device="cuda", dtype=torch.bfloat16)
-    ret, lse2 = hopper_attn_fwd(q, k, v, spec, out=big[..., :128])
-    assert ret.data_ptr() == big.data_ptr() and torch.equal(ret, o) and torch.equal(lse2, lse)
-    assert (big[..., 128:] == 0).all()
-    assert "acc=" in hopper_fwd_unsupported(q, k, spec, acc=(o.float(), lse))
-    assert "q's dtype" in hopper_fwd_unsupported(q, k, spec, out_dtype=torch.float32)
-    hop, tri = get_backend("hopper", q.device), get_backend("triton", q.device)
-    for kw in (dict(out_dtype=torch.float32), dict(acc=(o.float(), lse.clone()))):
-        kw2 = {n: (tuple(t.clone() for t in x) if n == "acc" else x) for n, x in kw.items()}
-        got, want = hop.fwd_step(q, k, v, spec, None, **kw), tri.fwd_step(q, k, v, spec, None, **kw2)
-        assert all(torch.equal(a, b) for a, b in zip(got, want))
+@pytest.mark.parametrize("shape", [(2, 500, 4, 2, 128), (1, 777, 8, 8, 64)], ids=lambda s: "x".join(map(str, s)))
+def test_forward_ring_steps(shape):
+    # The Gluon forward's pointer-store epilogue: float32 partials, merges into a running float32
+    # accumulator through views of it (rows 100:400, as a ring's later steps pass them), the last
+    # merge's o rounded into a view of a larger buffer; against float64 over all the keys, as
+    # close as the Triton kernel doing the same steps.
+    B, N, H, Hkv, D = shape
+    q, k1, v1, _ = _inputs(B, N, N + 200, H, Hkv, D, torch.bfloat16, seed=9)
+    _, k2, v2, _ = _inputs(B, N, 300, H, Hkv, D, torch.bfloat16, seed=10)
+    assert hopper_fwd_unsupported(q, k1, AttnSpec()) is None
+    rows = slice(100, 400)
+    truth = attention_f64(q[:, rows], torch.cat([k1, k2], 1), torch.cat([v1, v2], 1), False)
+    results = {}
+    for name in ("hopper", "triton"):
+        backend = get_backend(name, q.device)
+        o, lse = _fwd_steps(backend, q, [(k1, v1), (k2, v2)], rows)
+        big = torch.zeros(B, N, H, 2 * D, device="cuda", dtype=torch.bfloat16)
+        o_read, lse2 = _fwd_steps(backend, q, [(k1, v1), (k2, v2)], rows, last_out=big[..., :D])
+        results[name] = (o[:, rows], big[:, rows, :, :D])
+        # With out=, the accumulator is only read (step 0's partials stay) and lse is merged; nothing
+        # else in big is written.
+        assert torch.equal(o_read, backend.fwd_step(q, k1, v1, AttnSpec(), None, out_dtype=torch.float32)[0])
+        assert torch.equal(lse2, lse) and (big[..., D:] == 0).all()
+        assert (big[:, :100] == 0).all() and (big[:, 400:] == 0).all()
+        assert (lse[:, :, rows].double() - truth["lse"]).abs().max() < 1e-3
+    for i, name in enumerate(("o", "o rounded")):
+        err, base = rel_err(results["hopper"][i], truth["o"]), rel_err(results["triton"][i], truth["o"])
+        assert err < TOL[torch.bfloat16] and err <= 1.25 * base + 1e-5, f"{name}: {err:.2e} against Triton's {base:.2e}"
+    # A causal first step's float32 partials, and o written through a view by pointer stores.
+    truth = attention_f64(q, k1[:, :N], v1[:, :N], True)
+    big = torch.zeros(B, N, H, 2 * D, device="cuda", dtype=torch.bfloat16)
+    o, lse = hopper_attn_fwd(q, k1[:, :N], v1[:, :N], AttnSpec(causal=True), out=big[..., D:])
+    assert o.data_ptr() == big[..., D:].data_ptr() and rel_err(o, truth["o"]) < TOL[torch.bfloat16]
+    assert (big[..., :D] == 0).all()
+    o, lse = hopper_attn_fwd(q, k1[:, :N], v1[:, :N], AttnSpec(causal=True), out_dtype=torch.float32)
+    o_ref, _ = get_backend("triton", q.device).fwd_step(q, k1[:, :N], v1[:, :N], AttnSpec(causal=True), None,
+                                                        out_dtype=torch.float32)
+    assert o.dtype == torch.float32 and rel_err(o, truth["o"]) <= 1.25 * rel_err(o_ref, truth["o"]) + 1e-6
+    assert (lse.double() - truth["lse"]).abs().max() < 1e-3
 
 
 @pytest.mark.gpu
