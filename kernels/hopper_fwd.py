@@ -57,9 +57,10 @@ def _loader(q_desc, k_desc, v_desc, q0, q1, k_smem, v_smem, q_bar, ready, empty,
 
 @gluon.jit
 def _softmax(s, m_i, l_i, qk_scale, rows, cols, Nk, MASK: gl.constexpr, CAUSAL: gl.constexpr):
-    """One key block's online-softmax update, as kernels/triton_fwd.py's `_fwd_inner` does it: the
-    row max taken before scaling (qk_scale > 0), so that the scale folds into exp2's argument: one
-    FFMA an element instead of a multiply and an FFMA (docs/PERF_NOTES.md, "Gluon")."""
+    """One key block's online-softmax update, the math of kernels/triton_fwd.py's `_fwd_inner`, with
+    the row max taken before scaling (qk_scale > 0) so that the scale folds into exp2's argument:
+    one FFMA an element instead of a multiply and an FFMA (docs/PERF_NOTES.md, "Gluon": a gain
+    here, a loss in the Triton kernel)."""
     if MASK:
         vis = gl.expand_dims(cols, 0) < Nk
         if CAUSAL:

@@ -79,18 +79,16 @@ def _fwd_inner(
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        # The row max is taken before scaling (qk_scale > 0), so the scale folds into exp2's
-        # argument: one FFMA an element instead of a multiply and an FFMA.
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         if MASKED:
             visible = visible_keys(offs_m, cols, kv_lo, kv_hi, Nk, CAUSAL, RANGES)
             qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
         if MASKED:
             # A row can see no key of this block; while it has seen none at all, m is -inf
             # and exp2(-inf - -inf) would be NaN. Shift such rows by 0 instead.
             m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(tl.fma(qk, qk_scale, -m_new[:, None]))
+        p = tl.math.exp2(qk - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
