@@ -55,7 +55,8 @@ from ringflash.kernels.spec import AttnSpec
 
 __all__ = ["hopper_attn_bwd", "hopper_bwd_unsupported"]
 
-BLOCK_M, BLOCK_N, STAGES, NUM_WARPS = 64, 128, 2, 8  # measured in docs/PERF_NOTES.md ("Backward variants")
+BLOCK_N, STAGES, NUM_WARPS = 128, 2, 8  # measured in docs/PERF_NOTES.md ("Backward variants")
+BLOCK_M = {64: 64, 128: 64}  # query rows a tile, by head dim
 
 
 @gluon.jit
@@ -95,7 +96,6 @@ def _consumer(q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem, ds_smem, dq
                                                         instr_shape=[16, D // (NUM_WARPS // 4), 16])
     row_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
     keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
-    row0 = gl.arange(0, BLOCK_M, layout=row_layout)
     dk = gl.zeros([BLOCK_N, D], gl.float32, layout=kv_layout)
     dv = gl.zeros([BLOCK_N, D], gl.float32, layout=kv_layout)
     st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=st_layout)
@@ -108,27 +108,28 @@ def _consumer(q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem, ds_smem, dq
         h = hkv * GROUP + t // n_m
         start_m = lo + (t % n_m) * BLOCK_M
         slot = t % STAGES
-        rows = start_m + row0
         mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
         q = q_ring.index(slot).reshape([BLOCK_M, D])
         do = do_ring.index(slot).reshape([BLOCK_M, D])
-        lse = lse_ring.index(slot).reshape([BLOCK_M]).load(row_layout)
-        lse2 = gl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634  # no key seen: P = 0
-        delta = delta_ring.index(slot).reshape([BLOCK_M]).load(row_layout)
         s_t = warpgroup_mma(k2, q.permute((1, 0)), st_zero, use_acc=False, is_async=True)
         dp_t = warpgroup_mma(v2, do.permute((1, 0)), st_zero, use_acc=False, is_async=True)
         s_t = warpgroup_mma_wait(1, deps=(s_t, ))
+        # lse and delta read where they are used: a thread holds a quarter of the tile's columns of each
+        lse = lse_ring.index(slot).reshape([BLOCK_M]).load(row_layout)
+        lse2 = gl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634  # no key seen: P = 0
         p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
         edge = (start_m + BLOCK_M > Nq) | (start_n + BLOCK_N > Nk)
         if CAUSAL:
             edge = edge | (start_m < start_n + BLOCK_N)
         if edge:  # the diagonal's tiles and the ragged ends; every other tile sees all its pairs
+            rows = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
             vis = (gl.expand_dims(rows, 0) < Nq) & (gl.expand_dims(keys, 1) < Nk)
             if CAUSAL:
                 vis = vis & (gl.expand_dims(rows, 0) >= gl.expand_dims(keys, 1))
             p_t = gl.where(vis, p_t, 0.0)
         dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do, dv, is_async=True)
         dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))
+        delta = delta_ring.index(slot).reshape([BLOCK_M]).load(row_layout)
         ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
         dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q, dk, is_async=True)
         ds_smem.store(ds_t)
@@ -211,16 +212,16 @@ def hopper_bwd_unsupported(q: torch.Tensor, k: torch.Tensor, spec: AttnSpec) -> 
     return unsupported(q, k, spec)
 
 
-def _stats(lse: torch.Tensor, delta: torch.Tensor) -> tuple[TensorDescriptor, TensorDescriptor]:
-    """lse and delta `(B, H, Nq)` as `(B·H, Nq')` descriptors of `BLOCK_M` rows, Nq' = Nq rounded up to a
+def _stats(lse: torch.Tensor, delta: torch.Tensor, block_m: int) -> tuple[TensorDescriptor, TensorDescriptor]:
+    """lse and delta `(B, H, Nq)` as `(B·H, Nq')` descriptors of `block_m` rows, Nq' = Nq rounded up to a
     block: a TMA copy's start must be 16-byte aligned, which row b·h of an odd Nq is not. The padding is
     never used (rows past Nq are masked)."""
     B, H, Nq = lse.shape
-    stats = torch.zeros((2, B * H, triton.cdiv(Nq, BLOCK_M) * BLOCK_M), dtype=torch.float32, device=lse.device)
+    stats = torch.zeros((2, B * H, triton.cdiv(Nq, block_m) * block_m), dtype=torch.float32, device=lse.device)
     stats[0, :, :Nq] = lse.reshape(B * H, Nq)
     stats[1, :, :Nq] = delta.reshape(B * H, Nq)
-    layout = smem_layout([1, BLOCK_M], gl.float32)
-    return tuple(TensorDescriptor(s, list(s.shape), [s.stride(0), 1], [1, BLOCK_M], layout) for s in stats)
+    layout = smem_layout([1, block_m], gl.float32)
+    return tuple(TensorDescriptor(s, list(s.shape), [s.stride(0), 1], [1, block_m], layout) for s in stats)
 
 
 def hopper_attn_bwd(
@@ -263,7 +264,8 @@ def hopper_attn_bwd(
     dq, dk, dv = out
     sums = out if accumulate else acc
     q, k, v, do = (t if _descriptor_fits(t, D) else t.contiguous() for t in (q, k, v, do))
-    lse_desc, delta_desc = _stats(lse, row_deltas(o, do))
+    block_m = BLOCK_M[D]
+    lse_desc, delta_desc = _stats(lse, row_deltas(o, do), block_m)
     in_place = dq.dtype == torch.float32 and dq.is_contiguous() and dq.data_ptr() % 16 == 0
     if in_place:
         dq_sum = dq
@@ -277,12 +279,12 @@ def hopper_attn_bwd(
         dq_sum = torch.empty(q.shape, dtype=torch.float32, device=q.device).copy_(sums[0])
     dka, dva = (sums[1], sums[2]) if sums is not None else (dk, dv)  # placeholders, never read, without sums
     _hopper_bwd[(triton.cdiv(Nk, BLOCK_N), B * Hkv)](
-        rows_descriptor(q, BLOCK_M), rows_descriptor(do, BLOCK_M), rows_descriptor(k, BLOCK_N),
-        rows_descriptor(v, BLOCK_N), rows_descriptor(dq_sum, BLOCK_M),
+        rows_descriptor(q, block_m), rows_descriptor(do, block_m), rows_descriptor(k, BLOCK_N),
+        rows_descriptor(v, BLOCK_N), rows_descriptor(dq_sum, block_m),
         lse_desc, delta_desc, dk, dv, dka, dva,
         *bhnd_strides(dk), *bhnd_strides(dv), *bhnd_strides(dka), *bhnd_strides(dva),
         H, H // Hkv, Nq, Nk, scale * LOG2E, scale,
-        CAUSAL=spec.causal, ACCUMULATE=sums is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D=D, STAGES=STAGES,
+        CAUSAL=spec.causal, ACCUMULATE=sums is not None, BLOCK_M=block_m, BLOCK_N=BLOCK_N, D=D, STAGES=STAGES,
         num_warps=NUM_WARPS,
     )
     if after_dkdv is not None:

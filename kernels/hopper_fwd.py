@@ -39,14 +39,17 @@ from ringflash.kernels.spec import AttnSpec
 __all__ = ["hopper_attn_fwd", "hopper_fwd_unsupported"]
 
 WG_ROWS, BLOCK_N, STAGES = 64, 128, 3  # measured in docs/PERF_NOTES.md ("Gluon")
+# Consumer warpgroups a program and their registers a thread, by head dim.
+WARPGROUPS = {64: (3, 160, False), 128: (2, 240, True)}
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, q0, q1, k_smem, v_smem, q_bar, ready, empty, b, h, kv_col, start_m, n_blocks,
-            WG_ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, D: gl.constexpr):
-    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    tma_load(q_desc, [b, start_m, h * D], q_bar, q0)
-    tma_load(q_desc, [b, start_m + WG_ROWS, h * D], q_bar, q1)
+def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, b, h, kv_col, start_m, n_blocks,
+            WGS: gl.constexpr, WG_ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+            D: gl.constexpr):
+    mbarrier.expect(q_bar, WGS * q_desc.block_type.nbytes)
+    for i in gl.static_range(WGS):
+        tma_load(q_desc, [b, start_m + i * WG_ROWS, h * D], q_bar, q_smem.index(i))
     for j in range(n_blocks):
         slot = j % STAGES
         mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1 at once
@@ -83,12 +86,31 @@ def _pv(acc, p, alpha, v_tile, o_layout: gl.constexpr, p_layout: gl.constexpr):
 
 
 @gluon.jit
-def _attend(q_smem, k_smem, v_smem, q_bar, ready, empty, first, n_blocks, Nk, qk_scale,
+def _step(q, k_smem, v_smem, ready, empty, s, acc, l_i, m_i, j, rows, offs_n, Nk, qk_scale, s_zero,
+          MASK: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+          o_layout: gl.constexpr, p_layout: gl.constexpr):
+    """Key block j (its S given) folded in, S of block j + 1 computed meanwhile, j's slot released."""
+    nxt = j + 1
+    mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1)
+    s_next = warpgroup_mma(q, k_smem.index(nxt % STAGES).reshape([BLOCK_N, D]).permute((1, 0)), s_zero,
+                           use_acc=False, is_async=True)
+    p, alpha, l_i, m_i = _softmax(s, m_i, l_i, qk_scale, rows, j * BLOCK_N + offs_n, Nk, MASK, CAUSAL)
+    acc = _pv(acc, p, alpha, v_smem.index(j % STAGES).reshape([BLOCK_N, D]), o_layout, p_layout)
+    acc, s = warpgroup_mma_wait(0, deps=(acc, s_next))
+    # Done with the slot. Gluon lowers a partition's arrive as a barrier over all its warps plus one
+    # thread's arrive: the hopper forward gives each warpgroup a partition and the slot a count of
+    # one a warpgroup, so that barrier spans one warpgroup.
+    mbarrier.arrive(empty.index(j % STAGES))
+    return s, acc, l_i, m_i
+
+
+@gluon.jit
+def _attend(q_smem, k_smem, v_smem, q_bar, ready, empty, first, n_blocks, n_plain, Nk, qk_scale,
             CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-            STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
-    """Query rows [first, first + ROWS) of `q_smem` against the K/V ring's `n_blocks` blocks:
-    the unnormalised `acc`, the rows' `l_i`, `m_i` (log2 domain) and indices, each slot released
-    after use.
+            STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, OVERLAP: gl.constexpr = True):
+    """Query rows [first, first + ROWS) of `q_smem` against the K/V ring's `n_blocks` blocks, the
+    first `n_plain` (< n_blocks) without a mask: the unnormalised `acc`, the rows' `l_i`, `m_i`
+    (log2 domain) and indices, each slot released after use.
     S = Q·Kᵀ of the next block is issued before this block's softmax; P·V from registers."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -104,26 +126,34 @@ def _attend(q_smem, k_smem, v_smem, q_bar, ready, empty, first, n_blocks, Nk, qk
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
     q = q_smem.reshape([ROWS, D])
     mbarrier.wait(q_bar, 0)
-    mbarrier.wait(ready.index(0), 0)
-    s = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, D]).permute((1, 0)), s_zero, use_acc=False,
-                      is_async=True)
-    s = warpgroup_mma_wait(0, deps=(s, ))
-    for j in range(0, n_blocks - 1):
-        nxt = j + 1
-        mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1)
-        s_next = warpgroup_mma(q, k_smem.index(nxt % STAGES).reshape([BLOCK_N, D]).permute((1, 0)), s_zero,
-                               use_acc=False, is_async=True)
-        p, alpha, l_i, m_i = _softmax(s, m_i, l_i, qk_scale, rows, j * BLOCK_N + offs_n, Nk, False, CAUSAL)
-        acc = _pv(acc, p, alpha, v_smem.index(j % STAGES).reshape([BLOCK_N, D]), o_layout, p_layout)
-        acc, s = warpgroup_mma_wait(0, deps=(acc, s_next))
-        # Done with the slot. Gluon lowers a partition's arrive as a barrier over all its warps plus
-        # one thread's arrive: the hopper forward gives each warpgroup a partition and the slot a
-        # count of two, so that barrier spans one warpgroup.
-        mbarrier.arrive(empty.index(j % STAGES))
-    last = n_blocks - 1
-    p, alpha, l_i, m_i = _softmax(s, m_i, l_i, qk_scale, rows, last * BLOCK_N + offs_n, Nk, True, CAUSAL)
-    acc = _pv(acc, p, alpha, v_smem.index(last % STAGES).reshape([BLOCK_N, D]), o_layout, p_layout)
-    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    if not OVERLAP:  # S of each block after the last one's P·V: fewer registers, the other warpgroups overlap
+        for j in range(0, n_blocks):
+            mbarrier.wait(ready.index(j % STAGES), (j // STAGES) & 1)
+            s = warpgroup_mma(q, k_smem.index(j % STAGES).reshape([BLOCK_N, D]).permute((1, 0)), s_zero,
+                              use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(0, deps=(s, ))
+            if j < n_plain:
+                p, alpha, l_i, m_i = _softmax(s, m_i, l_i, qk_scale, rows, j * BLOCK_N + offs_n, Nk, False, CAUSAL)
+            else:
+                p, alpha, l_i, m_i = _softmax(s, m_i, l_i, qk_scale, rows, j * BLOCK_N + offs_n, Nk, True, CAUSAL)
+            acc = _pv(acc, p, alpha, v_smem.index(j % STAGES).reshape([BLOCK_N, D]), o_layout, p_layout)
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            mbarrier.arrive(empty.index(j % STAGES))
+    else:
+        mbarrier.wait(ready.index(0), 0)
+        s = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, D]).permute((1, 0)), s_zero, use_acc=False,
+                          is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s, ))
+        for j in range(0, n_plain):
+            s, acc, l_i, m_i = _step(q, k_smem, v_smem, ready, empty, s, acc, l_i, m_i, j, rows, offs_n, Nk, qk_scale,
+                                     s_zero, False, CAUSAL, BLOCK_N, D, STAGES, o_layout, p_layout)
+        for j in range(n_plain, n_blocks - 1):  # the masked blocks before the last, if any
+            s, acc, l_i, m_i = _step(q, k_smem, v_smem, ready, empty, s, acc, l_i, m_i, j, rows, offs_n, Nk, qk_scale,
+                                     s_zero, True, CAUSAL, BLOCK_N, D, STAGES, o_layout, p_layout)
+        last = n_blocks - 1
+        p, alpha, l_i, m_i = _softmax(s, m_i, l_i, qk_scale, rows, last * BLOCK_N + offs_n, Nk, True, CAUSAL)
+        acc = _pv(acc, p, alpha, v_smem.index(last % STAGES).reshape([BLOCK_N, D]), o_layout, p_layout)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
     return acc, l_i, m_i, rows
 
 
@@ -171,13 +201,13 @@ def _finish(acc, l_i, m_i, rows, q_smem, o_desc, O, OA, LSE, o_strides, oa_strid
 
 
 @gluon.jit
-def _consumer(q_smem, o_desc, out, k_smem, v_smem, q_bar, ready, empty, b, h, first, n_blocks, Nq, Nk, qk_scale,
-              CAUSAL: gl.constexpr, TMA_OUT: gl.constexpr, MERGE: gl.constexpr, WG_ROWS: gl.constexpr,
-              BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
+def _consumer(q_smem, o_desc, out, k_smem, v_smem, q_bar, ready, empty, b, h, first, n_blocks, n_plain, Nq, Nk,
+              qk_scale, CAUSAL: gl.constexpr, TMA_OUT: gl.constexpr, MERGE: gl.constexpr, WG_ROWS: gl.constexpr,
+              BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr):
     """One warpgroup's partition: its 64 rows attended and written out (`out`: `_finish`'s O, OA, LSE
     and their strides)."""
-    acc, l_i, m_i, rows = _attend(q_smem, k_smem, v_smem, q_bar, ready, empty, first, n_blocks, Nk, qk_scale,
-                                  CAUSAL, WG_ROWS, BLOCK_N, D, STAGES, 4)
+    acc, l_i, m_i, rows = _attend(q_smem, k_smem, v_smem, q_bar, ready, empty, first, n_blocks, n_plain, Nk,
+                                  qk_scale, CAUSAL, WG_ROWS, BLOCK_N, D, STAGES, 4, OVERLAP)
     O, OA, LSE, o_strides, oa_strides, lse_strides = out
     _finish(acc, l_i, m_i, rows, q_smem, o_desc, O, OA, LSE, o_strides, oa_strides, lse_strides, b, h, first, Nq,
             TMA_OUT, MERGE, WG_ROWS, D, 4)
@@ -186,17 +216,17 @@ def _consumer(q_smem, o_desc, out, k_smem, v_smem, q_bar, ready, empty, b, h, fi
 @gluon.jit
 def _hopper_fwd(q_desc, k_desc, v_desc, o_desc, O, OA, LSE, stride_ob, stride_on, stride_oh,
                 stride_oab, stride_oan, stride_oah, stride_lb, stride_lh, stride_ln, H, GROUP, Nq, Nk, qk_scale,
-                CAUSAL: gl.constexpr, TMA_OUT: gl.constexpr, MERGE: gl.constexpr, WG_ROWS: gl.constexpr,
-                BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+                CAUSAL: gl.constexpr, TMA_OUT: gl.constexpr, MERGE: gl.constexpr, WGS: gl.constexpr,
+                WG_ROWS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                CONSUMER_REGS: gl.constexpr, OVERLAP: gl.constexpr, num_warps: gl.constexpr):
     pid_m = gl.num_programs(0) - 1 - gl.program_id(0)  # causal: the longest row blocks start first
     bh = gl.program_id(1)
     b = bh // H
     h = bh % H
     kv_col = (h // GROUP) * D
-    start_m = pid_m * 2 * WG_ROWS
+    start_m = pid_m * WGS * WG_ROWS
     dtype: gl.constexpr = q_desc.dtype
-    q0 = gl.allocate_shared_memory(dtype, [1, WG_ROWS, D], q_desc.layout)
-    q1 = gl.allocate_shared_memory(dtype, [1, WG_ROWS, D], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [WGS, 1, WG_ROWS, D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, D], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -205,21 +235,43 @@ def _hopper_fwd(q_desc, k_desc, v_desc, o_desc, O, OA, LSE, stride_ob, stride_on
     mbarrier.init(q_bar, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
-    # Causal (Nq == Nk): keys up to the block's last row; only the last key block holds masked pairs.
-    n_blocks = gl.cdiv(gl.minimum(start_m + 2 * WG_ROWS, Nk) if CAUSAL else Nk, BLOCK_N)
+        mbarrier.init(empty.index(i), count=WGS)  # each warpgroup releases a slot once
+    if CAUSAL:  # Nq == Nk: keys up to the block's last row; masked from the block's first row on
+        n_blocks = gl.cdiv(gl.minimum(start_m + WGS * WG_ROWS, Nk), BLOCK_N)
+        n_plain = start_m // BLOCK_N
+    else:  # the last key block may be ragged
+        n_blocks = gl.cdiv(Nk, BLOCK_N)
+        n_plain = n_blocks - 1
     o_strides = (stride_ob, stride_on, stride_oh)
     oa_strides = (stride_oab, stride_oan, stride_oah)
     lse_strides = (stride_lb, stride_lh, stride_ln)
     out = (O, OA, LSE, o_strides, oa_strides, lse_strides)
-    gl.warp_specialize(
-        [(_consumer, (q0, o_desc, out, k_smem, v_smem, q_bar, ready, empty, b, h, start_m, n_blocks, Nq, Nk, qk_scale,
-                      CAUSAL, TMA_OUT, MERGE, WG_ROWS, BLOCK_N, D, STAGES)),
-         (_consumer, (q1, o_desc, out, k_smem, v_smem, q_bar, ready, empty, b, h, start_m + WG_ROWS, n_blocks, Nq, Nk,
-                      qk_scale, CAUSAL, TMA_OUT, MERGE, WG_ROWS, BLOCK_N, D, STAGES)),
-         (_loader, (q_desc, k_desc, v_desc, q0, q1, k_smem, v_smem, q_bar, ready, empty, b, h, kv_col, start_m,
-                    n_blocks, WG_ROWS, BLOCK_N, STAGES, D))],
-        worker_num_warps=[4, 1], worker_num_regs=[240, 24])
+    # Gluon takes the partitions as a literal list: one per consumer warpgroup count.
+    if WGS == 2:
+        gl.warp_specialize(
+            [(_consumer, (q_smem.index(0), o_desc, out, k_smem, v_smem, q_bar, ready, empty, b, h, start_m,
+                          n_blocks, n_plain, Nq, Nk, qk_scale, CAUSAL, TMA_OUT, MERGE, WG_ROWS, BLOCK_N, D, STAGES,
+                          OVERLAP)),
+             (_consumer, (q_smem.index(1), o_desc, out, k_smem, v_smem, q_bar, ready, empty, b, h,
+                          start_m + WG_ROWS, n_blocks, n_plain, Nq, Nk, qk_scale, CAUSAL, TMA_OUT, MERGE, WG_ROWS,
+                          BLOCK_N, D, STAGES, OVERLAP)),
+             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, b, h, kv_col, start_m,
+                        n_blocks, WGS, WG_ROWS, BLOCK_N, STAGES, D))],
+            worker_num_warps=[4, 1], worker_num_regs=[CONSUMER_REGS, 24])
+    else:
+        gl.warp_specialize(
+            [(_consumer, (q_smem.index(0), o_desc, out, k_smem, v_smem, q_bar, ready, empty, b, h, start_m,
+                          n_blocks, n_plain, Nq, Nk, qk_scale, CAUSAL, TMA_OUT, MERGE, WG_ROWS, BLOCK_N, D, STAGES,
+                          OVERLAP)),
+             (_consumer, (q_smem.index(1), o_desc, out, k_smem, v_smem, q_bar, ready, empty, b, h,
+                          start_m + WG_ROWS, n_blocks, n_plain, Nq, Nk, qk_scale, CAUSAL, TMA_OUT, MERGE, WG_ROWS,
+                          BLOCK_N, D, STAGES, OVERLAP)),
+             (_consumer, (q_smem.index(2), o_desc, out, k_smem, v_smem, q_bar, ready, empty, b, h,
+                          start_m + 2 * WG_ROWS, n_blocks, n_plain, Nq, Nk, qk_scale, CAUSAL, TMA_OUT, MERGE, WG_ROWS,
+                          BLOCK_N, D, STAGES, OVERLAP)),
+             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, b, h, kv_col, start_m,
+                        n_blocks, WGS, WG_ROWS, BLOCK_N, STAGES, D))],
+            worker_num_warps=[4, 4, 1], worker_num_regs=[CONSUMER_REGS, CONSUMER_REGS, 24])
 
 
 def hopper_fwd_unsupported(q: torch.Tensor, k: torch.Tensor, spec: AttnSpec) -> str | None:
@@ -248,11 +300,12 @@ def hopper_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Att
     # A fresh o in q's dtype goes out by TMA; merges, float32 partials and views by pointer stores.
     tma_out = acc is None and o.dtype == q.dtype and _descriptor_fits(o, D)
     o_acc = o if acc is None else acc[0]  # never read without acc
-    _hopper_fwd[(triton.cdiv(Nq, 2 * WG_ROWS), B * H)](
+    wgs, regs, overlap = WARPGROUPS[D]
+    _hopper_fwd[(triton.cdiv(Nq, wgs * WG_ROWS), B * H)](
         rows_descriptor(q, WG_ROWS), rows_descriptor(k, BLOCK_N), rows_descriptor(v, BLOCK_N),
         rows_descriptor(o if tma_out else q, WG_ROWS), o, o_acc, lse, *bhnd_strides(o), *bhnd_strides(o_acc),
         *lse.stride(), H, H // Hkv, Nq, Nk, scale * LOG2E,
-        CAUSAL=spec.causal, TMA_OUT=tma_out, MERGE=acc is not None, WG_ROWS=WG_ROWS, BLOCK_N=BLOCK_N, D=D,
-        STAGES=STAGES, num_warps=4,
+        CAUSAL=spec.causal, TMA_OUT=tma_out, MERGE=acc is not None, WGS=wgs, WG_ROWS=WG_ROWS, BLOCK_N=BLOCK_N,
+        D=D, STAGES=STAGES, CONSUMER_REGS=regs, OVERLAP=overlap, num_warps=4,
     )
     return o, lse

@@ -111,19 +111,22 @@ def hopper_report(kernel: str, head_dim: int, causal: bool) -> dict:
     if kernel == "hopper_fwd":
         fn, num_warps = hopper_fwd._hopper_fwd, 4
         q_block, kv_block = [1, hopper_fwd.WG_ROWS, head_dim], [1, hopper_fwd.BLOCK_N, head_dim]
-        consts = dict(CAUSAL=causal, TMA_OUT=True, MERGE=False, WG_ROWS=hopper_fwd.WG_ROWS,
-                      BLOCK_N=hopper_fwd.BLOCK_N, D=head_dim, STAGES=hopper_fwd.STAGES, num_warps=num_warps)
+        wgs, regs, overlap = hopper_fwd.WARPGROUPS[head_dim]
+        consts = dict(CAUSAL=causal, TMA_OUT=True, MERGE=False, WGS=wgs, WG_ROWS=hopper_fwd.WG_ROWS,
+                      BLOCK_N=hopper_fwd.BLOCK_N, D=head_dim, STAGES=hopper_fwd.STAGES, CONSUMER_REGS=regs,
+                      OVERLAP=overlap, num_warps=num_warps)
         sig = dict(q_desc=desc("bf16", q_block), k_desc=desc("bf16", kv_block), v_desc=desc("bf16", kv_block),
                    o_desc=desc("bf16", q_block), O="*bf16", OA="*bf16", LSE="*fp32")
     else:
         hb = hopper_bwd
         fn, num_warps = hb._hopper_bwd, hb.NUM_WARPS
-        q_block, kv_block = [1, hb.BLOCK_M, head_dim], [1, hb.BLOCK_N, head_dim]
-        consts = dict(CAUSAL=causal, ACCUMULATE=False, BLOCK_M=hb.BLOCK_M, BLOCK_N=hb.BLOCK_N, D=head_dim,
+        block_m = hb.BLOCK_M[head_dim]
+        q_block, kv_block = [1, block_m, head_dim], [1, hb.BLOCK_N, head_dim]
+        consts = dict(CAUSAL=causal, ACCUMULATE=False, BLOCK_M=block_m, BLOCK_N=hb.BLOCK_N, D=head_dim,
                       STAGES=hb.STAGES, num_warps=num_warps)
         sig = dict(q_desc=desc("bf16", q_block), do_desc=desc("bf16", q_block), k_desc=desc("bf16", kv_block),
                    v_desc=desc("bf16", kv_block), dq_desc=desc("fp32", q_block),
-                   lse_desc=desc("fp32", [1, hb.BLOCK_M]), delta_desc=desc("fp32", [1, hb.BLOCK_M]), DK="*bf16",
+                   lse_desc=desc("fp32", [1, block_m]), delta_desc=desc("fp32", [1, block_m]), DK="*bf16",
                    DV="*bf16", DKA="*bf16", DVA="*bf16")
     for name in fn.arg_names:
         if name in consts:
@@ -165,9 +168,11 @@ def main(argv: list[str] | None = None) -> None:
         for head_dim in args.head_dims:
             for causal in map(bool, args.causal):
                 if kernel == "hopper_fwd":
-                    tiles = [(2 * hopper_fwd.WG_ROWS, hopper_fwd.BLOCK_N, 4 + 4 + 1, hopper_fwd.STAGES)]
+                    wgs = hopper_fwd.WARPGROUPS[head_dim][0]
+                    tiles = [(wgs * hopper_fwd.WG_ROWS, hopper_fwd.BLOCK_N, 4 * wgs + 1, hopper_fwd.STAGES)]
                 elif kernel == "hopper_bwd":
-                    tiles = [(hopper_bwd.BLOCK_N, hopper_bwd.BLOCK_M, hopper_bwd.NUM_WARPS + 1, hopper_bwd.STAGES)]
+                    hb = hopper_bwd
+                    tiles = [(hb.BLOCK_N, hb.BLOCK_M[head_dim], hb.NUM_WARPS + 1, hb.STAGES)]
                 else:
                     tiles = args.tiles or [tile_for(kernel, head_dim, descriptors=True, group=args.group,
                                                     queries=args.queries)]

@@ -201,7 +201,7 @@ def _gl_attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, H, GROUP, Nq, Nk, qk_sc
     # The consumers are the shipped forward's loop (kernels/hopper_fwd.py), over all 8 warps of one
     # partition: its slot release then spans both warpgroups.
     acc, l_i, m_i, rows = gl.warp_specialize(
-        [(_attend, (q_smem, k_smem, v_smem, q_bar, ready, empty, start_m, n_blocks, Nk, qk_scale, CAUSAL,
+        [(_attend, (q_smem, k_smem, v_smem, q_bar, ready, empty, start_m, n_blocks, n_blocks - 1, Nk, qk_scale, CAUSAL,
                     BLOCK_M, BLOCK_N, D, STAGES, num_warps)),
          (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, b, h, kv_col, start_m,
                        n_blocks, BLOCK_M, BLOCK_N, STAGES, D))],
