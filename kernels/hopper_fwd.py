@@ -1,20 +1,22 @@
-"""The Hopper forward: Gluon, a loader warp and two consumer warpgroups that never wait for each
-other (the opt-in `backend="hopper"`; results as the Triton kernel's, to float rounding).
+"""The Hopper forward: Gluon, a loader warp and two or three consumer warpgroups that never wait
+for each other (the opt-in `backend="hopper"`; results as the Triton kernel's, to float rounding).
 
-One program per (128-query block, batch·head), FlashAttention-3's structure in three partitions
+One program per (query block, batch·head), FlashAttention-3's structure in partitions
 (`gl.warp_specialize`):
-- a one-warp loader brings the block's two 64-row halves of Q, then K and V through a 3-slot ring
-  of TMA copies on mbarriers;
-- two consumer warpgroups, each a partition of its own with 240 registers a thread (`setmaxnreg`),
-  each owning 64 query rows: S = Q·Kᵀ of the next key block is issued before this block's softmax,
-  P·V from registers, both asynchronous; each writes its own rows of O and lse: o in q's dtype by
-  TMA, or (a ring's steps) merged into a running float32 accumulator, or as float32 partials, by
+- a one-warp loader brings the block's 64-row parts of Q, then K and V through a 3-slot ring of
+  TMA copies on mbarriers;
+- consumer warpgroups, each a partition of its own owning 64 query rows, `setmaxnreg` giving them
+  the registers the loader does not need (`WARPGROUPS`): at D128 two of them with 240 registers,
+  each issuing S = Q·Kᵀ of the next key block before this block's softmax; at D64 three with 160,
+  which that overlap would not fit, the other two warpgroups keeping the tensor cores busy instead.
+  P·V from registers, asynchronous. Each writes its own rows of O and lse: o in q's dtype by TMA,
+  or (a ring's steps) merged into a running float32 accumulator, or as float32 partials, by
   pointer stores.
-Each warpgroup releases a slot with its own arrive (the slot's barrier counts two), so the two
-never meet: Gluon lowers a partition's arrive with a barrier over all of that partition's warps,
-and with both warpgroups in one partition that barrier tied them together at every key block
-(docs/PERF_NOTES.md, "Gluon", where this and the variants before it were measured).
-Only the last key block of a causal row block, or the ragged end of the keys, is masked.
+Each warpgroup releases a slot with its own arrive (the slot's barrier counts one a warpgroup), so
+they never meet: Gluon lowers a partition's arrive with a barrier over all of that partition's
+warps, and with two warpgroups in one partition that barrier tied them together at every key
+block (docs/PERF_NOTES.md, "Gluon", where this and the variants before it were measured).
+Only key blocks from the block's first diagonal on, or the ragged end of the keys, are masked.
 """
 
 from __future__ import annotations
@@ -39,7 +41,9 @@ from ringflash.kernels.spec import AttnSpec
 __all__ = ["hopper_attn_fwd", "hopper_fwd_unsupported"]
 
 WG_ROWS, BLOCK_N, STAGES = 64, 128, 3  # measured in docs/PERF_NOTES.md ("Gluon")
-# Consumer warpgroups a program and their registers a thread, by head dim.
+# By head dim: consumer warpgroups a program, their registers a thread, and whether each overlaps
+# the next block's S = Q·Kᵀ with its softmax (docs/PERF_NOTES.md, "Gluon": three warpgroups without
+# it at D64 fit 160 registers and beat two with it by 8-12%).
 WARPGROUPS = {64: (3, 160, False), 128: (2, 240, True)}
 
 
