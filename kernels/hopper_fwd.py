@@ -35,8 +35,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ringflash.kernels.checks import check_qkv, resolve_fwd_outputs, resolve_scale
 from ringflash.kernels.hopper import rows_descriptor, tma_load, tma_store, unsupported
-from ringflash.kernels.launch_utils import LOG2E, _descriptor_fits, bhnd_strides
+from ringflash.kernels.launch_utils import LOG2E, _descriptor_fits, bhnd_strides, num_sms
 from ringflash.kernels.spec import AttnSpec
+from ringflash.kernels.tiles import heaviest_first
 
 __all__ = ["hopper_attn_fwd", "hopper_fwd_unsupported"]
 
@@ -220,11 +221,12 @@ def _consumer(q_smem, o_desc, out, k_smem, v_smem, q_bar, ready, empty, b, h, fi
 @gluon.jit
 def _hopper_fwd(q_desc, k_desc, v_desc, o_desc, O, OA, LSE, stride_ob, stride_on, stride_oh,
                 stride_oab, stride_oan, stride_oah, stride_lb, stride_lh, stride_ln, H, GROUP, Nq, Nk, qk_scale,
+                n_sms,
                 CAUSAL: gl.constexpr, TMA_OUT: gl.constexpr, MERGE: gl.constexpr, WGS: gl.constexpr,
                 WG_ROWS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
                 CONSUMER_REGS: gl.constexpr, OVERLAP: gl.constexpr, num_warps: gl.constexpr):
-    pid_m = gl.num_programs(0) - 1 - gl.program_id(0)  # causal: the longest row blocks start first
-    bh = gl.program_id(1)
+    rank, bh = heaviest_first(n_sms)  # causal: the longest row blocks start first, swept over heads
+    pid_m = gl.num_programs(0) - 1 - rank
     b = bh // H
     h = bh % H
     kv_col = (h // GROUP) * D
@@ -308,7 +310,7 @@ def hopper_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Att
     _hopper_fwd[(triton.cdiv(Nq, wgs * WG_ROWS), B * H)](
         rows_descriptor(q, WG_ROWS), rows_descriptor(k, BLOCK_N), rows_descriptor(v, BLOCK_N),
         rows_descriptor(o if tma_out else q, WG_ROWS), o, o_acc, lse, *bhnd_strides(o), *bhnd_strides(o_acc),
-        *lse.stride(), H, H // Hkv, Nq, Nk, scale * LOG2E,
+        *lse.stride(), H, H // Hkv, Nq, Nk, scale * LOG2E, num_sms(q.device),
         CAUSAL=spec.causal, TMA_OUT=tma_out, MERGE=acc is not None, WGS=wgs, WG_ROWS=WG_ROWS, BLOCK_N=BLOCK_N,
         D=D, STAGES=STAGES, CONSUMER_REGS=regs, OVERLAP=overlap, num_warps=4,
     )
