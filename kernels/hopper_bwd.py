@@ -57,30 +57,20 @@ from ringflash.kernels.tiles import heaviest_first
 __all__ = ["hopper_attn_bwd", "hopper_bwd_unsupported"]
 
 BLOCK_N, STAGES, NUM_WARPS = 128, 2, 8  # measured in docs/PERF_NOTES.md ("Backward variants")
-DESCENDING = False
 BLOCK_M = {64: 128, 128: 64}  # query rows a tile, by head dim (D64: 128 is 4-9% faster than 64)
-
-
-@gluon.jit
-def _tile(i, n, DESCENDING: gl.constexpr):
-    """The i-th query tile a program visits of its n: from the last one down where DESCENDING."""
-    if DESCENDING:
-        return n - 1 - i
-    else:
-        return i
 
 
 @gluon.jit
 def _loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_ring, do_ring, lse_ring, delta_ring, k_smem,
             v_smem, kv_bar, ready, empty, b, hkv, start_n, lo, Nq, H, GROUP,
-            BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, DESCENDING: gl.constexpr):
+            BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
     tma_load(k_desc, [b, start_n, hkv * D], kv_bar, k_smem)
     tma_load(v_desc, [b, start_n, hkv * D], kv_bar, v_smem)
     n_m = gl.cdiv(Nq - lo, BLOCK_M)
     for t in range(GROUP * n_m):
         h = hkv * GROUP + t // n_m
-        start_m = lo + _tile(t % n_m, n_m, DESCENDING) * BLOCK_M
+        start_m = lo + (t % n_m) * BLOCK_M
         slot = t % STAGES
         mbarrier.wait(empty.index(slot), ((t // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1 at once
         mbarrier.expect(ready.index(slot), 2 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
@@ -94,7 +84,7 @@ def _loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_ring, do_ri
 def _consumer(q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem, ds_smem, dq_smem, dq_desc, kv_bar, ready, empty,
               b, hkv, start_n, lo, Nq, Nk, GROUP, qk_scale, softmax_scale,
               CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-              STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, DESCENDING: gl.constexpr):
+              STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
     dtype: gl.constexpr = q_ring.dtype
     # Sᵀ tiles (keys × queries) and dK, dV (keys × D): each warpgroup owns 64 keys
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
@@ -117,7 +107,7 @@ def _consumer(q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem, ds_smem, dq
     mbarrier.wait(kv_bar, 0)
     for t in range(GROUP * n_m):
         h = hkv * GROUP + t // n_m
-        start_m = lo + _tile(t % n_m, n_m, DESCENDING) * BLOCK_M
+        start_m = lo + (t % n_m) * BLOCK_M
         slot = t % STAGES
         mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
         q = q_ring.index(slot).reshape([BLOCK_M, D])
@@ -166,7 +156,7 @@ def _hopper_bwd(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, 
                 stride_dkab, stride_dkan, stride_dkah, stride_dvab, stride_dvan, stride_dvah,
                 H, GROUP, Nq, Nk, qk_scale, softmax_scale, n_sms,
                 CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                D: gl.constexpr, STAGES: gl.constexpr, DESCENDING: gl.constexpr, num_warps: gl.constexpr):
+                D: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
     # The causal loop's longest key blocks (the first) start first, swept over heads: one K/V head at
     # a time would leave the last head's longest programs to run alone at the end.
     pid_n, bh = heaviest_first(n_sms)
@@ -195,10 +185,9 @@ def _hopper_bwd(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, 
     dk, dv = gl.warp_specialize(
         [(_consumer, (q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem, ds_smem, dq_smem, dq_desc, kv_bar,
                       ready, empty, b, hkv, start_n, lo, Nq, Nk, GROUP, qk_scale, softmax_scale, CAUSAL, BLOCK_M,
-                      BLOCK_N, D, STAGES, num_warps, DESCENDING)),
+                      BLOCK_N, D, STAGES, num_warps)),
          (_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_ring, do_ring, lse_ring, delta_ring,
-                    k_smem, v_smem, kv_bar, ready, empty, b, hkv, start_n, lo, Nq, H, GROUP, BLOCK_M, D, STAGES,
-                    DESCENDING))],
+                    k_smem, v_smem, kv_bar, ready, empty, b, hkv, start_n, lo, Nq, H, GROUP, BLOCK_M, D, STAGES))],
         worker_num_warps=[1], worker_num_regs=[24])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                         instr_shape=[16, D, 16])
@@ -298,7 +287,6 @@ def hopper_attn_bwd(
         *bhnd_strides(dk), *bhnd_strides(dv), *bhnd_strides(dka), *bhnd_strides(dva),
         H, H // Hkv, Nq, Nk, scale * LOG2E, scale, num_sms(q.device),
         CAUSAL=spec.causal, ACCUMULATE=sums is not None, BLOCK_M=block_m, BLOCK_N=BLOCK_N, D=D, STAGES=STAGES,
-        DESCENDING=DESCENDING,
         num_warps=NUM_WARPS,
     )
     if after_dkdv is not None:

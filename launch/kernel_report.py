@@ -123,7 +123,6 @@ def hopper_report(kernel: str, head_dim: int, causal: bool) -> dict:
         block_m = hb.BLOCK_M[head_dim]
         q_block, kv_block = [1, block_m, head_dim], [1, hb.BLOCK_N, head_dim]
         consts = dict(CAUSAL=causal, ACCUMULATE=False, BLOCK_M=block_m, BLOCK_N=hb.BLOCK_N, D=head_dim,
-                      DESCENDING=hb.DESCENDING,
                       STAGES=hb.STAGES, num_warps=num_warps)
         sig = dict(q_desc=desc("bf16", q_block), do_desc=desc("bf16", q_block), k_desc=desc("bf16", kv_block),
                    v_desc=desc("bf16", kv_block), dq_desc=desc("fp32", q_block),
