@@ -16,7 +16,7 @@ inputs" rather than the field, which also passes.
 
 Every rank builds the same global q, k, v, do (generated on rank 0, broadcast), runs the ring on
 its shard, and compares its shard of o, lse, dq, dk, dv with
-- the same kernels (Triton, or `--backend cudnn`) run on the whole sequence on one GPU (`single`), and
+- the same kernels (Triton, or `--backend cudnn` / `hopper`) run on the whole sequence on one GPU (`single`), and
 - float32 SDPA (memory-efficient backend, true fp32) on the whole sequence (`ref32`).
 A float64 ground truth at 128k tokens does not fit; float32 is 2^16 times more precise than
 bf16, so it stands in for it.
@@ -81,7 +81,7 @@ def main() -> int:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--backend", choices=("auto", "triton", "cudnn"), default="auto",
+    p.add_argument("--backend", choices=("auto", "triton", "cudnn", "hopper"), default="auto",
                    help="kernel backend (auto: Triton on CUDA, the reference on CPU)")
     p.add_argument("--head-parallel", type=int, default=1, metavar="U",
                    help="head ranks of the hybrid grid (U x world/U); 1: the ring alone")
@@ -124,10 +124,10 @@ def main() -> int:
     try:
         B, N, H, Hkv, D = args.batch, args.tokens_per_rank * world, args.heads, args.kv_heads, args.head_dim
         dtype, dev = DTYPES[args.dtype], torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-        kernels_used = get_backend(backend, dev).name
+        kernels_used = get_backend(backend, dev)
         # Bit-identity across transports: all five results, or with a backend whose backward is not
-        # deterministic (cuDNN's) the forward's two.
-        compared = 2 if kernels_used == "cudnn" else 5
+        # deterministic (cuDNN's, hopper's) the forward's two.
+        compared = 5 if kernels_used.deterministic else 2
         gen = torch.Generator(device=dev).manual_seed(args.seed)
         q, do = (torch.randn(B, N, H, D, device=dev, dtype=dtype, generator=gen) for _ in range(2))
         k, v = (torch.randn(B, N, Hkv, D, device=dev, dtype=dtype, generator=gen) for _ in range(2))
@@ -138,7 +138,7 @@ def main() -> int:
             print(
                 f"{grid} over {world} {dist.get_backend()} ranks: B={B} N={N} ({args.tokens_per_rank}/rank) "
                 f"H={H} Hkv={Hkv} "
-                f"D={D} {args.dtype}, {kernels_used} kernels"
+                f"D={D} {args.dtype}, {kernels_used.name} kernels"
             )
             print(f"{'layout':<11}{'causal':<7}{'tensor':<7}{'err ring':>10}{'err single':>12}{'ratio':>8}  ok")
         refs, first = {}, {}
@@ -177,7 +177,7 @@ def main() -> int:
                     ratio = f"{e_r / e_s:8.2f}" if name != "lse" else f"{'(abs)':>8}"
                     print(f"{layout:<11}{causal!s:<7}{name:<7}{e_r:10.2e}{e_s:12.2e}{ratio}  {'ok' if ok else 'FAIL'}")
             # Another transport moves the same bytes: its results must be bit-identical (with a
-            # backend whose backward is not deterministic, cuDNN's, the forward's).
+            # backend whose backward is not deterministic, cuDNN's or hopper's, the forward's).
             if (layout, causal) in first:
                 equal = all(torch.equal(a, b) for a, b in zip(first[layout, causal][:compared], (o, lse, dq, dk, dv)))
                 same = torch.tensor([equal], device=dev, dtype=torch.int32)

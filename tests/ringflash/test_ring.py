@@ -456,10 +456,13 @@ GPU_CASES = [
     make_case(w, "zigzag", True, B=1, n_local=4000 // w, H=8, Hkv=hkv, D=128, dtype=torch.bfloat16,
               backend="cudnn", device="cuda")
     for w, hkv in ((2, 8), (2, 2), (4, 2))  # W = 2: partial results in bf16; W = 4: float32 sums
-] + [  # the Hopper backward under the ring (kernels/hopper_bwd.py; Triton's elsewhere): float32 sums added
-    make_case(w, layout, causal, B=1, n_local=4000 // w, H=8, Hkv=2, D=128, dtype=torch.bfloat16, backend="hopper",
-              device="cuda")  # atomically, ragged local lengths, a contiguous and a zigzag layout
-    for w, layout, causal in ((2, "zigzag", True), (4, "contiguous", True), (2, "zigzag", False))
+] + [  # the Hopper kernels under the ring (kernels/hopper_fwd.py, hopper_bwd.py; Triton's elsewhere): merges
+    # into float32 partials, float32 sums added atomically, ragged local lengths, a contiguous and a
+    # zigzag layout, both head dims (two and three consumer warpgroups in the forward)
+    make_case(w, layout, causal, B=1, n_local=4000 // w, H=8, Hkv=2, D=d, dtype=torch.bfloat16, backend="hopper",
+              device="cuda")
+    for w, layout, causal, d in ((2, "zigzag", True, 128), (4, "contiguous", True, 128), (2, "zigzag", False, 128),
+                                 (4, "zigzag", True, 64))
 ] + [  # q, k, v as views of a fused QKV projection's output (descriptor loads with its strides)
     make_case(2, "zigzag", True, B=1, n_local=2000, H=8, Hkv=2, D=128, dtype=torch.bfloat16, backend="triton",
               device="cuda", strided=True)
@@ -474,7 +477,7 @@ def test_ring_gpu_shared_by_gloo_ranks(case):
 
 
 @pytest.mark.multigpu
-@pytest.mark.parametrize("backend", ["triton", "cudnn"])
+@pytest.mark.parametrize("backend", ["triton", "cudnn", "hopper"])
 def test_ring_nccl_two_gpus(backend):
     # Two NCCL ranks, bf16, 64k tokens per rank, both transports: launch/check_ring_nccl.py.
     proc = torchrun(REPO / "launch" / "check_ring_nccl.py", "--backend", backend, timeout=900)
