@@ -101,22 +101,24 @@ def ptxas_report(kernel: str, head_dim: int, causal: bool, group: int, tile: Til
 
 def hopper_report(kernel: str, head_dim: int, causal: bool) -> dict:
     """`ptxas_report` for a Gluon kernel (kernels/hopper_fwd.py, kernels/hopper_bwd.py): one tile
-    each, so none to choose; GQA's group is a runtime argument there."""
+    each, so none to choose; GQA's group is a runtime argument there. `hopper_fwd_step` is the
+    forward as a ring's later steps compile it: merged into a float32 accumulator, pointer stores."""
     from triton.experimental.gluon._runtime import GluonASTSource  # Gluon's ASTSource: no public name yet
 
     def desc(dtype: str, block: list[int]) -> str:
         gdt = {"bf16": gl.bfloat16, "fp32": gl.float32}[dtype]
         return f"tensordesc<{dtype}[{','.join(map(str, block))}],{smem_layout(block, gdt)!r}>"
 
-    if kernel == "hopper_fwd":
+    if kernel in ("hopper_fwd", "hopper_fwd_step"):
+        step = kernel == "hopper_fwd_step"
         fn, num_warps = hopper_fwd._hopper_fwd, 4
         q_block, kv_block = [1, hopper_fwd.WG_ROWS, head_dim], [1, hopper_fwd.BLOCK_N, head_dim]
         wgs, regs, overlap = hopper_fwd.WARPGROUPS[head_dim]
-        consts = dict(CAUSAL=causal, TMA_OUT=True, MERGE=False, WGS=wgs, WG_ROWS=hopper_fwd.WG_ROWS,
+        consts = dict(CAUSAL=causal, TMA_OUT=not step, MERGE=step, WGS=wgs, WG_ROWS=hopper_fwd.WG_ROWS,
                       BLOCK_N=hopper_fwd.BLOCK_N, D=head_dim, STAGES=hopper_fwd.STAGES, CONSUMER_REGS=regs,
                       OVERLAP=overlap, num_warps=num_warps)
         sig = dict(q_desc=desc("bf16", q_block), k_desc=desc("bf16", kv_block), v_desc=desc("bf16", kv_block),
-                   o_desc=desc("bf16", q_block), O="*bf16", OA="*bf16", LSE="*fp32")
+                   o_desc=desc("bf16", q_block), O="*fp32" if step else "*bf16", OA="*fp32", LSE="*fp32")
     else:
         hb = hopper_bwd
         fn, num_warps = hb._hopper_bwd, hb.NUM_WARPS
@@ -149,7 +151,7 @@ def parse_tile(text: str) -> Tile:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    hopper = ("hopper_fwd", "hopper_bwd")  # Gluon: their own tiles
+    hopper = ("hopper_fwd", "hopper_fwd_step", "hopper_bwd")  # Gluon: their own tiles
     ap.add_argument("--kernels", nargs="+", choices=(*KERNELS, *hopper), default=[*KERNELS, *hopper])
     ap.add_argument("--head-dims", type=int, nargs="+", choices=(32, 64, 128), default=[64, 128])
     ap.add_argument("--causal", type=int, nargs="+", choices=(0, 1), default=[1, 0])
@@ -167,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     for kernel in args.kernels:
         for head_dim in args.head_dims:
             for causal in map(bool, args.causal):
-                if kernel == "hopper_fwd":
+                if kernel in ("hopper_fwd", "hopper_fwd_step"):
                     wgs = hopper_fwd.WARPGROUPS[head_dim][0]
                     tiles = [(wgs * hopper_fwd.WG_ROWS, hopper_fwd.BLOCK_N, 4 * wgs + 1, hopper_fwd.STAGES)]
                 elif kernel == "hopper_bwd":
