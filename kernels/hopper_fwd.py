@@ -115,8 +115,9 @@ def _attend(q_smem, k_smem, v_smem, q_bar, ready, empty, first, n_blocks, n_plai
             STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, OVERLAP: gl.constexpr = True):
     """Query rows [first, first + ROWS) of `q_smem` against the K/V ring's `n_blocks` blocks, the
     first `n_plain` (< n_blocks) without a mask: the unnormalised `acc`, the rows' `l_i`, `m_i`
-    (log2 domain) and indices, each slot released after use.
-    S = Q·Kᵀ of the next block is issued before this block's softmax; P·V from registers."""
+    (log2 domain) and indices, each slot released after use. P·V from registers.
+    OVERLAP: S = Q·Kᵀ of the next block is issued before this block's softmax (FA3's in-warpgroup
+    overlap); without it each block's S follows the last one's P·V, in fewer registers."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
@@ -131,7 +132,7 @@ def _attend(q_smem, k_smem, v_smem, q_bar, ready, empty, first, n_blocks, n_plai
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
     q = q_smem.reshape([ROWS, D])
     mbarrier.wait(q_bar, 0)
-    if not OVERLAP:  # S of each block after the last one's P·V: fewer registers, the other warpgroups overlap
+    if not OVERLAP:  # the other warpgroups keep the tensor cores busy meanwhile
         for j in range(0, n_blocks):
             mbarrier.wait(ready.index(j % STAGES), (j // STAGES) & 1)
             s = warpgroup_mma(q, k_smem.index(j % STAGES).reshape([BLOCK_N, D]).permute((1, 0)), s_zero,
