@@ -38,6 +38,7 @@ from ringflash.kernels.hopper import rows_descriptor, tma_load, tma_store, unsup
 from ringflash.kernels.launch_utils import LOG2E, _descriptor_fits, bhnd_strides, num_sms
 from ringflash.kernels.spec import AttnSpec
 from ringflash.kernels.tiles import heaviest_first
+from ringflash.kernels.triton_fwd import merge_weights
 
 __all__ = ["hopper_attn_fwd", "hopper_fwd_unsupported"]
 
@@ -168,9 +169,9 @@ def _finish(acc, l_i, m_i, rows, q_smem, o_desc, O, OA, LSE, o_strides, oa_strid
             TMA_OUT: gl.constexpr, MERGE: gl.constexpr, ROWS: gl.constexpr, D: gl.constexpr,
             NUM_WARPS: gl.constexpr):
     """`_attend`'s rows written out, rows past Nq left alone: o = acc / l and lse (-inf where no key
-    was seen). MERGE: merged first with the running accumulator (o_acc at OA, lse_acc at LSE) as
-    kernels/triton_fwd.py's `_merge_into` does it. TMA_OUT: o goes by TMA through Q's buffer, free by
-    now, else by pointer stores to O in its own dtype (float32 partials, views)."""
+    was seen). MERGE: merged first with the running accumulator (o_acc at OA, lse_acc at LSE) by
+    kernels/triton_fwd.py's `merge_weights`. TMA_OUT: o goes by TMA through Q's buffer, free by now,
+    else by pointer stores to O in its own dtype (float32 partials, views)."""
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                        instr_shape=[16, D, 16])
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -185,16 +186,11 @@ def _finish(acc, l_i, m_i, rows, q_smem, o_desc, O, OA, LSE, o_strides, oa_strid
         cols = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, o_layout)), 0)
         in_range = (rows_o < Nq) & (cols < D)
     if MERGE:
-        lse_acc = gl.load(lse_ptrs, mask=row_ok, other=float("-inf"))
+        w_acc, w_blk, lse = merge_weights(gl.load(lse_ptrs, mask=row_ok, other=float("-inf")), lse)
         o_acc = gl.load(OA + b * oa_strides[0] + h * oa_strides[2] + rows_o * oa_strides[1] + cols, mask=in_range,
                         other=0.0)
-        both = (lse_acc == float("-inf")) & (lse == float("-inf"))  # weights of 0/0: any finite d will do
-        d = gl.where(both, 0.0, lse) - gl.where(both, 0.0, lse_acc)
-        w_blk = gl.convert_layout(1.0 / (1.0 + gl.exp(-d)), o_rows)  # sigmoid(d), exact at any |lse|
-        w_acc = gl.convert_layout(1.0 / (1.0 + gl.exp(d)), o_rows)
-        top = gl.maximum(lse_acc, lse)
-        lse = gl.where(top == float("-inf"), float("-inf"), top + gl.log(1.0 + gl.exp(-gl.abs(d))))
-        o = o_acc.to(gl.float32) * gl.expand_dims(w_acc, 1) + o * gl.expand_dims(w_blk, 1)
+        o = (o_acc.to(gl.float32) * gl.expand_dims(gl.convert_layout(w_acc, o_rows), 1)
+             + o * gl.expand_dims(gl.convert_layout(w_blk, o_rows), 1))
     gl.store(lse_ptrs, lse, mask=row_ok)
     if TMA_OUT:
         q_smem.reshape([ROWS, D]).store(o.to(q_smem.dtype))

@@ -97,27 +97,34 @@ def _fwd_inner(
 
 
 @triton.jit
-def _merge_into(o_blk, lse_blk, o_ptrs, lse_ptrs, offs_m, offs_d, Nq,
-                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """This block's `(o_blk, lse_blk)` merged with the accumulator at (o_ptrs, lse_ptrs).
+def merge_weights(lse_acc, lse_blk):
+    """The exact merge of two partial results' rows: `(w_acc, w_blk, lse)` such that
+    o = o_acc·w_acc + o_blk·w_blk. Elementwise, so any kernel's row layout will do (the Gluon
+    forward calls it too).
 
-    lse = logaddexp(lse_acc, lse_blk), o = o_acc·σ(−d) + o_blk·σ(d) with d = lse_blk − lse_acc:
+    lse = logaddexp(lse_acc, lse_blk), w_blk = σ(d), w_acc = σ(−d) with d = lse_blk − lse_acc:
     weights in [0, 1] that are exact to float32 precision however large |lse| is. A side with
-    lse = −inf gets weight exactly 0; both sides −inf (d = NaN) keep lse = −inf and o = 0.
+    lse = −inf gets weight exactly 0; both sides −inf (d = NaN) keep lse = −inf (o is 0 on both).
     """
-    lse_acc = tl.load(lse_ptrs, mask=offs_m < Nq, other=float("-inf"))
-    o_acc = load_tile(o_ptrs, offs_m, offs_d, Nq, True, HEAD_DIM, BLOCK_D).to(tl.float32)
     # Both -inf: d would be NaN; any finite d will do since o_acc and o_blk are 0 there. Zeroing
     # the operands (not d) keeps -inf - -inf from being evaluated at all.
     both = (lse_acc == float("-inf")) & (lse_blk == float("-inf"))
     d = tl.where(both, 0.0, lse_blk) - tl.where(both, 0.0, lse_acc)
-    w_blk = tl.sigmoid(d)
-    w_acc = tl.sigmoid(-d)
     top = tl.maximum(lse_acc, lse_blk)
     # logaddexp as max + log(1 + e^-|d|); exp(-inf) = 0 covers the one-sided -inf rows.
     lse = tl.where(top == float("-inf"), float("-inf"), top + tl.log(1.0 + tl.exp(-tl.abs(d))))
-    o = o_acc * w_acc[:, None] + o_blk * w_blk[:, None]
-    return o, lse
+    return tl.sigmoid(-d), tl.sigmoid(d), lse
+
+
+@triton.jit
+def _merge_into(o_blk, lse_blk, o_ptrs, lse_ptrs, offs_m, offs_d, Nq,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This block's `(o_blk, lse_blk)` merged with the accumulator at (o_ptrs, lse_ptrs)
+    (`merge_weights`)."""
+    lse_acc = tl.load(lse_ptrs, mask=offs_m < Nq, other=float("-inf"))
+    o_acc = load_tile(o_ptrs, offs_m, offs_d, Nq, True, HEAD_DIM, BLOCK_D).to(tl.float32)
+    w_acc, w_blk, lse = merge_weights(lse_acc, lse_blk)
+    return o_acc * w_acc[:, None] + o_blk * w_blk[:, None], lse
 
 
 @triton.jit
