@@ -6,7 +6,7 @@
 
 The records are the data (`benchlib.record` appends them, one JSON object a line); this file is
 the only writer of BENCHMARKS.md, so the two never disagree. One section per benchmark, newest
-run first. Plots: docs/bench_kernels.png (the newest kernel table), docs/bench_ring.png (the
+run first. Plots: docs/bench_kernels.png (the newest full kernel table), docs/bench_ring.png (the
 newest ring table over three or more lengths) and docs/bench_ring_history.png (our ring's
 efficiency in every recorded run). Needs matplotlib for the plots only (the `dev` extra).
 """
@@ -169,8 +169,10 @@ def plot_lines(panels: dict[str, list[tuple[str, float, float]]], path: Path, xl
 
 
 def plot_kernels(records: list[dict], path: Path) -> None:
-    """fwd+bwd TFLOP/s against N, one panel per (D, causal), from the newest dense kernel table."""
-    rec = next(r for r in newest_first(records) if r["title"].startswith("Kernels: bf16 attention"))
+    """fwd+bwd TFLOP/s against N, one panel per (D, causal), from the newest dense kernel table with
+    the most panels: a later run of fewer head dims (a follow-up of one change) does not replace it."""
+    tables = [r for r in newest_first(records) if r["title"].startswith("Kernels: bf16 attention")]
+    rec = max(tables, key=lambda r: len({(row.get("D"), row.get("causal")) for row in r["results"]}))
     panels: dict[str, list] = {}
     for impl, D, causal, N, tfb in _numbers(rec["results"], "impl", "D", "causal", "N", "fwd+bwd TFLOP/s"):
         panels.setdefault(f"D={D}, {'causal' if causal == 'yes' else 'full'}", []).append((impl, N, tfb))
