@@ -94,7 +94,7 @@ def _consumer(q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem, ds_smem, dq
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     # dQ (queries × D): where there are 64 queries a warpgroup (D64's 128-query tiles) the warpgroups
     # split the queries, each multiply D wide; else they split D, each reading all of dS from shared
-    # memory: at D64 that is 32-wide multiplies reading twice the bytes a FLOP (docs/PERF_NOTES.md, "Gluon")
+    # memory: at D64, 32-wide multiplies reading 1.5× the bytes a FLOP (docs/PERF_NOTES.md, "Gluon")
     DQ_M_WARPS: gl.constexpr = NUM_WARPS if BLOCK_M >= 16 * NUM_WARPS else 4
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0],
                                                         warps_per_cta=[DQ_M_WARPS, NUM_WARPS // DQ_M_WARPS],
