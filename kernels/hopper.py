@@ -1,5 +1,5 @@
 """What the Hopper kernels (kernels/hopper_fwd.py, kernels/hopper_bwd.py) share: Gluon's names
-across Triton versions, descriptors, and the cases they run.
+across Triton versions, descriptors, their slot rings' barriers, and the cases they run.
 
 Gluon is Triton's explicit dialect: layouts, shared memory, mbarriers, TMA copies, warpgroup
 multiplies and warp specialisation are written out instead of chosen by the compiler. It has no
@@ -12,15 +12,16 @@ from __future__ import annotations
 import functools
 
 import torch
+from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import tma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ringflash.kernels.launch_utils import _row_strides
 from ringflash.kernels.spec import AttnSpec
 
-__all__ = ["HEAD_DIMS", "TensorDescriptor", "rows_descriptor", "smem_layout", "thread_barrier", "tma_load",
-           "tma_reduce_add", "tma_store", "unsupported"]
+__all__ = ["HEAD_DIMS", "TensorDescriptor", "rows_descriptor", "slot_barriers", "smem_layout", "thread_barrier",
+           "tma_load", "tma_reduce_add", "tma_store", "unsupported"]
 
 HEAD_DIMS = (64, 128)
 
@@ -41,6 +42,19 @@ else:  # pragma: no cover (Triton 3.6)
         coord = _semantic._convert_to_ir_values(coord, require_i64=False)
         _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
                                                   src.handle)
+
+
+@gluon.jit
+def slot_barriers(STAGES: gl.constexpr, RELEASES: gl.constexpr):
+    """The mbarriers of a `STAGES`-slot ring of TMA copies, initialised: `ready` (a slot's copies have
+    landed: the loader's one expect-arrive) and `empty` (a slot is free again: `RELEASES` arrives, one
+    from each partition that reads it)."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=RELEASES)
+    return ready, empty
 
 
 def unsupported(q: torch.Tensor, k: torch.Tensor, spec: AttnSpec) -> str | None:

@@ -44,6 +44,7 @@ from ringflash.kernels.checks import check_bwd, check_grad_out, check_qkv, resol
 from ringflash.kernels.hopper import (
     TensorDescriptor,
     rows_descriptor,
+    slot_barriers,
     smem_layout,
     thread_barrier,
     tma_load,
@@ -180,12 +181,8 @@ def _hopper_bwd(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, 
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
     dq_smem = gl.allocate_shared_memory(gl.float32, [1, BLOCK_M, D], dq_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+    ready, empty = slot_barriers(STAGES, 1)  # the consumers are one partition
     dk, dv = gl.warp_specialize(
         [(_consumer, (q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem, ds_smem, dq_smem, dq_desc, kv_bar,
                       ready, empty, b, hkv, start_n, lo, Nq, Nk, GROUP, qk_scale, softmax_scale, CAUSAL, BLOCK_M,

@@ -34,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ringflash.kernels.checks import check_qkv, resolve_fwd_outputs, resolve_scale
-from ringflash.kernels.hopper import rows_descriptor, tma_load, tma_store, unsupported
+from ringflash.kernels.hopper import rows_descriptor, slot_barriers, tma_load, tma_store, unsupported
 from ringflash.kernels.launch_utils import LOG2E, _descriptor_fits, bhnd_strides, num_sms
 from ringflash.kernels.spec import AttnSpec
 from ringflash.kernels.tiles import heaviest_first
@@ -233,12 +233,8 @@ def _hopper_fwd(q_desc, k_desc, v_desc, o_desc, O, OA, LSE, stride_ob, stride_on
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, D], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=WGS)  # each warpgroup releases a slot once
+    ready, empty = slot_barriers(STAGES, WGS)  # each warpgroup releases a slot once
     if CAUSAL:  # Nq == Nk: keys up to the block's last row; masked from the block's first row on
         n_blocks = gl.cdiv(gl.minimum(start_m + WGS * WG_ROWS, Nk), BLOCK_N)
         n_plain = start_m // BLOCK_N
