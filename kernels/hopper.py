@@ -79,17 +79,22 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
-def smem_layout(block: list[int], dtype) -> gl.NVMMASharedLayout:
+def smem_layout(block: list[int], dtype, swizzle: int | None = None) -> gl.NVMMASharedLayout:
     """The shared-memory layout a TMA copy of `block` lands in: swizzled for tiles that feed the
-    multiplies, plain for 2-D rows of float32 statistics."""
+    multiplies (`swizzle` bytes, default the widest the rows allow), plain for 2-D rows of float32
+    statistics."""
     if len(block) == 2:
         return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    if swizzle is not None:
+        return gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=dtype.primitive_bitwidth,
+                                    rank=len(block))
     return gl.NVMMASharedLayout.get_default_for(block, dtype)
 
 
-def rows_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+def rows_descriptor(t: torch.Tensor, rows: int, swizzle: int | None = None) -> TensorDescriptor:
     """`t (B, N, H, D)` as a `(B, N, H·D)` descriptor of `rows` positions of one head (zeros past N):
-    `kernels.launch_utils.row_descriptor` with the layout Gluon's descriptors carry."""
+    `kernels.launch_utils.row_descriptor` with the layout Gluon's descriptors carry (`smem_layout`)."""
     B, N, H, D = t.shape
     gdt = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[t.dtype]
-    return TensorDescriptor(t, [B, N, H * D], [*_row_strides(t), 1], [1, rows, D], smem_layout([1, rows, D], gdt))
+    layout = smem_layout([1, rows, D], gdt, swizzle)
+    return TensorDescriptor(t, [B, N, H * D], [*_row_strides(t), 1], [1, rows, D], layout)

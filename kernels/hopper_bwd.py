@@ -59,6 +59,11 @@ __all__ = ["hopper_attn_bwd", "hopper_bwd_unsupported"]
 
 BLOCK_N, STAGES, NUM_WARPS = 128, 2, 8  # measured in docs/PERF_NOTES.md ("Backward variants")
 BLOCK_M = {64: 128, 128: 64}  # query rows a tile, by head dim (D64: 128 is 4-9% faster than 64)
+# dQ's float32 buffer, swizzled in spans of this many bytes, by head dim. A thread's dQ fragment is
+# rows of two floats, and 128-byte spans put rows r and r ^ 1 on the same banks: every store conflicts
+# two ways. 32-byte spans don't (each TMA reduce-add then moves 8 columns): +2-7% at D64, -4% at D128
+# (docs/PERF_NOTES.md, "Gluon").
+DQ_SWIZZLE = {64: 32, 128: 128}
 
 
 @gluon.jit
@@ -283,7 +288,7 @@ def hopper_attn_bwd(
     dka, dva = (sums[1], sums[2]) if sums is not None else (dk, dv)  # placeholders, never read, without sums
     _hopper_bwd[(triton.cdiv(Nk, BLOCK_N), B * Hkv)](
         rows_descriptor(q, block_m), rows_descriptor(do, block_m), rows_descriptor(k, BLOCK_N),
-        rows_descriptor(v, BLOCK_N), rows_descriptor(dq_sum, block_m),
+        rows_descriptor(v, BLOCK_N), rows_descriptor(dq_sum, block_m, DQ_SWIZZLE[D]),
         lse_desc, delta_desc, dk, dv, dka, dva,
         *bhnd_strides(dk), *bhnd_strides(dv), *bhnd_strides(dka), *bhnd_strides(dva),
         H, H // Hkv, Nq, Nk, scale * LOG2E, scale, num_sms(q.device),

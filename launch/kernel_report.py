@@ -105,9 +105,9 @@ def hopper_report(kernel: str, head_dim: int, causal: bool) -> dict:
     forward as a ring's later steps compile it: merged into a float32 accumulator, pointer stores."""
     from triton.experimental.gluon._runtime import GluonASTSource  # Gluon's ASTSource: no public name yet
 
-    def desc(dtype: str, block: list[int]) -> str:
+    def desc(dtype: str, block: list[int], swizzle: int | None = None) -> str:
         gdt = {"bf16": gl.bfloat16, "fp32": gl.float32}[dtype]
-        return f"tensordesc<{dtype}[{','.join(map(str, block))}],{smem_layout(block, gdt)!r}>"
+        return f"tensordesc<{dtype}[{','.join(map(str, block))}],{smem_layout(block, gdt, swizzle)!r}>"
 
     if kernel in ("hopper_fwd", "hopper_fwd_step"):
         step = kernel == "hopper_fwd_step"
@@ -127,7 +127,7 @@ def hopper_report(kernel: str, head_dim: int, causal: bool) -> dict:
         consts = dict(CAUSAL=causal, ACCUMULATE=False, BLOCK_M=block_m, BLOCK_N=hb.BLOCK_N, D=head_dim,
                       STAGES=hb.STAGES, num_warps=num_warps)
         sig = dict(q_desc=desc("bf16", q_block), do_desc=desc("bf16", q_block), k_desc=desc("bf16", kv_block),
-                   v_desc=desc("bf16", kv_block), dq_desc=desc("fp32", q_block),
+                   v_desc=desc("bf16", kv_block), dq_desc=desc("fp32", q_block, hb.DQ_SWIZZLE[head_dim]),
                    lse_desc=desc("fp32", [1, block_m]), delta_desc=desc("fp32", [1, block_m]), DK="*bf16",
                    DV="*bf16", DKA="*bf16", DVA="*bf16")
     for name in fn.arg_names:
