@@ -61,8 +61,8 @@ BLOCK_N, STAGES, NUM_WARPS = 128, 2, 8  # measured in docs/PERF_NOTES.md ("Backw
 BLOCK_M = {64: 128, 128: 64}  # query rows a tile, by head dim (D64: 128 is 4-9% faster than 64)
 # dQ's float32 buffer, swizzled in spans of this many bytes, by head dim. A thread's dQ fragment is
 # rows of two floats, and 128-byte spans put rows r and r ^ 1 on the same banks: every store conflicts
-# two ways. 32-byte spans don't (each TMA reduce-add then moves 8 columns): +2-7% at D64, -4% at D128
-# (docs/PERF_NOTES.md, "Gluon").
+# two ways. 32-byte spans don't (each TMA reduce-add then moves 8 columns): +2-4% at D64, but -4% at
+# D128 for reasons not found (docs/PERF_NOTES.md, "Gluon", fourth round).
 DQ_SWIZZLE = {64: 32, 128: 128}
 
 
