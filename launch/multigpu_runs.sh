@@ -4,6 +4,7 @@
 #
 #   bash launch/multigpu_runs.sh                         # everything, N = the GPUs found
 #   bash launch/multigpu_runs.sh --steps exact,scaling   # a part (the device tool's 10-min commands)
+#   bash launch/multigpu_runs.sh --worlds 4 --steps exact # the exact and scaling steps at W = 4 only
 #   bash launch/multigpu_runs.sh --smoke                 # the same sequence on CPU gloo, 2-4 processes
 #
 # Steps, in order (each under its own `timeout`, so a hang cannot eat the lease; a failure is
@@ -43,6 +44,7 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 SMOKE=0
 STEPS="exact,x2,scaling,train"
 NGPUS=""
+ONLY_WORLDS=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --smoke) SMOKE=1 ;;
@@ -50,7 +52,9 @@ while [ $# -gt 0 ]; do
     --steps=*) STEPS="${1#*=}" ;;
     --gpus) NGPUS="$2"; shift ;;
     --gpus=*) NGPUS="${1#*=}" ;;
-    -h|--help) sed -n '2,40p' "$0"; exit 0 ;;
+    --worlds) ONLY_WORLDS="$2"; shift ;;
+    --worlds=*) ONLY_WORLDS="${1#*=}" ;;
+    -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)"; exit 2 ;;
   esac
   shift
@@ -76,7 +80,14 @@ else
   RECORD=()
 fi
 WORLDS=()
-for w in 2 4 8; do [ "$w" -le "$N" ] && WORLDS+=("$w"); done
+for w in 2 4 8; do
+  [ "$w" -le "$N" ] || continue
+  [ -z "$ONLY_WORLDS" ] || [[ ",$ONLY_WORLDS," == *",$w,"* ]] || continue
+  WORLDS+=("$w")
+done
+if [ -n "$ONLY_WORLDS" ] && [ ${#WORLDS[@]} -eq 0 ]; then
+  echo "--worlds $ONLY_WORLDS: none of 2, 4, 8 at most the $N GPUs (or processes) here"; exit 2
+fi
 echo "multigpu_runs: N=$N smoke=$SMOKE steps=$STEPS worlds=${WORLDS[*]:-none} logs=$LOGDIR" | tee "$SUMMARY"
 
 copy_out() {
