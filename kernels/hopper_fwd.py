@@ -76,10 +76,11 @@ def _softmax(s, m_i, l_i, qk_scale, rows, cols, Nk, MASK: gl.constexpr, CAUSAL: 
             vis = vis & (gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0))
         s = gl.where(vis, s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-    if MASK:
-        m_new = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(gl.fma(s, qk_scale, -gl.expand_dims(m_new, 1)))
-    alpha = gl.exp2(m_i - m_new)
+    m_shift = m_new
+    if MASK:  # rows that have seen no key yet: shift by 0 for this block, keep m = -inf (as _fwd_inner)
+        m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(gl.fma(s, qk_scale, -gl.expand_dims(m_shift, 1)))
+    alpha = gl.exp2(m_i - m_shift)
     return p, alpha, l_i * alpha + gl.sum(p, 1), m_new
 
 

@@ -84,12 +84,16 @@ def _fwd_inner(
             visible = visible_keys(offs_m, cols, kv_lo, kv_hi, Nk, CAUSAL, RANGES)
             qk = tl.where(visible, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_shift = m_new
         if MASKED:
             # A row can see no key of this block; while it has seen none at all, m is -inf
-            # and exp2(-inf - -inf) would be NaN. Shift such rows by 0 instead.
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(qk - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
+            # and exp2(-inf - -inf) would be NaN. Shift such rows by 0 for this block only:
+            # m keeps -inf, so the next block's true max becomes the shift. Keeping 0 instead
+            # would shift logits far below 0 by 0, and P, cast to fp16/bf16 for P·V,
+            # underflows to 0 while l (float32) does not: o = 0 instead of v.
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(qk - m_shift[:, None])
+        alpha = tl.math.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
