@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import torch
 
-from ringflash.kernels.backends import BACKENDS, Backend, backend_named, get_backend, interpreting
+from ringflash.kernels.backends import BACKENDS, Backend, backend_named, device_guard, get_backend, interpreting
 from ringflash.kernels.masks import Visibility, check_window, dense_visibility, varlen_visibility, visibility
 from ringflash.kernels.reference import ref_merge
 from ringflash.kernels.spec import CAUSAL, FULL, AttnSpec
 
 __all__ = ["BACKENDS", "CAUSAL", "FULL", "AttnSpec", "Backend", "Visibility", "attn_bwd", "attn_fwd",
-           "attn_varlen_bwd", "attn_varlen_fwd", "backend_named", "check_window", "dense_visibility", "get_backend",
+           "attn_varlen_bwd", "attn_varlen_fwd", "backend_named", "check_window", "dense_visibility", "device_guard",
+           "get_backend",
            "interpreting", "ref_merge", "varlen_visibility", "visibility"]
 
 
@@ -62,7 +63,8 @@ def attn_fwd(
     Returns:
         o: `(B, Nq, H, D)` in q's dtype; lse: `(B, H, Nq)` float32, natural log.
     """
-    return get_backend(backend, q.device).fwd_step(q, k, v, _spec(causal, window, spec), softmax_scale)
+    with device_guard(q):
+        return get_backend(backend, q.device).fwd_step(q, k, v, _spec(causal, window, spec), softmax_scale)
 
 
 def attn_bwd(
@@ -88,7 +90,8 @@ def attn_bwd(
     Returns:
         dq like q; dk, dv like k, in q's dtype.
     """
-    return get_backend(backend, q.device).bwd_step(do, q, k, v, o, lse, _spec(causal, window, spec), softmax_scale)
+    with device_guard(q):
+        return get_backend(backend, q.device).bwd_step(do, q, k, v, o, lse, _spec(causal, window, spec), softmax_scale)
 
 
 from ringflash.kernels import ops  # noqa: E402, F401  (registers torch.ops.ringflash.attn_fwd / attn_bwd)

@@ -23,6 +23,7 @@ or accumulates into given buffers. The flash_attn-style functions on top
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 
@@ -32,7 +33,7 @@ from ringflash.kernels.checks import check_grad_out, check_qkv
 from ringflash.kernels.reference import ref_attn_bwd, ref_attn_fwd
 from ringflash.kernels.spec import AttnSpec
 
-__all__ = ["BACKENDS", "Backend", "backend_named", "get_backend", "interpreting"]
+__all__ = ["BACKENDS", "Backend", "backend_named", "device_guard", "get_backend", "interpreting"]
 
 BACKENDS = ("auto", "triton", "reference", "cudnn", "hopper")  # the names `backend=` and the config accept
 ENV = "RINGFLASH_KERNEL_BACKEND"
@@ -219,6 +220,17 @@ def backend_named(name: str) -> Backend | None:
     if name not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
     return _BY_NAME.get(name)
+
+
+def device_guard(t) -> contextlib.AbstractContextManager:
+    """Makes `t`'s GPU the current device for the block, as SDPA and flash_attn guard theirs:
+    Triton launches, streams, NCCL buffers and `torch.cuda.current_device()` all follow the
+    current device, and a script that puts rank r's tensors on `cuda:r` without calling
+    `torch.cuda.set_device` must still run there. Nothing for CPU tensors (or non-tensors: the
+    argument checks name those), nor under torch.compile, where the ops guard themselves."""
+    if isinstance(t, torch.Tensor) and t.is_cuda and not torch.compiler.is_compiling():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
 
 
 def get_backend(backend: str | Backend | None, device: torch.device) -> Backend:

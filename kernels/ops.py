@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ringflash.kernels.backends import get_backend
+from ringflash.kernels.backends import device_guard, get_backend
 from ringflash.kernels.masks import Visibility
 from ringflash.kernels.spec import AttnSpec
 
@@ -40,7 +40,7 @@ def attn_fwd(
     """`kernels.attn_fwd` as an op: `o (B, Nq, H, D)` like q, `lse (B, H, Nq)` float32."""
     # Autocast must not recast the reference's float32 math (the op gets no autocast rule, so its
     # inputs arrive as the caller made them, but ops inside would still be autocast).
-    with torch.autocast(q.device.type, enabled=False):
+    with torch.autocast(q.device.type, enabled=False), device_guard(q):
         o, lse = get_backend(backend, q.device).fwd_step(q, k, v, _spec(causal, window, intervals), softmax_scale)
     return o.contiguous(), lse.contiguous()
 
@@ -73,7 +73,7 @@ def attn_bwd(
     backend: str | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """`kernels.attn_bwd` as an op: `dq` like q, `dk`, `dv` like k, in q's dtype."""
-    with torch.autocast(q.device.type, enabled=False):
+    with torch.autocast(q.device.type, enabled=False), device_guard(q):
         grads = get_backend(backend, q.device).bwd_step(
             do, q, k, v, o, lse, _spec(causal, window, intervals), softmax_scale
         )

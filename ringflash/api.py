@@ -138,20 +138,33 @@ def ring_flash_attn_func(
     """
     options = dict(layout=layout, backend=backend, check_ranks=check_ranks, window=window, mask=mask,
                    transport=transport)  # fmt: skip
-    if head_group is not None:  # all-to-all heads, then the ring over `group` on (B, u·n, H/u, D) blocks
-        o, lse = hybrid_attention(
-            q, k, v, head_group=head_group, group=group, layout=layout, check_ranks=check_ranks,
-            causal=causal if causal is not None else (mask.causal if isinstance(mask, RingMask) else False),
-            ring=lambda q, k, v: _attend(
-                q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, True, group,
-                **options,
-            )[:2],
+    q, k, v = autocast_inputs(q, k, v)
+    with kernels.device_guard(q):
+        if head_group is not None:  # all-to-all heads, then the ring over `group` on (B, u·n, H/u, D) blocks
+            o, lse = hybrid_attention(
+                q, k, v, head_group=head_group, group=group, layout=layout, check_ranks=check_ranks,
+                causal=causal if causal is not None else (mask.causal if isinstance(mask, RingMask) else False),
+                ring=lambda q, k, v: _attend(
+                    q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, True, group,
+                    **options,
+                )[:2],
+            )  # fmt: skip
+            return (o, lse, None) if return_attn_probs else o
+        return _attend(
+            q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs,
+            group, **options,
         )  # fmt: skip
-        return (o, lse, None) if return_attn_probs else o
-    return _attend(
-        q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs,
-        group, **options,
-    )  # fmt: skip
+
+
+def autocast_inputs(q, k, v) -> tuple:
+    """q, k and v in autocast's dtype when autocast is on for their device, as SDPA runs them (and
+    flash_attn's transformers path casts them): under autocast a Llama's RoPE leaves q and k in
+    float32 while v leaves its Linear in bf16. Outside autocast they are left as given, and mixed
+    dtypes are the caller's error (`check_qkv` names them)."""
+    if not isinstance(q, torch.Tensor) or not torch.is_autocast_enabled(q.device.type):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(q.device.type)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (q, k, v))
 
 
 def _attend(
@@ -173,6 +186,7 @@ def _attend(
         window = _flash_options(dropout_p, window_size, alibi_slopes, deterministic, return_attn_probs, causal, window)
         if prepare is not None:
             q, k, v, mask = prepare(window, causal, 0 if comm is None else comm.rank, world)
+            q, k, v = autocast_inputs(q, k, v)
         scale, kern = _check_local(q, k, v, causal, softmax_scale, layout, backend, world)
         if deterministic and not kern.deterministic:
             raise ValueError(

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ringflash.kernels import get_backend
+from ringflash.kernels import device_guard, get_backend
 from ringflash.kernels.checks import SUPPORTED_DTYPES
 from ringflash.layout import LAYOUTS, ring_schedule
 from ringflash.masks import decode
@@ -170,15 +170,17 @@ def _ring_attn(
     `mask_vis`, `mask_plan`, `window`, `mask_key`: a `RingMask` (module docstring). `transport`:
     how the blocks travel (`ringflash.transport.TRANSPORTS`).
     """
-    comm = _comm(group_name, transport)
-    if check_ranks and comm.world > 1:
-        sig = _signature(True, q, k, causal, softmax_scale, layout, window, mask_key, comm.name)
-        _check_across_ranks(comm, sig)
-    plan = _plan(comm, q, causal, layout, mask_plan, mask_vis)
-    # Autocast off: the merge and accumulators are float32 by design, and the reference kernel's
-    # float32 einsums must not be recast to half precision.
-    with torch.autocast(q.device.type, enabled=False):
-        o, lse, kv = ring_forward(q, k, v, plan, scale=softmax_scale, kernels=get_backend(backend, q.device), comm=comm)
+    with device_guard(q):  # the transport's streams and buffers and every launch on q's GPU
+        comm = _comm(group_name, transport)
+        if check_ranks and comm.world > 1:
+            sig = _signature(True, q, k, causal, softmax_scale, layout, window, mask_key, comm.name)
+            _check_across_ranks(comm, sig)
+        plan = _plan(comm, q, causal, layout, mask_plan, mask_vis)
+        # Autocast off: the merge and accumulators are float32 by design, and the reference kernel's
+        # float32 einsums must not be recast to half precision.
+        with torch.autocast(q.device.type, enabled=False):
+            kern = get_backend(backend, q.device)
+            o, lse, kv = ring_forward(q, k, v, plan, scale=softmax_scale, kernels=kern, comm=comm)
     return o.contiguous(), lse.contiguous(), kv if comm.world > 1 else q.new_empty(0)
 
 
@@ -218,8 +220,8 @@ def _ring_attn_bwd(
 
     `kv` is `[packed]` as `ring_attn` returned it, or `[k, v]` on one rank.
     """
-    comm = _comm(group_name, transport)
-    with torch.autocast(q.device.type, enabled=False):
+    with torch.autocast(q.device.type, enabled=False), device_guard(q):
+        comm = _comm(group_name, transport)
         return ring_backward(
             do.contiguous(), q, kv[0] if len(kv) == 1 else tuple(kv), o, lse,
             _plan(comm, q, causal, layout, mask_plan, mask_vis),

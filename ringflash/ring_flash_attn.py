@@ -34,6 +34,7 @@ import itertools
 import torch
 
 from ringflash import api
+from ringflash.kernels import device_guard
 from ringflash.masks import varlen_mask
 
 __all__ = [
@@ -226,26 +227,27 @@ def _varlen(
         return q[None], k[None], v[None], mask
 
     first = tensors[0]
-    out = api._attend(
-        first,
-        None,
-        None,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        alibi_slopes,
-        deterministic,
-        return_attn_probs,
-        group,
-        layout=layout,
-        backend=None,
-        check_ranks=True,
-        window=None,
-        mask=None,
-        transport=None,
-        prepare=prepare,
-    )
+    with device_guard(first):
+        out = api._attend(
+            first,
+            None,
+            None,
+            dropout_p,
+            softmax_scale,
+            causal,
+            window_size,
+            alibi_slopes,
+            deterministic,
+            return_attn_probs,
+            group,
+            layout=layout,
+            backend=None,
+            check_ranks=True,
+            window=None,
+            mask=None,
+            transport=None,
+            prepare=prepare,
+        )
     if return_attn_probs:
         o, lse, _ = out
         return o[0], lse[0], None  # lse (H, total_local), flash_attn's varlen convention
