@@ -503,6 +503,29 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.stop_at ({t.stop_at}) must be in [0, train.steps = {t.steps}]")
 
 
+# Adam moves every weight by about lr a step from the first steps on, so a linear layer of fan-in
+# n shifts its output by about lr·n of its scale, and the shifts compound over the layers. The
+# early update size lr(step 10)·(largest fan-in)·layers: 0.5-3.3 in the configs whose loss falls
+# from the first steps (tiny_cpu, gpu1, gpu2_passkey, gpu2_docs, a 7B at lr 1e-6), 14 in the 7B
+# whose loss rose to 40 at lr 3e-5 with 2 warm-up steps. Above this bound the run is warned.
+EARLY_UPDATE_BOUND = 8.0
+
+
+def early_update_warning(t: TrainConfig, max_fan_in: int, n_layers: int) -> str | None:
+    """A warning when the learning rate of the first steps is too large for the model's width and
+    depth (`EARLY_UPDATE_BOUND`), naming what to change; None when it is within what trains."""
+    lr10 = t.lr * min(1.0, 10 / t.warmup_steps) if t.warmup_steps else t.lr
+    size = lr10 * max_fan_in * n_layers
+    if size <= EARLY_UPDATE_BOUND:
+        return None
+    return (
+        f"train.lr = {t.lr:g} with train.warmup_steps = {t.warmup_steps} reaches lr {lr10:.3g} by step 10: with "
+        f"fan-ins up to {max_fan_in} over {n_layers} layers each step moves the model by about "
+        f"{size:.0f} (lr·fan-in·layers; runs here train up to ~{EARLY_UPDATE_BOUND:g}) and the loss may rise. "
+        f"Lower train.lr or lengthen train.warmup_steps (Llama 3's 8B recipe: lr 3e-4 over 2000 warm-up steps)"
+    )
+
+
 def resolve_eod_token(d: DataConfig) -> int:
     """The end-of-document token of `d`, with -1 (auto) resolved by `d.kind` (see DataConfig.eod_token)."""
     if d.eod_token != -1:

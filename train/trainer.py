@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ringflash.train.checkpoint import Checkpointer, complete_checkpoints
-from ringflash.train.config import Config, ConfigError, resolve_eod_token, to_dict
+from ringflash.train.config import Config, ConfigError, early_update_warning, resolve_eod_token, to_dict
 from ringflash.train.data import IGNORE, DataLoader, PasskeyTask, RecallTask, build_sources
 from ringflash.train.evaluate import accuracy_by_owner, bucket_owners, evaluate_passkey, report
 from ringflash.train.hf_model import build_model
@@ -65,6 +65,13 @@ def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
     t = cfg.train
     fused = next(model.parameters()).is_cuda  # one kernel for all parameters on GPU
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=fused or None)
+
+
+def fan_in_and_depth(model: nn.Module, cfg: Config) -> tuple[int, int]:
+    """The largest fan-in of the model's linear layers and its number of layers."""
+    fan_in = max(m.in_features for m in model.modules() if isinstance(m, nn.Linear))
+    hf = getattr(model, "hf", None)  # train.hf_model.HFCausalLM's transformers model
+    return fan_in, hf.config.num_hidden_layers if hf is not None else cfg.model.n_layers
 
 
 def lr_lambda(cfg: Config):
@@ -157,6 +164,7 @@ def _loop(cfg: Config, pc: ParallelContext, on_exit: contextlib.ExitStack) -> Tr
     torch.manual_seed(t.seed)
     raw = build_model(cfg).to(dev)
     hf = cfg.model.kind == "hf"
+    lr_warning = early_update_warning(t, *fan_in_and_depth(raw, cfg))
     model = (parallelize_hf if hf else parallelize)(raw, pc, cfg)
     mask_fn = raw.masks if hf else None
     optimizer = build_optimizer(raw, cfg)
@@ -192,6 +200,8 @@ def _loop(cfg: Config, pc: ParallelContext, on_exit: contextlib.ExitStack) -> Tr
     on_exit.callback(log.close)
     if resume_note:
         log.print(resume_note)
+    if lr_warning and step == 0:
+        log.print(f"warning: {lr_warning}")
     if step >= stop:
         # Resumed where it stops: its evaluation and save at that step were done when it got there.
         # Empty losses tell the caller that nothing ran.
