@@ -9,7 +9,13 @@ import torch.nn.functional as F
 
 from ringflash.kernels import attn_fwd, interpreting, ref_merge
 
-BACKENDS = ["reference", "triton"]
+_sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+BACKENDS = [
+    ("reference", "cpu"),
+    ("triton", "cpu"),
+    pytest.param("triton", "cuda", marks=pytest.mark.gpu),
+    pytest.param("hopper", "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not _sm90, reason="needs sm_90")]),
+]
 
 
 def _sdpa(q, k, v, causal):
@@ -17,22 +23,25 @@ def _sdpa(q, k, v, causal):
     return o.transpose(1, 2)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend,device", BACKENDS)
 @pytest.mark.parametrize("where", ["q", "k", "v", "q_inf", "k_inf"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_nonfinite_inputs_propagate_like_sdpa(backend, where, causal):
-    if backend == "triton" and not interpreting():
+def test_nonfinite_inputs_propagate_like_sdpa(backend, device, where, causal):
+    if backend == "triton" and device == "cpu" and not interpreting():
         pytest.skip("the Triton kernels run on CPU only in the interpreter")
     g = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(1, 16, 2, 32, generator=g) for _ in range(3))
+    # bf16 on the GPU (what the hopper kernels take), 200 rows there: several key blocks
+    n, dtype = (16, torch.float32) if device == "cpu" else (200, torch.bfloat16)
+    q, k, v = (torch.randn(1, n, 2, 64, generator=g).to(device, dtype) for _ in range(3))
     t = {"q": q, "k": k, "v": v}[where[0]]
     t[0, 5, 1, 3] = float("inf") if where.endswith("inf") else float("nan")
     o, _ = attn_fwd(q, k, v, causal=causal, backend=backend)
-    want = _sdpa(q, k, v, causal)
+    want = _sdpa(q, k, v, causal).to(device)
     assert torch.equal(torch.isnan(o), torch.isnan(want)), (torch.isnan(o).sum(), torch.isnan(want).sum())
     assert torch.isnan(o).any(), "the corrupted entry must reach the output"
     finite = ~torch.isnan(want)
-    torch.testing.assert_close(o[finite].double(), want[finite], atol=1e-5, rtol=1e-5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(o[finite].double(), want[finite], atol=tol, rtol=tol)
 
 
 def test_merge_keeps_a_nan_side_nan_and_two_empty_sides_zero():
