@@ -4,7 +4,8 @@
 #
 #   bash launch/gpu_acceptance.sh              # W = the GPUs found (at most 4)
 #   bash launch/gpu_acceptance.sh --gpus 1     # W = 1 (CUDA_VISIBLE_DEVICES narrows it too)
-#   bash launch/gpu_acceptance.sh --only hf_1b,configs
+#   bash launch/gpu_acceptance.sh --only hf_1b,configs      # steps by name; a config by its file's name
+#   bash launch/gpu_acceptance.sh --only kernels,gpu8_llama8b_fsdp_128k
 #
 # Steps (each under `timeout`, so a hang cannot eat the machine; a failure is reported and the run
 # goes on; the exit status is 1 if any step failed):
@@ -32,7 +33,7 @@ while [ $# -gt 0 ]; do
     --gpus) GPUS="$2"; shift 2 ;;
     --only) ONLY="$2"; shift 2 ;;
     --steps) STEPS="$2"; shift 2 ;;
-    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
     *) echo "error: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -152,12 +153,17 @@ if wanted hf_1b; then
   train hf_1b configs/hf_llama_1b_gpu.toml --data.seq_len=$((32768 * W)) --data.eval_samples=0 \
     --parallel.kernel_backend="$BACKEND"
 fi
-if wanted configs; then
+configs=()
+for config in configs/gpu*.toml configs/hf_*gpu*.toml; do
+  name=$(basename "$config" .toml)
+  [ "$name" = hf_llama_1b_gpu ] && continue  # the hf_1b step
+  if wanted configs || wanted "$name"; then configs+=("$config"); fi
+done
+if [ ${#configs[@]} -gt 0 ]; then
   DOCS="$LOGDIR/docs"  # gpu2_docs reads a directory of text files: this repository's own
   mkdir -p "$DOCS" && find ringflash kernels train docs -name '*.py' -o -name '*.md' | head -200 | xargs -I{} cp {} "$DOCS"/
-  for config in configs/gpu*.toml configs/hf_*gpu*.toml; do
+  for config in "${configs[@]}"; do
     name=$(basename "$config" .toml)
-    [ "$name" = hf_llama_1b_gpu ] && continue  # the hf_1b step
     seq=$("$PY" -c "from ringflash.train.config import load_config; print(load_config('$config').data.seq_len)")
     seq=$(( seq < 32768 * W ? seq : 32768 * W ))
     if ! fits "$config" "$seq" >"$LOGDIR/$name.fits" 2>&1; then
@@ -166,6 +172,10 @@ if wanted configs; then
       continue
     fi
     extra=(--data.seq_len="$seq" --data.eval_samples=0)
+    # A sequence-length warm-up (gpu2_passkey's) switches to the full length halfway through.
+    if "$PY" -c "from ringflash.train.config import load_config; exit(not load_config('$config').data.warmup_seq_len)"; then
+      extra+=(--data.warmup_seq_steps=$((STEPS / 2)))
+    fi
     [ "$name" = gpu2_docs ] && extra+=(--data.path="$DOCS")
     train "$name" "$config" "${extra[@]}"
   done
