@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import triton
 
-from ringflash.kernels import interpreting
+from ringflash.kernels.checks import interpreting
 
 Tile = tuple[int, int, int, int]
 KERNELS = ("fwd", "dkdv", "dq")
