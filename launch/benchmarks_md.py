@@ -106,7 +106,7 @@ def render(by_benchmark: dict[str, list[dict]]) -> str:
         "Each benchmark script in `launch/` appends one JSON record per run (device, date, commit, versions, "
         "arguments, the figures, the peers and ceilings measured in the same run; `launch/benchlib.py`). "
         "Newest run first within each benchmark. What the figures mean and what was learnt from them: "
-        "`docs/PERF_NOTES.md`.",
+        "`docs/performance.md`, and every experiment behind it: `docs/performance-log.md`.",
         "",
         "Runs before 2026-11-24 were converted from the hand-kept, chronological markdown file (by "
         "`launch/convert_benchmarks_md.py`, a one-off script kept in commit b91a71c): their "
