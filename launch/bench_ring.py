@@ -86,7 +86,7 @@ def time_collective(fn, iters: int, warmup: int, repeats: int = 5) -> float:
     steady state of a run, where the host is ahead of the GPU. Recorded on an idle GPU, it
     would also time the host's lead being built up: at small sizes the host's time per call is
     close to the GPU's, so it takes a few calls to get ahead, and until then the GPU waits for
-    launches (docs/PERF_NOTES.md, "The host and the benchmark's timing").
+    launches.
     """
     for _ in range(warmup):
         fn()

@@ -4,7 +4,7 @@
     python launch/tune_kernels.py --head-dims 64 --seqlens 8192 16384 --tokens 16384 --group 8 --causal 1
 
 Fills `kernels/tuning.py`'s TUNED table (and, with --group, GQA_TUNED) by hand from its output
-(the sweeps and what they taught: docs/PERF_NOTES.md, "Tiles" and "GQA tiles"). Needs a CUDA GPU.
+(what the sweeps taught: docs/performance.md). Needs a CUDA GPU.
 A tool, not a benchmark: it records nothing under benchmarks/; --out writes every timing as JSON.
 """
 
