@@ -14,8 +14,8 @@ import argparse
 import json
 
 import torch
-from benchlib import attn_flops, markdown_table, time_ms
 
+from ringflash.bench import attn_flops, markdown_table, time_ms
 from ringflash.kernels import AttnSpec
 from ringflash.kernels.launch_utils import block_d, tma_ok
 from ringflash.kernels.triton_bwd import triton_attn_bwd
