@@ -146,3 +146,21 @@ def test_a_cycle_through_an_init_is_found():
     # The back-edge the old walk missed: a module below a package's __init__ taking a name from it.
     graph = {"p": {"p.a"}, "p.a": {"p.b"}, "p.b": {"p"}}
     assert _cycle(graph) == ["p", "p.a", "p.b", "p"]
+
+
+def test_launch_scripts_import_no_sibling():
+    # launch/ is a folder of scripts: one importing another by its bare name works only because
+    # Python puts a script's own folder on sys.path, and hides the edge from the graph above.
+    # What scripts share lives in the library (ringflash.bench).
+    scripts = {p.stem for p in (REPO / "launch").glob("*.py")}
+    bad = []
+    for path in sorted((REPO / "launch").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            bad += [(path.name, n) for n in names if n.split(".")[0] in scripts]
+    assert bad == [], "launch scripts importing each other: " + str(bad)
