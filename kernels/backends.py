@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from ringflash.kernels.checks import check_grad_out, check_qkv
+from ringflash.kernels.checks import check_grad_out, check_qkv, interpreting
 from ringflash.kernels.reference import ref_attn_bwd, ref_attn_fwd
 from ringflash.kernels.spec import AttnSpec
 
@@ -39,11 +39,6 @@ BACKENDS = ("auto", "triton", "reference", "cudnn", "hopper")  # the names `back
 ENV = "RINGFLASH_KERNEL_BACKEND"
 
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-
-
-def interpreting() -> bool:
-    """Whether Triton runs in its interpreter (TRITON_INTERPRET=1): the kernels' CPU path."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 class Backend:

@@ -1,17 +1,24 @@
 """Input validation shared by the Triton kernels and the PyTorch reference.
 
 Every public kernel entry point calls these first, so a bad call fails the same way
-whichever backend runs it, with a message that names the argument.
+whichever backend runs it, with a message that names the argument. `interpreting()` lives here,
+in a module that imports no other kernel module, so every kernel module can ask it.
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
+
+
+def interpreting() -> bool:
+    """Whether Triton runs in its interpreter (TRITON_INTERPRET=1): the kernels' CPU path."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -21,7 +21,8 @@ because the structure below is what plain Triton does not let a kernel state:
 Sequence ends: rows past Nq and keys past Nk read as zeros (TMA) and are masked out of P, so
 they contribute nothing and cannot turn into inf or NaN.
 
-Outcome and what was tried on the way: docs/PERF_NOTES.md ("Backward variants", "Gluon").
+Why this structure: dQ added by atomics costs what the two saved multiplies save; the TMA
+reduce-adds, their wait deferred to the next tile, are where the gain is.
 """
 
 from __future__ import annotations
@@ -57,12 +58,12 @@ from ringflash.kernels.tiles import heaviest_first
 
 __all__ = ["hopper_attn_bwd", "hopper_bwd_unsupported"]
 
-BLOCK_N, STAGES, NUM_WARPS = 128, 2, 8  # measured in docs/PERF_NOTES.md ("Backward variants")
+BLOCK_N, STAGES, NUM_WARPS = 128, 2, 8  # a third slot gains nothing at D128 and costs 18% with D64's tiles
 BLOCK_M = {64: 128, 128: 64}  # query rows a tile, by head dim (D64: 128 is 4-9% faster than 64)
 # dQ's float32 buffer, swizzled in spans of this many bytes, by head dim. A thread's dQ fragment is
 # rows of two floats, and 128-byte spans put rows r and r ^ 1 on the same banks: every store conflicts
 # two ways. 32-byte spans don't (each TMA reduce-add then moves 8 columns): +2-4% at D64, but -4% at
-# D128 for reasons not found (docs/PERF_NOTES.md, "Gluon", fourth round).
+# D128 for reasons not found.
 DQ_SWIZZLE = {64: 32, 128: 128}
 
 
@@ -100,7 +101,7 @@ def _consumer(q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem, ds_smem, dq
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     # dQ (queries × D): where there are 64 queries a warpgroup (D64's 128-query tiles) the warpgroups
     # split the queries, each multiply D wide; else they split D, each reading all of dS from shared
-    # memory: at D64, 32-wide multiplies reading 1.5× the bytes a FLOP (docs/PERF_NOTES.md, "Gluon")
+    # memory: at D64, 32-wide multiplies reading 1.5× the bytes a FLOP, where shared memory binds
     DQ_M_WARPS: gl.constexpr = NUM_WARPS if BLOCK_M >= 16 * NUM_WARPS else 4
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0],
                                                         warps_per_cta=[DQ_M_WARPS, NUM_WARPS // DQ_M_WARPS],

@@ -15,7 +15,7 @@ One program per (query block, batch·head), FlashAttention-3's structure in part
 Each warpgroup releases a slot with its own arrive (the slot's barrier counts one a warpgroup), so
 they never meet: Gluon lowers a partition's arrive with a barrier over all of that partition's
 warps, and with two warpgroups in one partition that barrier tied them together at every key
-block (docs/PERF_NOTES.md, "Gluon", where this and the variants before it were measured).
+block.
 Only key blocks from the block's first diagonal on, or the ragged end of the keys, are masked.
 """
 
@@ -42,10 +42,10 @@ from ringflash.kernels.triton_fwd import merge_weights
 
 __all__ = ["hopper_attn_fwd", "hopper_fwd_unsupported"]
 
-WG_ROWS, BLOCK_N, STAGES = 64, 128, 3  # measured in docs/PERF_NOTES.md ("Gluon")
+WG_ROWS, BLOCK_N, STAGES = 64, 128, 3  # 3 slots: with 2 a warpgroup waits for the one the other reads
 # By head dim: consumer warpgroups a program, their registers a thread, and whether each overlaps
-# the next block's S = Q·Kᵀ with its softmax (docs/PERF_NOTES.md, "Gluon": three warpgroups without
-# it at D64 fit 160 registers and beat two with it by 8-12%).
+# the next block's S = Q·Kᵀ with its softmax (at D64 three warpgroups without it fit 160 registers
+# and keep the tensor cores busier than two with it, each exponential serving half the work).
 WARPGROUPS = {64: (3, 160, False), 128: (2, 240, True)}
 
 
@@ -68,8 +68,8 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty,
 def _softmax(s, m_i, l_i, qk_scale, rows, cols, Nk, MASK: gl.constexpr, CAUSAL: gl.constexpr):
     """One key block's online-softmax update, the math of kernels/triton_fwd.py's `_fwd_inner`, with
     the row max taken before scaling (qk_scale > 0) so that the scale folds into exp2's argument:
-    one FFMA an element instead of a multiply and an FFMA (docs/PERF_NOTES.md, "Gluon": a gain
-    here, a loss in the Triton kernel)."""
+    one FFMA an element instead of a multiply and an FFMA (not in the Triton kernel, whose loop
+    ptxas then schedules worse)."""
     if MASK:
         vis = gl.expand_dims(cols, 0) < Nk
         if CAUSAL:

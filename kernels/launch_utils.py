@@ -8,7 +8,7 @@ import os
 import torch
 import triton
 
-from ringflash.kernels import interpreting
+from ringflash.kernels.checks import interpreting
 from ringflash.kernels.tuning import Tile, autotuning, tile_for
 
 try:  # Triton >= 3.3; without it the kernels load every tile through pointers

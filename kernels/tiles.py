@@ -28,8 +28,8 @@ def heaviest_first(n_sms):
     time, a grid with few tiles per head leaves the last head's heavy tiles to start when the
     grid is nearly done and run alone: an exposed tail. So ranks sweep several heads at a time,
     the fewest (a power of two) whose tiles fill the `n_sms` SMs (4 at 4k, 2 at 8k, 1 from 16k
-    on, with 128-row tiles): more would only split the L2 between heads (docs/PERF_NOTES.md,
-    "Launch order").
+    on, with 128-row tiles): more would only split the L2 between heads (at 32k, 4 heads' Q and
+    dO ask the 50 MB L2 for 64 MB).
     """
     n_tiles = tl.num_programs(0)
     fit = tl.maximum(n_sms // n_tiles, 1)

@@ -189,7 +189,7 @@ def _dkdv_block(
 
     # ptxas's register allocation for this kernel swings its speed by 10%+ with small changes
     # (float32 stores without the causal mask compile to a slow loop; adding into DK/DV does not):
-    # time any change on the ring's variants too (docs/PERF_NOTES.md, "Ring step kernels").
+    # time any change on the ring's variants too (float32, accumulating, non-causal).
     # Each pointer tile is made where it is used, so that no two are live at once.
     dk = dk * softmax_scale
     if ACCUMULATE:  # add the sums in DKA, DVA: DK, DV themselves (accumulate=True) or others (acc=)

@@ -3,7 +3,7 @@
 Autotuning on every new shape costs seconds of compilation per candidate, on every fresh
 process; training and the ring see a handful of shapes, over and over. So the launchers take
 their tiles from `TUNED`, measured once per head dim with `launch/tune_kernels.py` on an H100
-(see docs/PERF_NOTES.md), and `RINGFLASH_AUTOTUNE=1` switches to `triton.autotune` over
+(docs/performance.md), and `RINGFLASH_AUTOTUNE=1` switches to `triton.autotune` over
 `CANDIDATES` (cached per sequence length for the life of the process) for other devices.
 
 A tile is `(outer, inner, num_warps, num_stages)`: for the forward and dQ kernels `outer` is the
@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import triton
 
-from ringflash.kernels import interpreting
+from ringflash.kernels.checks import interpreting
 
 Tile = tuple[int, int, int, int]
 KERNELS = ("fwd", "dkdv", "dq")
@@ -35,7 +35,7 @@ CANDIDATES: dict[str, list[Tile]] = {
 
 # (kernel, BLOCK_D) -> tile. Measured with launch/tune_kernels.py on an H100 (Triton 3.6), bf16,
 # causal and not, B·N = 32k, H·D = 2048: D = 128 at N = 16k, D = 64 at N = 4k; re-swept with the
-# tensor-descriptor loads (docs/PERF_NOTES.md has the sweeps). Head dims 32 and 256 were not
+# tensor-descriptor loads, which free the registers a 128-key forward tile needs. Head dims 32 and 256 were not
 # swept: 32 takes 64's tiles, 256 small ones that fit in shared memory.
 TUNED: dict[tuple[str, int], Tile] = {
     ("fwd", 32): (128, 64, 8, 3), ("fwd", 64): (128, 64, 8, 3), ("fwd", 128): (128, 128, 8, 3),
@@ -59,7 +59,7 @@ POINTER_TUNED: dict[tuple[str, int], Tile] = {
 # head, so the grid has GROUP times fewer, longer programs. From 8 query heads per K/V head (a 1B
 # Llama's 32/4) causal programs are paired (kernels/triton_bwd.py) and, up to 8k queries, 64-key
 # tiles double the programs again; at 16k the 128-key tile is faster paired, and at 32k the two
-# tie (docs/PERF_NOTES.md, "GQA tiles"). Non-causal the 64-key tile gains 1.5-3% up to 8k too.
+# tie: a group's Q and dO outgrow the 50 MB L2 there. Non-causal the 64-key tile gains 1.5-3% up to 8k too.
 # D = 128 and groups of 4 keep TUNED.
 GQA_TUNED: dict[tuple[str, int], Tile] = {("dkdv", 64): (64, 64, 4, 3)}
 GQA_MIN_GROUP = 8

@@ -19,7 +19,8 @@ import statistics
 import time
 
 import torch
-from benchlib import BENCHMARKS_DIR, record
+
+from ringflash.bench import BENCHMARKS_DIR, record
 
 # "sdpa:flash" / "sdpa:cudnn" pin SDPA's kernel (plain "sdpa" lets torch's dispatcher choose);
 # "ring_attention:cudnn" / ":hopper" run the ring on that ringflash kernel backend (plain: the Triton one).

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from benchlib import BENCHMARKS_DIR, attn_flops, markdown_table, record, time_ms
 
+from ringflash.bench import BENCHMARKS_DIR, attn_flops, markdown_table, record, time_ms
 from ringflash.kernels import AttnSpec, backend_named, varlen_visibility
 from ringflash.kernels.hopper_bwd import hopper_bwd_unsupported
 from ringflash.kernels.masks import dense_visibility

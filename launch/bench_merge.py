@@ -13,8 +13,8 @@ import argparse
 from pathlib import Path
 
 import torch
-from benchlib import BENCHMARKS_DIR, attn_flops, record, time_ms
 
+from ringflash.bench import BENCHMARKS_DIR, attn_flops, record, time_ms
 from ringflash.kernels import FULL, get_backend, ref_merge
 
 

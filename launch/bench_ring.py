@@ -32,7 +32,7 @@ pairs, rank 0's skipped ring steps, and the speed-up over dense. The K/V of skip
 travel (ringflash/masks.py's cost model), so ring − compute-only shows what the mask cannot save.
 Ring timings use a fixed iteration count on every rank (collectives must match), run back to
 back between CUDA events; the median of 5 such runs, and the slowest rank's. Single-device timings use
-`benchlib.time_ms`. Without CUDA, timings use time.perf_counter (smoke runs only).
+`ringflash.bench.time_ms`. Without CUDA, timings use time.perf_counter (smoke runs only).
 Rank 0 prints the table and appends it to benchmarks/ring.jsonl (not for --no-record, nor for --quick
 unless --record-to names a directory); `python launch/benchmarks_md.py` then regenerates BENCHMARKS.md
 and docs/bench_ring.png.
@@ -46,87 +46,31 @@ import math
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from benchlib import BENCHMARKS_DIR, attn_flops, exit_without_teardown, parse_tokens, record, time_ms
 
 from ringflash import NullComm, kernels, nccl_options, ring_flash_attn_func, ring_mask
-from ringflash.kernels import attn_bwd, attn_fwd
+from ringflash.bench import (
+    BENCHMARKS_DIR,
+    PRIMING_CALLS,
+    attn_flops,
+    bench_single,
+    bench_single_sdpa,
+    bench_torch_cp,
+    exit_without_teardown,
+    parse_tokens,
+    record,
+    synchronize,
+    time_collective,
+    time_local,
+)
 from ringflash.layout import ring_schedule
 from ringflash.ring import ring_backward, ring_forward
 from ringflash.transport import TRANSPORTS, ring_comm
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-_MESH = None
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-PRIMING_CALLS = 3  # untimed calls queued before each timed run's start event (time_collective)
-
-
-def time_collective(fn, iters: int, warmup: int, repeats: int = 5) -> float:
-    """ms per call of `fn`, which every rank calls the same number of times (it communicates).
-
-    Calls run back to back, as they do in training (the host queues the next call while the GPU
-    works on this one), `iters` at a time between two CUDA events; the median of `repeats` such
-    runs, and the slowest rank's, is reported. Synchronising the host after every call instead
-    would add the CPU's launch latency to each one, which single-device timings do not pay.
-    For the same reason the start event is queued behind `PRIMING_CALLS` untimed calls: the
-    steady state of a run, where the host is ahead of the GPU. Recorded on an idle GPU, it
-    would also time the host's lead being built up: at small sizes the host's time per call is
-    close to the GPU's, so it takes a few calls to get ahead, and until then the GPU waits for
-    launches (docs/PERF_NOTES.md, "The host and the benchmark's timing").
-    """
-    for _ in range(warmup):
-        fn()
-    _sync()
-    dist.barrier()
-    runs = []
-    for _ in range(repeats):
-        if torch.cuda.is_available():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            for _ in range(PRIMING_CALLS):
-                fn()
-            start.record()
-            for _ in range(iters):
-                fn()
-            end.record()
-            end.synchronize()
-            runs.append(start.elapsed_time(end) / iters)
-        else:
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            runs.append((time.perf_counter() - t0) * 1e3 / iters)
-    # On the group's device: NCCL reduces CUDA tensors only.
-    med = torch.tensor([statistics.median(runs)], dtype=torch.float64, device=_device())
-    dist.all_reduce(med, op=dist.ReduceOp.MAX)  # the ring is as fast as its slowest rank
-    return med.item()
-
-
-def time_local(fn, iters: int, warmup: int) -> float:
-    """Median ms per call of a function that does not communicate."""
-    if torch.cuda.is_available():
-        return time_ms(fn)
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def bench_ring(args, n_local, layout, dev, dtype, mask=None, transport="nccl", compute=True, backend=None):
@@ -197,11 +141,11 @@ def _profile(fn, title: str, iters: int = 3) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     fn()
-    _sync()
+    synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
             fn()
-        _sync()
+        synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         events = json.loads(Path(f.name).read_text())["traceEvents"]
@@ -305,76 +249,6 @@ def bench_masks(args, n_local, layout, dev, dtype) -> list[list]:
     return rows
 
 
-def bench_single(args, n_global, dev, dtype, backend=None):
-    """One device's fwd+bwd ms on the whole sequence with the same kernels (no autograd)."""
-    B, H, Hkv, D = args.batch, args.heads, args.kv_heads, args.head_dim
-    q = torch.randn(B, n_global, H, D, device=dev, dtype=dtype)
-    k, v = (torch.randn(B, n_global, Hkv, D, device=dev, dtype=dtype) for _ in range(2))
-    do = torch.randn_like(q)
-
-    def fwd_bwd():
-        o, lse = attn_fwd(q, k, v, causal=True, backend=backend)
-        attn_bwd(do, q, k, v, o, lse, causal=True, backend=backend)
-
-    if args.profile:  # the per-kernel baseline the ring's compute-only table is compared with
-        _profile(fwd_bwd, f"single device, {n_global} tokens (divide by the ranks)")
-    return time_local(fwd_bwd, args.iters, args.warmup)
-
-
-def _sdpa_fwd_bwd(q, k, v, do, sdpa_backend: str):
-    """Causal SDPA forward + `autograd.grad` with the `sdpa_backend` ("flash" or "cudnn") kernels;
-    q, k, v `(B, H, N, D)` requiring grad."""
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[sdpa_backend]
-
-    def fwd_bwd():
-        with sdpa_kernel(backend):
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        torch.autograd.grad(o, (q, k, v), do)
-
-    return fwd_bwd
-
-
-def bench_single_sdpa(args, n_global, dev, dtype, sdpa_backend: str) -> float:
-    """One device's fwd+bwd ms on the whole sequence with SDPA's `sdpa_backend` kernels: torch
-    CP's efficiency is relative to its own kernels, as ours is to ours."""
-    B, H, D = args.batch, args.heads, args.head_dim
-    q, k, v = (torch.randn(B, H, n_global, D, device=dev, dtype=dtype, requires_grad=True) for _ in range(3))
-    do = torch.randn(B, H, n_global, D, device=dev, dtype=dtype)
-    return time_local(_sdpa_fwd_bwd(q, k, v, do, sdpa_backend), args.iters, args.warmup)
-
-
-def bench_torch_cp(args, n_global, dev, dtype, sdpa_backend: str) -> tuple[float | None, str]:
-    """torch context_parallel fwd+bwd ms on the same shapes, or (None, reason)."""
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor.experimental import context_parallel
-
-        if args.cp_rotate:
-            from torch.distributed.tensor.experimental._attention import set_rotate_method
-
-            set_rotate_method(args.cp_rotate)
-        if dev.type != "cuda":
-            return None, "needs CUDA"
-        if args.kv_heads != args.heads:
-            return None, "GQA not benchmarked"
-        global _MESH
-        _MESH = _MESH or init_device_mesh("cuda", (dist.get_world_size(),))  # one mesh for every call
-        mesh = _MESH
-        B, H, D = args.batch, args.heads, args.head_dim
-        # SDPA layout (B, H, N, D); the context shards these buffers in place along dim 2.
-        bufs = [torch.randn(B, H, n_global, D, device=dev, dtype=dtype) for _ in range(4)]
-        with context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2] * 4, no_restore_buffers=set(bufs)):
-            q, k, v, do = bufs
-            for t in (q, k, v):
-                t.requires_grad_()
-            return time_collective(_sdpa_fwd_bwd(q, k, v, do, sdpa_backend), args.iters, args.warmup), ""
-    except Exception as e:  # an experimental API: report why, keep benchmarking
-        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens-per-rank", type=parse_tokens, default=parse_tokens("8k,32k,128k"))
@@ -460,7 +334,7 @@ def main() -> None:
                              "MiB": nbytes / 2**20, "GB/s": float(f"{nbytes / ms / 1e6:.4g}")})
             flops = attn_flops(args.batch, args.heads, n_global, n_global, args.head_dim, True, "fwd_bwd") / world
             for backend in backends:
-                single = bench_single(args, n_global, dev, dtype, backend) / world
+                single = bench_single(args, n_global, dev, dtype, backend, _profile if args.profile else None) / world
                 for layout, transport in itertools.product(layouts, transports):
                     first = transport == transports[0]  # compute-only does not depend on the transport
                     fwd, fwd_bwd, compute = bench_ring(

@@ -13,7 +13,7 @@ u = W pure head parallelism, the rest the hybrid; groups from `ringflash.hybrid_
 - strong scaling: --total T tokens (T/W per GPU),
 causal, zigzag, B = 1, bf16 on GPUs (float32 on CPU), the ring's blocks over NCCL:
 - fwd+bwd ms: `ring_flash_attn_func(..., group=ring_group, head_group=head_group)` forward +
-  `autograd.grad`, the slowest rank's median (bench_ring.time_collective);
+  `autograd.grad`, the slowest rank's median (ringflash.bench.time_collective);
 - single/W ms: one GPU's fwd+bwd of the whole sequence with the same kernels, ÷ W;
 - efficiency = (single/W) ÷ fwd+bwd (bench_ring's and ring-flash-attention's definition);
 - predicted ms: the planner's (`ringflash.plan.predict`, default Cluster: 8 GPUs per node, the
@@ -37,10 +37,20 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from bench_ring import bench_single, bench_single_sdpa, bench_torch_cp, time_collective
-from benchlib import BENCHMARKS_DIR, attn_flops, exit_without_teardown, parse_tokens, record, tokens_label
 
 from ringflash import hybrid_groups, nccl_options, ring_flash_attn_func
+from ringflash.bench import (
+    BENCHMARKS_DIR,
+    attn_flops,
+    bench_single,
+    bench_single_sdpa,
+    bench_torch_cp,
+    exit_without_teardown,
+    parse_tokens,
+    record,
+    time_collective,
+    tokens_label,
+)
 from ringflash.hybrid import kv_heads_per_rank
 from ringflash.plan import Cluster, KernelRates, Model, predict
 

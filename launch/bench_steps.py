@@ -24,9 +24,9 @@ import sys
 from pathlib import Path
 
 import torch
-from benchlib import BENCHMARKS_DIR, parse_tokens, record
 
 from ringflash import NullComm
+from ringflash.bench import BENCHMARKS_DIR, parse_tokens, record
 from ringflash.kernels import attn_bwd, attn_fwd, get_backend
 from ringflash.layout import ring_schedule
 from ringflash.ring import ring_backward, ring_forward

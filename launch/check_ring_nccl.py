@@ -44,10 +44,10 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from benchlib import exit_without_teardown
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ringflash import grid_coords, hybrid_groups, nccl_options, ring_flash_attn_func, shard
+from ringflash.bench import exit_without_teardown
 from ringflash.kernels import attn_bwd, attn_fwd, get_backend
 from ringflash.transport import TRANSPORTS
 

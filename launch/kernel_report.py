@@ -9,7 +9,7 @@ or the `--tiles` given, and ptxas reports registers per thread, bytes spilled to
 whether it serialised the asynchronous matrix multiplies (warning C7514: an instruction touches a
 wgmma's accumulator while it is in flight). A kernel that spills or serialises is slow before it
 is ever timed, so a change to a kernel's body or tile can be checked here first and the scarce GPU
-time kept for what passes (docs/PERF_NOTES.md, "Registers without a GPU"). The figures are the
+time kept for what passes (a first filter, not a verdict: some spill-free variants lost too). The figures are the
 installed Triton's; the GPU image runs Triton 3.6, and other versions allocate differently.
 """
 

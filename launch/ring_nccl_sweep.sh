@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Ring efficiency at small per-rank lengths under NCCL settings that trade p2p bandwidth for SMs.
-# Hypothesis (docs/PERF_NOTES.md, "NCCL channels and CTAs"): NCCL's p2p kernels take SMs from the attention kernels they overlap.
+# Hypothesis: NCCL's p2p kernels take SMs from the attention kernels they overlap (refuted at 8k on
+# 2×H200: fewer channels or CTAs only slowed the transfers; docs/performance.md).
 #   bash launch/ring_nccl_sweep.sh 8k   (on a 2-GPU machine)
 set -u
 tokens="${1:-8k}"

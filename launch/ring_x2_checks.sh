@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The 2-GPU run that issue 5's open ring goals wait for (docs/PERF_NOTES.md, "Where the goals
-# stand"), on two GPUs of one host (2×H200 for the recorded figures), ~10 min:
+# The 2-GPU run that issue 5's open ring goals wait for (docs/performance.md, "Open leads"),
+# on two GPUs of one host (2×H200 for the recorded figures), ~10 min:
 #   bash launch/ring_x2_checks.sh
 # 1. check_ring_nccl on both kernel backends: the ring over NCCL and over copy engines against
 #    one GPU and float32, the two transports bit-identical, no host synchronisation.

@@ -4,7 +4,7 @@
     python launch/tune_kernels.py --head-dims 64 --seqlens 8192 16384 --tokens 16384 --group 8 --causal 1
 
 Fills `kernels/tuning.py`'s TUNED table (and, with --group, GQA_TUNED) by hand from its output
-(the sweeps and what they taught: docs/PERF_NOTES.md, "Tiles" and "GQA tiles"). Needs a CUDA GPU.
+(what the sweeps taught: docs/performance.md). Needs a CUDA GPU.
 A tool, not a benchmark: it records nothing under benchmarks/; --out writes every timing as JSON.
 """
 
@@ -14,8 +14,8 @@ import argparse
 import json
 
 import torch
-from benchlib import attn_flops, markdown_table, time_ms
 
+from ringflash.bench import attn_flops, markdown_table, time_ms
 from ringflash.kernels import AttnSpec
 from ringflash.kernels.launch_utils import block_d, tma_ok
 from ringflash.kernels.triton_bwd import triton_attn_bwd

@@ -55,7 +55,7 @@ def test_validation_table_reproduced_from_data():
     assert {r["W"] for r in rows} == {2, 4} and len(rows) > 50
     doc = (REPO / "docs" / "planner.md").read_text()
     table = validation_table(rows)
-    assert table in doc, "docs/planner.md is stale: run python docs/experiments/planner_plots.py"
+    assert table in doc, "docs/planner.md is stale: run python launch/planner_plots.py"
     # The stated accuracy (docs/planner.md): from 16k tokens per rank within 13 %, and within 9 %
     # in the records from 2026-11-23 on (the ring as it is now).
     assert all(abs(r["error"]) <= 0.13 for r in rows if r["tokens"] >= 16384)

@@ -3,8 +3,7 @@
 `CopyEngineComm` is the transport named "copy-engine": for an NCCL group whose ranks share a
 host. NCCL's send/recv run as kernels on SMs, beside the attention kernels they should hide
 behind, and slow them; a copy engine moves the bytes over NVLink without taking an SM. The
-bytes moved are the same, so results are bit-identical to NCCL's. (Timings: docs/PERF_NOTES.md,
-copy engine.)
+bytes moved are the same, so results are bit-identical to NCCL's.
 
 How a block travels (push): the sender writes it straight into the next rank's receive buffer,
 one `cudaMemcpyAsync` on a side stream, ordered by two stream-ordered signals of the group's

@@ -24,7 +24,7 @@ def nccl_options() -> dist.ProcessGroupNCCL.Options:
     before the compute it should hide behind, but the transfer's kernel becomes runnable only
     when the work queued before it ends, together with the next attention kernel; on a
     default-priority stream the GPU hands every SM to that kernel's thousands of blocks first and
-    the transfer runs at its tail, exposed. (Measured: docs/PERF_NOTES.md, stream priority.)
+    the transfer runs at its tail, exposed.
     """
     if not dist.is_nccl_available():
         raise RuntimeError("nccl_options: this build of torch has no NCCL (use a gloo group on CPU)")

@@ -1,34 +1,42 @@
 """Benchmark results as data: the record writer, BENCHMARKS.md generated from the records, the history.
 
-`launch/benchlib.record` appends JSON lines to benchmarks/<benchmark>.jsonl, and
+`ringflash.bench.record` appends JSON lines to benchmarks/<benchmark>.jsonl, and
 `launch/benchmarks_md.py` is the only writer of BENCHMARKS.md; these tests pin the format both
 sides rely on, on CPU and without a GPU run.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import sys
 
 import pytest
 
+from ringflash.bench import RECORD_KEYS, record
 from tests.dist_utils import REPO
 
-sys.path.insert(0, str(REPO / "launch"))  # the launch scripts import each other as top-level modules
-import benchlib
-import benchmarks_md
+
+def _script(name: str):
+    """launch/<name>.py as a module (launch/ is a folder of scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"launch_{name}", REPO / "launch" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+benchmarks_md = _script("benchmarks_md")
 
 
 def test_record_appends_json_lines_with_every_key(tmp_path, capsys):
     headers = ["impl", "N", "fwd ms", "compute-only ms", "efficiency"]
     rows = [["ringflash", 8192, 5.123456, None, float("nan")], ["torch CP (flash)", 8192, 8.4, "", 0.75]]
     for _ in range(2):
-        benchlib.record("ring", "Ring attention, test", headers, rows, args={"world": 2}, peers=["torch CP (flash)"],
-                        ceilings={"matmul_tflops": 690.123}, notes="a note", directory=tmp_path)
+        record("ring", "Ring attention, test", headers, rows, args={"world": 2}, peers=["torch CP (flash)"],
+               ceilings={"matmul_tflops": 690.123}, notes="a note", directory=tmp_path)
     lines = (tmp_path / "ring.jsonl").read_text().splitlines()
     assert len(lines) == 2  # appended, one object a line
     rec = json.loads(lines[0])
-    assert set(benchlib.RECORD_KEYS) <= set(rec)
+    assert set(RECORD_KEYS) <= set(rec)
     assert rec["benchmark"] == "ring" and rec["title"] == "Ring attention, test" and rec["notes"] == "a note"
     assert {"device", "date", "commit"} <= set(rec) and all(isinstance(rec[k], str) for k in ("device", "date"))
     assert set(rec["versions"]) == {"torch", "triton", "cuda", "driver", "python"}
@@ -41,7 +49,7 @@ def test_record_appends_json_lines_with_every_key(tmp_path, capsys):
 
 def test_record_without_a_directory_writes_nothing():
     before = {p: p.read_bytes() for p in (REPO / "benchmarks").iterdir()}
-    rec = benchlib.record("merge", "t", ["a"], [[1]], args={}, directory=None)
+    rec = record("merge", "t", ["a"], [[1]], args={}, directory=None)
     assert rec["results"] == [{"a": 1}]
     assert {p: p.read_bytes() for p in (REPO / "benchmarks").iterdir()} == before
 
@@ -95,5 +103,5 @@ def test_committed_history_parses(bench):
     history = [r for r in records if r.get("source", "").startswith("BENCHMARKS.md at 4e79a42")]
     assert len(history) == HISTORY[bench]
     for rec in records:
-        assert set(benchlib.RECORD_KEYS) <= set(rec) and rec["benchmark"] == bench
+        assert set(RECORD_KEYS) <= set(rec) and rec["benchmark"] == bench
         assert all(isinstance(row, dict) for row in rec["results"])

@@ -1,10 +1,13 @@
-"""What every benchmark script shares: FLOP counts, timing, the run's metadata, and its record.
+"""What the benchmark scripts in launch/ share: FLOP counts, timing, peers, the run's record.
 
 FLOPs follow FlashAttention's convention: forward `4·B·H·N²·D` (halved when causal), backward
-2.5× forward. Times are medians of CUDA-event timings (`triton.testing.do_bench`) after warm-up.
+2.5× forward. Times are medians of CUDA-event timings (`triton.testing.do_bench`) after warm-up;
+`time_collective` times calls every rank makes, in steady state. `bench_single`,
+`bench_single_sdpa` and `bench_torch_cp` time the one-GPU baselines and torch's context parallel.
 
 Results are data: `record` appends one JSON line per run to `benchmarks/<benchmark>.jsonl`
 (`RECORD_KEYS` below); `launch/benchmarks_md.py` turns those files into BENCHMARKS.md and the plots.
+`REPO` is the source checkout this module runs from: the scripts record into its `benchmarks/`.
 """
 
 from __future__ import annotations
@@ -14,13 +17,18 @@ import json
 import math
 import os
 import platform
+import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
 import torch
+import torch.distributed as dist
+
+from ringflash.kernels import attn_bwd, attn_fwd
 
 REPO = Path(__file__).resolve().parent.parent
 BENCHMARKS_DIR = REPO / "benchmarks"
@@ -33,6 +41,7 @@ BENCHMARKS_DIR = REPO / "benchmarks"
 RECORD_KEYS = ("benchmark", "title", "device", "date", "commit", "versions", "args", "results", "peers",
                "ceilings", "notes")
 SIGNIFICANT_DIGITS = 4  # stored figures: finer than the run-to-run noise (±1-5%), short to read
+_MESH = None  # torch CP's device mesh, made once for every call
 
 
 def attn_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, causal: bool,
@@ -210,3 +219,144 @@ def tokens_label(n: float) -> str:
         if n >= size and n % size == 0:
             return f"{n // size}{unit}"
     return str(n)
+
+
+def synchronize() -> None:
+    """Wait for the current CUDA device, where there is one."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+PRIMING_CALLS = 3  # untimed calls queued before each timed run's start event (time_collective)
+
+
+def time_collective(fn, iters: int, warmup: int, repeats: int = 5) -> float:
+    """ms per call of `fn`, which every rank calls the same number of times (it communicates).
+
+    Calls run back to back, as they do in training (the host queues the next call while the GPU
+    works on this one), `iters` at a time between two CUDA events; the median of `repeats` such
+    runs, and the slowest rank's, is reported. Synchronising the host after every call instead
+    would add the CPU's launch latency to each one, which single-device timings do not pay.
+    For the same reason the start event is queued behind `PRIMING_CALLS` untimed calls: the
+    steady state of a run, where the host is ahead of the GPU. Recorded on an idle GPU, it
+    would also time the host's lead being built up: at small sizes the host's time per call is
+    close to the GPU's, so it takes a few calls to get ahead, and until then the GPU waits for
+    launches.
+    """
+    for _ in range(warmup):
+        fn()
+    synchronize()
+    dist.barrier()
+    runs = []
+    for _ in range(repeats):
+        if torch.cuda.is_available():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            for _ in range(PRIMING_CALLS):
+                fn()
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            end.synchronize()
+            runs.append(start.elapsed_time(end) / iters)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            runs.append((time.perf_counter() - t0) * 1e3 / iters)
+    # On the group's device: NCCL reduces CUDA tensors only.
+    med = torch.tensor([statistics.median(runs)], dtype=torch.float64, device=_device())
+    dist.all_reduce(med, op=dist.ReduceOp.MAX)  # the ring is as fast as its slowest rank
+    return med.item()
+
+
+def time_local(fn, iters: int, warmup: int) -> float:
+    """Median ms per call of a function that does not communicate."""
+    if torch.cuda.is_available():
+        return time_ms(fn)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def bench_single(args, n_global, dev, dtype, backend=None, profile: Callable | None = None):
+    """One device's fwd+bwd ms on the whole sequence with the same kernels (no autograd).
+
+    `args` gives batch, heads, kv_heads, head_dim, iters, warmup; `profile(fn, title)`, when
+    given, profiles the call first (the per-kernel baseline of a ring's compute-only table)."""
+    B, H, Hkv, D = args.batch, args.heads, args.kv_heads, args.head_dim
+    q = torch.randn(B, n_global, H, D, device=dev, dtype=dtype)
+    k, v = (torch.randn(B, n_global, Hkv, D, device=dev, dtype=dtype) for _ in range(2))
+    do = torch.randn_like(q)
+
+    def fwd_bwd():
+        o, lse = attn_fwd(q, k, v, causal=True, backend=backend)
+        attn_bwd(do, q, k, v, o, lse, causal=True, backend=backend)
+
+    if profile is not None:
+        profile(fwd_bwd, f"single device, {n_global} tokens (divide by the ranks)")
+    return time_local(fwd_bwd, args.iters, args.warmup)
+
+
+def _sdpa_fwd_bwd(q, k, v, do, sdpa_backend: str):
+    """Causal SDPA forward + `autograd.grad` with the `sdpa_backend` ("flash" or "cudnn") kernels;
+    q, k, v `(B, H, N, D)` requiring grad."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[sdpa_backend]
+
+    def fwd_bwd():
+        with sdpa_kernel(backend):
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        torch.autograd.grad(o, (q, k, v), do)
+
+    return fwd_bwd
+
+
+def bench_single_sdpa(args, n_global, dev, dtype, sdpa_backend: str) -> float:
+    """One device's fwd+bwd ms on the whole sequence with SDPA's `sdpa_backend` kernels: torch
+    CP's efficiency is relative to its own kernels, as ours is to ours."""
+    B, H, D = args.batch, args.heads, args.head_dim
+    q, k, v = (torch.randn(B, H, n_global, D, device=dev, dtype=dtype, requires_grad=True) for _ in range(3))
+    do = torch.randn(B, H, n_global, D, device=dev, dtype=dtype)
+    return time_local(_sdpa_fwd_bwd(q, k, v, do, sdpa_backend), args.iters, args.warmup)
+
+
+def bench_torch_cp(args, n_global, dev, dtype, sdpa_backend: str) -> tuple[float | None, str]:
+    """torch context_parallel fwd+bwd ms on the same shapes, or (None, reason); `args` as for
+    `bench_single`, plus cp_rotate (None: torch's default rotate method)."""
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.experimental import context_parallel
+
+        if args.cp_rotate:
+            from torch.distributed.tensor.experimental._attention import set_rotate_method
+
+            set_rotate_method(args.cp_rotate)
+        if dev.type != "cuda":
+            return None, "needs CUDA"
+        if args.kv_heads != args.heads:
+            return None, "GQA not benchmarked"
+        global _MESH
+        _MESH = _MESH or init_device_mesh("cuda", (dist.get_world_size(),))  # one mesh for every call
+        mesh = _MESH
+        B, H, D = args.batch, args.heads, args.head_dim
+        # SDPA layout (B, H, N, D); the context shards these buffers in place along dim 2.
+        bufs = [torch.randn(B, H, n_global, D, device=dev, dtype=dtype) for _ in range(4)]
+        with context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2] * 4, no_restore_buffers=set(bufs)):
+            q, k, v, do = bufs
+            for t in (q, k, v):
+                t.requires_grad_()
+            return time_collective(_sdpa_fwd_bwd(q, k, v, do, sdpa_backend), args.iters, args.warmup), ""
+    except Exception as e:  # an experimental API: report why, keep benchmarking
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"

@@ -1,6 +1,6 @@
 """docs/planner.md's validation table and docs/planner_{8b,70b}.png from ringflash.plan's model.
 
-python docs/experiments/planner_plots.py
+python launch/planner_plots.py
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import matplotlib.pyplot as plt
 
 from ringflash.plan import Cluster, KernelRates, Model, plan, validation_rows, validation_table
 
-DOCS = Path(__file__).resolve().parent.parent
+DOCS = Path(__file__).resolve().parent.parent / "docs"
 SHAPES = {"8b": ("Llama-3-8B", Model(32, 8, 128, 32)), "70b": ("Llama-3-70B", Model(64, 8, 128, 80))}
 GPUS = [8, 16, 32, 64, 128, 256, 512, 1024]
 TOKENS = {"128k": 2**17, "512k": 2**19, "1M": 2**20, "4M": 2**22}
