@@ -243,7 +243,7 @@ class LoggingConfig:
     dir: str = opt("runs/default", "Run directory: TensorBoard events and, by default, checkpoints.")
     log_every: int = opt(10, "One summary line every N steps.")
     tensorboard: bool = opt(True, "Write TensorBoard scalars to <dir>.")
-    progress_bar: bool = opt(True, "tqdm progress bar with ETA on rank 0.")
+    progress_bar: bool = opt(True, "tqdm progress bar with ETA on rank 0, drawn only when stderr is a terminal.")
     peak_tflops: float = opt(
         0.0, "Peak dense bf16 TFLOP/s per device for MFU; 0 guesses from the GPU name (no MFU on CPU)."
     )
