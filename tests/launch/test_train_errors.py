@@ -28,6 +28,7 @@ def test_torchrun_error_is_one_line_per_rank_before_torchruns_report(tmp_path):
         "--parallel.cp=3",
         "--parallel.layout=contiguous",
         "--data.seq_len=768",
+        "--data.eval_buckets=6",
         f"--logging.dir={tmp_path / 'run'}",
         cwd=tmp_path,
     )
