@@ -6,8 +6,10 @@ latest complete checkpoint of the run (or `--resume PATH` a given one).
 Fault tolerance: under `torchrun --max-restarts=N` a restarted attempt (TORCHELASTIC_RESTART_COUNT
 > 0) resumes the latest complete checkpoint by itself, so a killed rank costs at most the steps
 since the last save (set `--checkpoint.interval`). Exit codes: 2 configuration or checkpoint
-error, 3 non-finite loss, 4 communication failure (a peer rank died, hung past
-`parallel.timeout_s`, or skipped a collective): each rank prints its own one-line error.
+error (or another ValueError or TypeError the library raises on bad input), 3 non-finite loss,
+4 communication failure (a peer rank died, hung past `parallel.timeout_s`, or skipped a collective):
+each rank prints its own one-line error, `rank N: error: ...`, before torchrun's report. Any other
+exception keeps its traceback.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import argparse
 import os
 import re
 import sys
+from pathlib import Path
 
 from ringflash.train.config import ConfigError, describe, load_config
 from ringflash.train.trainer import NonFiniteLossError, train
@@ -46,22 +49,25 @@ def main(argv: list[str] | None = None) -> int:
             print(f"torchrun restart {restart}: resuming the latest complete checkpoint", flush=True)
     if args.resume is not None:
         overrides.append(f"--checkpoint.resume={args.resume}")
+    # One line per rank, each naming itself when there are several: "rank 1: error: ...".
+    who = f"rank {rank}: " if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
     try:
         cfg = load_config(args.config, overrides)
         result = train(cfg)
-    except (ConfigError, NonFiniteLossError) as e:
-        # Every rank raises the same error; one clear line instead of N tracebacks.
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr)
-        return 2 if isinstance(e, ConfigError) else 3
+    except (ConfigError, NonFiniteLossError, ValueError, TypeError) as e:
+        if not isinstance(e, (ConfigError, NonFiniteLossError)) and not _raised_by_library(e):
+            raise  # a bug, not bad input: its traceback is what helps
+        print(f"{who}error: {_one_line(e)}", file=sys.stderr, flush=True)
+        return 3 if isinstance(e, NonFiniteLossError) else 2
     except RuntimeError as e:
         if not _is_comm_failure(e):
             raise
         # Each rank sees its own side of it (a timeout here, a closed connection there).
         print(
-            f"error: rank {rank}: communication failed: {_first_line(e)}. A peer rank died, hung longer than "
+            f"{who}error: communication failed: {_first_line(e)}. A peer rank died, hung longer than "
             f"parallel.timeout_s, or skipped a collective; see the first rank that failed.",
             file=sys.stderr,
+            flush=True,
         )
         return 4
     if rank == 0 and result.losses:
@@ -85,6 +91,26 @@ def _is_comm_failure(e: RuntimeError) -> bool:
 
 def _first_line(e: BaseException) -> str:
     return next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(line.strip() for line in str(e).splitlines() if line.strip()) or type(e).__name__
+
+
+def _raised_by_library(e: BaseException) -> bool:
+    """Whether ringflash's own code raised `e` (its input checks), not torch's or Python's."""
+    import ringflash
+    import ringflash.kernels
+    import ringflash.train
+
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return False
+    raised_in = Path(tb.tb_frame.f_code.co_filename).resolve()
+    roots = [Path(m.__file__).resolve().parent for m in (ringflash, ringflash.kernels, ringflash.train)]
+    return any(raised_in.is_relative_to(root) for root in roots)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Which context-parallel layout to run: an analytic cost model of one attention layer.
 
     python -m ringflash.plan --heads 32 --kv-heads 8 --head-dim 128 --layers 32 \\
-        --seqlen 1M --gpus-per-node 8 --nodes 16
+        --seqlen 1M --gpus 128                       # or --gpus-per-node 8 --nodes 16
     python -m ringflash.plan --validate            # predicted vs measured, benchmarks/ring.jsonl, scaling.jsonl
 
 For a grid of `u` head-parallel × `r` ring ranks (ringflash/hybrid.py; u = 1 the ring, r = 1
@@ -11,7 +11,8 @@ layer is the sum of:
   contiguous's full block on the critical rank, the causal diagonal at step 0) while the next
   K/V block travels, so a step costs max(compute, transfer) + a fixed per-step overhead; in the
   backward the float32 dK/dV travel beside the K/V. Compute = FLOPs / the kernel rate recorded
-  in benchmarks/kernels.jsonl at that block's length and head dim (interpolated in log length);
+  in benchmarks/kernels.jsonl at that block's length and head dim (interpolated in log length;
+  shipped as ringflash/kernel_rates.json, so an installed package needs no repository);
   NCCL's transfer kernels take SMs from attention (`nccl_sm_slowdown`), copy engines do not.
 - **all-to-alls** (u > 1): q, k, v to heads and o back (forward), dO to heads and dq, dk, dv
   back (backward), exposed (nothing overlaps them); over NVLink when the head group fits in a
@@ -24,17 +25,18 @@ Not modelled: memory limits, the host's launch lead, congestion between concurre
 from __future__ import annotations
 
 import argparse
+import importlib.resources
 import json
 import math
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from ringflash.hybrid import kv_heads_per_rank
 
 __all__ = ["Cluster", "KernelRates", "Model", "Prediction", "feasible", "main", "predict", "validation_rows"]
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parent.parent  # benchmarks/ there: a repository checkout only
 BWD_FLOPS = 2.5  # backward FLOPs / forward FLOPs (FlashAttention-2's accounting: 5 matmuls vs 2)
 
 
@@ -61,15 +63,21 @@ class Cluster:
     `nccl_sm_slowdown`: attention's slowdown while an NCCL transfer kernel holds SMs.
     """
 
-    gpus_per_node: int = 8
-    nodes: int = 1
-    nvlink_gbs: float = 360.0
-    ib_gbs: float = 42.0
-    nvlink_lat_us: float = 10.0
-    ib_lat_us: float = 20.0
-    a2a_efficiency: float = 0.8  # all-to-all bandwidth / p2p bandwidth (NCCL's all-to-all on NVLink)
-    step_overhead_us: float = 60.0
-    nccl_sm_slowdown: float = 0.05
+    gpus_per_node: int = field(default=8, metadata={"help": "GPUs of one node (NVLink between them)"})
+    nodes: int = field(default=1, metadata={"help": "nodes (InfiniBand between them)"})
+    nvlink_gbs: float = field(default=360.0, metadata={"help": "NVLink GB/s per GPU, one direction, as NCCL reaches"})
+    ib_gbs: float = field(default=42.0, metadata={"help": "InfiniBand GB/s per GPU, one direction, as NCCL reaches"})
+    nvlink_lat_us: float = field(default=10.0, metadata={"help": "latency of a small NCCL message over NVLink, µs"})
+    ib_lat_us: float = field(default=20.0, metadata={"help": "latency of a small NCCL message over InfiniBand, µs"})
+    a2a_efficiency: float = field(
+        default=0.8, metadata={"help": "all-to-all bandwidth / point-to-point bandwidth (NCCL's, on NVLink)"}
+    )
+    step_overhead_us: float = field(
+        default=60.0, metadata={"help": "fixed cost of a ring step per direction (launches, waits), µs"}
+    )
+    nccl_sm_slowdown: float = field(
+        default=0.05, metadata={"help": "attention's slowdown while an NCCL transfer kernel holds SMs"}
+    )
 
     @property
     def gpus(self) -> int:
@@ -103,6 +111,28 @@ class KernelRates:
                     by_n = samples.setdefault((x["D"], x["causal"] == "yes", direction), {})
                     by_n.setdefault(x["N"], []).append(float(x[f"{direction} TFLOP/s"]))
         return cls({k: sorted((n, statistics.median(v)) for n, v in by_n.items()) for k, by_n in samples.items()})
+
+    @classmethod
+    def default(cls) -> KernelRates:
+        """The rates shipped with the package (ringflash/kernel_rates.json, `from_records` of the
+        repository's benchmarks/kernels.jsonl when it was last regenerated)."""
+        return cls.load(importlib.resources.files("ringflash") / "kernel_rates.json")
+
+    @classmethod
+    def load(cls, path) -> KernelRates:
+        """Rates saved by `save`, or (a `.jsonl` path) `from_records` of a kernels.jsonl."""
+        if str(path).endswith(".jsonl"):
+            return cls.from_records(Path(path))
+        text = path.read_text() if hasattr(path, "read_text") else Path(path).read_text()
+        rows = json.loads(text)["rates"]
+        return cls({(r["head_dim"], r["causal"], r["direction"]): [tuple(pt) for pt in r["points"]] for r in rows})
+
+    def save(self, path: Path) -> None:
+        """Write the table as JSON (regenerate the shipped one: docs/planner.md)."""
+        rows = [{"head_dim": d, "causal": c, "direction": k, "points": [list(pt) for pt in pts]}
+                for (d, c, k), pts in sorted(self.table.items())]  # fmt: skip
+        source = f"KernelRates.from_records: the median of the newest {self.POOLED} dense records per shape"
+        Path(path).write_text(json.dumps({"source": source, "rates": rows}, indent=1) + "\n")
 
     @classmethod
     def constant(cls, fwd: float, bwd: float) -> KernelRates:
@@ -159,7 +189,7 @@ def _steps(m: Model, r: int, n: float, layout: str) -> list[tuple[float, float, 
 def predict(m: Model, seqlen: int, c: Cluster, u: int, r: int, transport: str = "nccl", layout: str = "zigzag",
             rates: KernelRates | None = None) -> Prediction:  # fmt: skip
     """One layer's fwd + bwd time on a grid of u head ranks × r ring ranks (module docstring)."""
-    rates = rates or KernelRates.from_records()
+    rates = rates or KernelRates.default()
     h, hkv = m.heads // u, kv_heads_per_rank(m.heads, m.kv_heads, u)
     n = seqlen / r  # tokens of a ring shard (each head rank holds all of them after the all-to-all)
     one_node = u * r <= c.gpus_per_node
@@ -217,7 +247,7 @@ def plan(
     m: Model, seqlen: int, c: Cluster, layout: str = "zigzag", rates: KernelRates | None = None
 ) -> list[Prediction]:
     """Predictions of every feasible grid, fastest first."""
-    rates = rates or KernelRates.from_records()
+    rates = rates or KernelRates.default()
     preds = [predict(m, seqlen, c, u, r, t, layout, rates) for u, r, t in feasible(m, c)]
     return sorted(preds, key=lambda p: p.time_s)
 
@@ -231,7 +261,7 @@ def validation_rows(path: Path = REPO / "benchmarks" / "ring.jsonl", c: Cluster 
     """Predicted vs measured fwd+bwd ms for every multi-GPU ringflash row of benchmarks/ring.jsonl
     (dense masks only; rows without a shape take the records' common one, B=1 H=16 Hkv=16 D=128),
     then for every ring, head-parallel and hybrid row of `scaling` (launch/bench_scaling.py)."""
-    c, rates = c or Cluster(), rates or KernelRates.from_records()
+    c, rates = c or Cluster(), rates or KernelRates.default()
     rows = []
 
     def row(source, i, rec, m, world, u, layout, tokens, measured):
@@ -287,27 +317,75 @@ def _tokens(s: str) -> int:
     return int(float(s[:-1] if mult > 1 else s) * mult)
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    def _get_help_string(self, action: argparse.Action) -> str:
+        # Flags and options without a value say what happens when absent in their help instead.
+        return action.help if action.default in (None, False) else super()._get_help_string(action)
+
+
+_COLUMNS = """columns: u head-parallel ranks x r ring ranks and the ring's transport; layer ms: one attention
+layer's forward + backward; a2a ms: its all-to-alls (exposed); model s: layer ms x --layers, the
+attention of one training step (no MLPs, no optimizer); efficiency: the unsharded attention's FLOPs
+/ (GPUs x time x the kernel's best rate)."""
+
+
+def _positive(s: str) -> int:
+    n = int(s)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {s}")
+    return n
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m ringflash.plan",
+        description=__doc__.split("\n")[0] + "\nThe defaults are Llama-3-8B's attention (32 heads, 8 K/V heads, "
+        "head dim 128, 32 layers) at 1M tokens on one node of 8 H100/H200 GPUs.",
+        epilog=_COLUMNS,
+        formatter_class=_HelpFormatter,
+    )
+    p.add_argument("--heads", type=_positive, default=32, help="query heads")
+    p.add_argument("--kv-heads", type=_positive, default=8, help="K/V heads (GQA; = --heads for MHA)")
+    p.add_argument("--head-dim", type=_positive, default=128, help="head dimension")
+    p.add_argument("--layers", type=_positive, default=32, help="attention layers (the 'model s' column)")
+    p.add_argument("--batch", type=_positive, default=1, help="sequences per step")
+    p.add_argument("--seqlen", type=_tokens, default="1M", help="global tokens per sequence, e.g. 131072, 128k, 1M")
+    p.add_argument("--layout", default="zigzag", choices=("zigzag", "contiguous"), help="how the ring cuts a sequence")
+    p.add_argument("--non-causal", action="store_true", help="full attention instead of causal")
+    p.add_argument("--kernels", metavar="PATH", help="a kernels.jsonl to take the kernel rates from "
+                   "(without: those shipped in ringflash/kernel_rates.json)")  # fmt: skip
+    p.add_argument("--validate", action="store_true", help="print predicted vs measured for benchmarks/ring.jsonl "
+                   "and scaling.jsonl (a repository checkout)")  # fmt: skip
+    gpus = p.add_mutually_exclusive_group()
+    gpus.add_argument("--gpus", type=_positive, help="all GPUs: --gpus-per-node of them per node "
+                      "(fewer: one node of that many); instead of --nodes")  # fmt: skip
+    for f in fields(Cluster):
+        kind = _positive if f.name in ("gpus_per_node", "nodes") else type(f.default)
+        (gpus if f.name == "nodes" else p).add_argument(
+            "--" + f.name.replace("_", "-"), type=kind, default=f.default, help=f.metadata["help"]
+        )
+    return p
+
+
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m ringflash.plan", description=__doc__.split("\n")[0])
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--seqlen", type=_tokens, default=_tokens("1M"), help="global tokens, e.g. 131072, 128k, 1M")
-    p.add_argument("--layout", default="zigzag", choices=("zigzag", "contiguous"))
-    p.add_argument("--non-causal", action="store_true")
-    p.add_argument("--validate", action="store_true",
-                   help="print predicted vs measured for benchmarks/ring.jsonl and scaling.jsonl")
-    for f in Cluster.__dataclass_fields__.values():
-        p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
+    p = parser()
     a = p.parse_args(argv)
-    c = Cluster(**{f: getattr(a, f) for f in Cluster.__dataclass_fields__})
+    if a.gpus is not None:
+        if a.gpus <= a.gpus_per_node:
+            a.gpus_per_node, a.nodes = a.gpus, 1
+        elif a.gpus % a.gpus_per_node:
+            p.error(f"argument --gpus: {a.gpus} GPUs do not fill nodes of --gpus-per-node {a.gpus_per_node}")
+        else:
+            a.nodes = a.gpus // a.gpus_per_node
+    c = Cluster(**{f.name: getattr(a, f.name) for f in fields(Cluster)})
+    rates = KernelRates.load(a.kernels) if a.kernels else KernelRates.default()
     if a.validate:
-        print(validation_table(validation_rows(c=c)))
+        if not (REPO / "benchmarks" / "ring.jsonl").exists():
+            p.error(f"--validate reads benchmarks/ring.jsonl of a repository checkout; {REPO} has none")
+        print(validation_table(validation_rows(c=c, rates=rates)))
         return
     m = Model(a.heads, a.kv_heads, a.head_dim, a.layers, a.batch, not a.non_causal)
-    preds = plan(m, a.seqlen, c, a.layout)
+    preds = plan(m, a.seqlen, c, a.layout, rates)
     print(f"H={m.heads} Hkv={m.kv_heads} D={m.head_dim} layers={m.layers} B={m.batch} N={a.seqlen} on "
           f"{c.nodes}x{c.gpus_per_node} GPUs ({a.layout}, {'causal' if m.causal else 'non-causal'})")  # fmt: skip
     print(f"{'u':>5} {'r':>5} {'transport':>12} {'layer ms':>10} {'a2a ms':>8} {'model s':>9} {'efficiency':>10}")
@@ -322,6 +400,7 @@ def main(argv: list[str] | None = None) -> None:
         f"recommended: u={best.u} head-parallel x r={best.r} ring, transport {best.transport} "
         f"(parallel.cp_heads={best.u}, cp={best.u * best.r})"
     )
+    print("model s = layer ms x layers: attention only, forward + backward of one step (--help explains each column)")
 
 
 if __name__ == "__main__":

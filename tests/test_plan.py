@@ -2,11 +2,33 @@
 
 from __future__ import annotations
 
+import argparse
+import os
 import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from ringflash.plan import REPO, Cluster, KernelRates, Model, feasible, predict, validation_rows, validation_table
+from ringflash.plan import (
+    REPO,
+    Cluster,
+    KernelRates,
+    Model,
+    feasible,
+    main,
+    parser,
+    predict,
+    validation_rows,
+    validation_table,
+)
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
 
 # 100 TFLOP/s forward, 40 backward, everywhere: numbers a person can check by hand.
 RATES = KernelRates.constant(100.0, 40.0)
@@ -61,3 +83,78 @@ def test_validation_table_reproduced_from_data():
     assert all(abs(r["error"]) <= 0.13 for r in rows if r["tokens"] >= 16384)
     assert all(abs(r["error"]) <= 0.09 for r in rows if r["tokens"] >= 16384 and r["date"] >= "2026-11-23")
     assert re.search(r"median \|error\| \d", table)
+
+
+def test_shipped_rates_are_the_records():
+    # The installed planner reads ringflash/kernel_rates.json; it must say what benchmarks/ says.
+    assert KernelRates.default().table == KernelRates.from_records().table, (
+        "ringflash/kernel_rates.json is stale: python -c 'from ringflash.plan import KernelRates; "
+        'KernelRates.from_records().save("ringflash/kernel_rates.json")\''
+    )
+
+
+def _install_like_a_wheel(site: Path) -> None:
+    """Copy what a wheel of this repository holds: each package's modules and its declared package data."""
+    tool = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    for package in tool["packages"]:
+        src = REPO / tool["package-dir"].get(package, package.replace(".", "/"))
+        dst = site / package.replace(".", "/")
+        dst.mkdir(parents=True)
+        for pattern in ["*.py", *tool.get("package-data", {}).get(package, [])]:
+            for f in src.glob(pattern):
+                shutil.copy(f, dst / f.name)
+
+
+def test_planner_runs_without_the_repository(tmp_path):
+    site = tmp_path / "site"
+    _install_like_a_wheel(site)
+    code = (
+        "import ringflash.plan as plan, sys; "
+        f"assert plan.__file__.startswith({str(site)!r}), plan.__file__; "
+        "plan.main(sys.argv[1:])"
+    )
+    env = {**os.environ, "PYTHONPATH": str(site)}
+
+    def run(*args):
+        return subprocess.run(
+            [sys.executable, "-c", code, *args], cwd=tmp_path, env=env, capture_output=True, text=True
+        )
+
+    out = run("--gpus", "16")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "on 2x8 GPUs" in out.stdout and "recommended: u=" in out.stdout
+    bad = run("--validate")
+    assert bad.returncode == 2 and "--validate reads benchmarks/ring.jsonl of a repository checkout" in bad.stderr
+
+
+def test_cli_gpus(capsys):
+    main(["--gpus", "64", "--gpus-per-node", "4"])
+    assert "on 16x4 GPUs" in capsys.readouterr().out
+    main(["--gpus", "2"])  # fewer than a node: one node of that many
+    out = capsys.readouterr().out
+    assert "on 1x2 GPUs" in out and "model s = layer ms x layers" in out
+    for argv, message in [
+        (["--gpus", "12"], "argument --gpus: 12 GPUs do not fill nodes of --gpus-per-node 8"),
+        (["--gpus", "0"], "argument --gpus: must be a positive integer, got 0"),
+        (["--gpus", "16", "--nodes", "2"], "argument --nodes: not allowed with argument --gpus"),
+    ]:
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert message in capsys.readouterr().err
+
+
+def test_cli_help_documents_every_option():
+    p = parser()
+    text = " ".join(p.format_help().split())
+    assert "The defaults are Llama-3-8B's attention" in text and "model s: layer ms x --layers" in text
+    assert all(action.help for action in p._actions)
+    # Every option with a value shows its default (flags and --gpus/--kernels say what absence means).
+    with_default = [a for a in p._actions if a.default not in (None, False, argparse.SUPPRESS)]
+    assert text.count("(default: ") == len(with_default) == 16
+    for shown in [
+        "--heads HEADS query heads (default: 32)",
+        "e.g. 131072, 128k, 1M (default: 1M)",
+        "--nodes NODES nodes (InfiniBand between them) (default: 1)",
+        "holds SMs (default: 0.05)",
+    ]:
+        assert shown in text

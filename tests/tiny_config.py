@@ -16,8 +16,10 @@ TINY = [
     "--model.n_kv_heads=1",
     "--data.seq_len=256",
     "--data.batch_size=2",
+    # No evaluation by default: at cp = 2 the depth buckets must be a multiple of 2·cp, and four
+    # buckets of 64 tokens cannot hold a passkey; the tests that evaluate ask for it.
     "--data.eval_buckets=2",
-    "--data.eval_samples=2",
+    "--data.eval_samples=0",
     "--logging.progress_bar=false",
     "--logging.tensorboard=false",
     "--train.device=cpu",

@@ -134,7 +134,8 @@ class DataConfig:
     )
     warmup_seq_steps: int = opt(0, "Steps of the sequence-length warm-up (see warmup_seq_len).")
     eval_buckets: int = opt(
-        8, "Passkey and recall depth buckets; a multiple of 2·cp puts every bucket in one rank's shard."
+        8, "Passkey and recall depth buckets; with cp > 1 a multiple of 2·cp (zigzag) or cp (contiguous), so that "
+        "every bucket lies in one rank's shard."
     )
     eval_samples: int = opt(16, "Passkey and recall evaluation sequences per depth bucket (0: no evaluation).")
 
@@ -243,7 +244,7 @@ class LoggingConfig:
     dir: str = opt("runs/default", "Run directory: TensorBoard events and, by default, checkpoints.")
     log_every: int = opt(10, "One summary line every N steps.")
     tensorboard: bool = opt(True, "Write TensorBoard scalars to <dir>.")
-    progress_bar: bool = opt(True, "tqdm progress bar with ETA on rank 0.")
+    progress_bar: bool = opt(True, "tqdm progress bar with ETA on rank 0, drawn only when stderr is a terminal.")
     peak_tflops: float = opt(
         0.0, "Peak dense bf16 TFLOP/s per device for MFU; 0 guesses from the GPU name (no MFU on CPU)."
     )
@@ -456,6 +457,13 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"data.seq_len ({d.seq_len}) must be divisible by {chunks} "
             f"({'2·cp' if p.layout == 'zigzag' else 'cp'} for the {p.layout} layout, cp={p.cp})"
+        )
+    if d.kind in ("passkey", "recall") and d.eval_samples and p.cp > 1 and d.eval_buckets % chunks:
+        # A bucket across a chunk boundary has keys on two ranks: its "held by rank" label would be wrong.
+        raise ConfigError(
+            f"data.eval_buckets ({d.eval_buckets}) must be a multiple of {chunks} "
+            f"({'2·cp' if p.layout == 'zigzag' else 'cp'} for the {p.layout} layout, cp={p.cp}), so that each "
+            f"depth bucket lies in one rank's shard; or set data.eval_samples = 0 (no evaluation)"
         )
     if d.warmup_seq_len:
         if not 0 < d.warmup_seq_len < d.seq_len or d.warmup_seq_len % chunks:

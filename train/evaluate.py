@@ -29,9 +29,20 @@ def _position_owners(L: int, cp: int, layout: str) -> torch.Tensor:
 
 
 def bucket_owners(task: PasskeyTask | RecallTask, cp: int, layout: str) -> list[int]:
-    """The cp rank that holds the first key token of each depth bucket's evaluation samples."""
+    """The cp rank that holds the keys of each depth bucket's evaluation samples; a bucket whose
+    keys lie on two ranks has no such rank (data.eval_buckets must be a multiple of 2·cp or cp)."""
     owner = _position_owners(task.L, cp, layout)
-    return [int(owner[task.key_range(b)[len(task.key_range(b)) // 2]]) for b in range(task.buckets)]
+    owners = []
+    for b in range(task.buckets):
+        keys = task.key_range(b)
+        ranks = sorted(set(owner[keys.start : keys.stop].tolist()))
+        if len(ranks) > 1:
+            raise ValueError(
+                f"data.eval_buckets = {task.buckets}: bucket {b}'s keys (tokens {keys[0]}-{keys[-1]}) are on "
+                f"ranks {ranks} ({layout}, cp = {cp}); use a multiple of {2 * cp if layout == 'zigzag' else cp}"
+            )
+        owners.append(ranks[0])
+    return owners
 
 
 def query_owner(task: PasskeyTask | RecallTask, cp: int, layout: str) -> int:

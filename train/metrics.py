@@ -83,11 +83,14 @@ def peak_memory_gib(device: torch.device) -> float:
 class Logger:
     """Rank-0 output: TensorBoard scalars, a tqdm bar with ETA, a summary line every N steps.
 
-    On other ranks every method is a no-op, so the loop calls it unconditionally.
+    The bar is drawn only when `stream` (default stderr) is a terminal; in a log file it would be
+    carriage-return fragments that the summary lines get glued to. On other ranks every method is
+    a no-op, so the loop calls it unconditionally.
     """
 
-    def __init__(self, run_dir: str, enabled: bool, tensorboard: bool, progress_bar: bool):
+    def __init__(self, run_dir: str, enabled: bool, tensorboard: bool, progress_bar: bool, stream=None):
         self.enabled, self.use_bar, self.writer, self.bar = enabled, progress_bar, None, None
+        self.stream = stream
         if not enabled:
             return
         if tensorboard:
@@ -102,9 +105,17 @@ class Logger:
             from tqdm import tqdm
 
             # The ETA counts from the first step of this launch, so a resumed run's is right too.
-            self.bar = tqdm(
-                total=total_steps, initial=first_step, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr
+            # disable=None: tqdm draws only on a terminal.
+            bar = tqdm(
+                total=total_steps,
+                initial=first_step,
+                desc="train",
+                unit="step",
+                dynamic_ncols=True,
+                file=self.stream or sys.stderr,
+                disable=None,
             )
+            self.bar = None if bar.disable else bar
 
     def print(self, msg: str) -> None:
         if not self.enabled:

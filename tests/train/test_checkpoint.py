@@ -17,7 +17,14 @@ K = 3  # steps before the interruption
 
 def cfg_for(run_dir: Path, *overrides: str):
     return tiny_config(
-        run_dir, "--data.passkey_loss=all", "--parallel.cp=2", f"--train.steps={2 * K}", "--train.warmup_steps=2",
+        run_dir,
+        "--data.passkey_loss=all",
+        "--parallel.cp=2",
+        f"--train.steps={2 * K}",
+        "--train.warmup_steps=2",
+        "--data.seq_len=512",
+        "--data.eval_buckets=4",
+        "--data.eval_samples=1",  # 2·cp buckets that hold a passkey
         *overrides,
     )
 

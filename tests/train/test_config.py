@@ -151,6 +151,33 @@ def test_inconsistent_values(args, match):
         load_config(None, args)
 
 
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        # configs/hf_llama_tiny_cpu.toml had 2 buckets with cp = 2: bucket 0 spanned ranks 0 and 1.
+        (["--parallel.cp=2", "--data.eval_buckets=2"], r"data.eval_buckets \(2\) must be a multiple of 4 \(2·cp"),
+        (["--parallel.cp=2", "--data.eval_buckets=6", "--data.seq_len=1536"], r"data.eval_buckets \(6\) must"),
+        (
+            ["--parallel.cp=4", "--parallel.layout=contiguous", "--data.eval_buckets=2", "--data.seq_len=1024"],
+            r"data.eval_buckets \(2\) must be a multiple of 4 \(cp for the contiguous layout",
+        ),
+        (["--data.kind=recall", "--parallel.cp=2", "--data.eval_buckets=2", "--data.seq_len=128"], "data.eval_buckets"),
+    ],
+)
+def test_eval_buckets_must_fit_the_shards(args, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, args)
+
+
+def test_eval_buckets_rule_only_where_buckets_are_evaluated():
+    # One rank holds every bucket; no evaluation, no buckets; text has none.
+    assert load_config(None, ["--data.eval_buckets=3"]).data.eval_buckets == 3
+    load_config(None, ["--parallel.cp=2", "--data.eval_buckets=2", "--data.eval_samples=0"])
+    load_config(None, ["--parallel.cp=2", "--data.eval_buckets=2", "--data.kind=text", "--data.path=x"])
+    load_config(None, ["--parallel.cp=2", "--data.eval_buckets=8"])
+    load_config(None, ["--parallel.cp=2", "--parallel.layout=contiguous", "--data.eval_buckets=2"])
+
+
 def test_kernel_backend_auto_checks_what_the_environment_chooses(monkeypatch):
     # kernel_backend = auto defers to RINGFLASH_KERNEL_BACKEND, read once when the config is checked:
     # a cuDNN choice made there is checked as if the config had made it, and the error says where it

@@ -55,6 +55,16 @@ def test_recall_buckets_and_ranks():
     assert lines[-1] == "  by the rank holding the key: rank 0 0.88, rank 1 0.38 | lowest bucket 0.25"
 
 
+def test_bucket_across_two_ranks_has_no_owner_label():
+    # 2 buckets over zigzag's 4 chunks: bucket 0 (tokens 1-62) is chunk 0 (rank 0) and chunk 1 (rank 1).
+    # The old label named the rank of the bucket's middle token for all of it.
+    task = recall(eval_buckets=2)
+    with pytest.raises(ValueError, match=r"bucket 0's keys \(tokens 1-62\) are on ranks \[0, 1\]"):
+        bucket_owners(task, 2, "zigzag")
+    assert bucket_owners(task, 2, "contiguous") == [0, 1]
+    assert bucket_owners(task, 1, "zigzag") == [0, 0]
+
+
 def test_recall_eval_is_fixed_and_never_trained_on():
     cfg = load_config(REPO / "configs" / "tiny_cpu.toml")
     task, warmup = build_sources(cfg.data, cfg.model.vocab_size)
