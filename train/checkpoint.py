@@ -1,16 +1,30 @@
-"""Checkpoints with torch.distributed.checkpoint (DCP), made visible atomically.
+"""Checkpoints with torch.distributed.checkpoint (DCP), made visible atomically, checksummed,
+and loaded without running code stored in them.
 
 A checkpoint is a directory `step_00000100/` written by every rank in parallel. It is first
-written as `step_00000100.tmp/` and renamed only after every rank has finished, so a directory
-without the suffix is always complete: a crash mid-save leaves a `.tmp` that is ignored (and
-cleaned at the next start). Only the last `keep` complete checkpoints are kept; an old one is
-first renamed to `.old` and only then deleted, so a crash while deleting it never leaves a
-half-deleted directory under a complete checkpoint's name. DCP fsyncs every file it writes and
-the directory is fsynced after the rename, so a published checkpoint also survives a power cut.
+written as `step_00000100.tmp/` and renamed only after every rank has finished and the checksums
+are written, so a directory without the suffix is always complete and has its manifest: a crash
+mid-save leaves a `.tmp` that is ignored (and cleaned at the next start). Only the last `keep`
+complete checkpoints are kept; an old one is first renamed to `.old` and only then deleted, so a
+crash while deleting it never leaves a half-deleted directory under a complete checkpoint's name.
+DCP fsyncs every file it writes and the directory is fsynced after the rename, so a published
+checkpoint also survives a power cut. A failed write (a full disk) raises `CheckpointError` on
+every rank and publishes nothing.
 
-Loading checks the checkpoint against this run before touching the model: every rank must have
-resolved the same checkpoint, and its parameter names and shapes must be this model's (a
-checkpoint of another model shape names the differing `model.*` settings). What cannot be used
+Files: DCP's shards (`*.distcp`) and `.metadata`; `train_state.json` (step, scheduler, data
+position, config: plain data, never a pickle); `manifest.json`, the sha256 of every other file.
+Contents of the shards: model and optimizer (DCP's FQN-keyed state dicts, so DDP, FSDP2, compile
+and activation checkpointing wrappers do not change the keys; FSDP2's DTensors are saved as their
+shards) and each rank's RNG states (tensors) under a per-rank key.
+
+Loading first verifies the manifest (every rank hashes a share of the files; a damaged or missing
+file is named), then checks the checkpoint against this run before touching the model: every rank
+must have resolved the same checkpoint, and its parameter names and shapes must be this model's (a
+checkpoint of another model shape names the differing `model.*` settings). Nothing in a checkpoint
+can run code: `.metadata` (a pickle, DCP's format) is read by an unpickler that admits only DCP's
+metadata classes, tensors and DCP's small values by `torch.load(weights_only=True)`, and the
+pickled training state of older checkpoints by one that admits no classes at all. A checkpoint
+without a manifest (written before manifests existed) loads with a warning. What cannot be used
 raises `CheckpointError` (a `ConfigError`: the launcher prints it as one line).
 
 Another world size is not refused: DCP stores every tensor with its global shape and each rank
@@ -23,15 +37,14 @@ order of the sums over ranks differs). At the same world size a resume is bit-ex
 Fault injection for tests and `launch/soak.py`: `RINGFLASH_FAULT=save:STEP:RANK[:ATTEMPT]` kills
 rank RANK with SIGKILL while it saves step STEP, after its shards are written and before the
 checkpoint is published, in torchrun attempt ATTEMPT (default 0; `TORCHELASTIC_RESTART_COUNT`).
-
-Contents: model and optimizer (DCP's FQN-keyed state dicts, so DDP, FSDP2, compile and activation
-checkpointing wrappers do not change the keys; FSDP2's DTensors are saved as their shards), the
-training state (step, scheduler, data position) and each rank's RNG states under a per-rank key.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import io
+import json
 import os
 import pickle
 import re
@@ -42,14 +55,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.metadata as dcp_metadata
 import torch.nn as nn
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ringflash.train.config import ConfigError
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+MANIFEST, TRAIN_STATE = "manifest.json", "train_state.json"
 
 
 class CheckpointError(ConfigError):
@@ -79,6 +95,13 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _write_durably(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def _remove(path: Path) -> None:
     """Delete a checkpoint directory: renamed away first (atomic), so it is never half-complete."""
     trash = path.with_name(path.name + ".old")
@@ -96,6 +119,178 @@ def complete_checkpoints(directory: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name)
 
 
+def _agree(error: str | None) -> None:
+    """Raise CheckpointError on every rank if any rank has an `error` (the first in rank order)."""
+    errors = [error]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise CheckpointError(first)
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+# ----------------------------------------------------------------------------- checksums
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()  # hashlib.file_digest needs Python 3.11
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _hash_share(directory: Path, names: list[str]) -> dict[str, str]:
+    """sha256 of this rank's share of `names` (every rank hashes 1/world of the files), all ranks'
+    results gathered: hashing a checkpoint of many GB on one rank alone would outlast the timeout."""
+    rank, world = _rank_world()
+    mine = {n: _sha256(directory / n) for n in names[rank::world]}
+    if world == 1:
+        return mine
+    every: list[dict[str, str] | None] = [None] * world
+    dist.all_gather_object(every, mine)
+    return {k: v for part in every for k, v in part.items()}
+
+
+def _write_manifest(directory: Path, digests: dict[str, str]) -> None:
+    files = {n: {"sha256": h, "bytes": (directory / n).stat().st_size} for n, h in sorted(digests.items())}
+    _write_durably(directory / MANIFEST, json.dumps({"algorithm": "sha256", "files": files}, indent=1))
+
+
+def verify(path: Path) -> str | None:
+    """CheckpointError naming the first damaged or missing file of `path`, on every rank; returns a
+    warning if `path` has no manifest (an older checkpoint), else None. Collective when distributed."""
+    try:
+        listed = json.loads((path / MANIFEST).read_text())["files"]
+    except FileNotFoundError:
+        return f"checkpoint {path} has no {MANIFEST} (written by an older ringflash): loaded without checksums"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        _agree(f"checkpoint {path}: {MANIFEST} is damaged ({type(e).__name__}: {e}); the checkpoint cannot be trusted")
+    names = sorted(listed)
+    missing = [n for n in names if not (path / n).is_file()]
+    problem = None
+    if missing:
+        problem = f"checkpoint {path} is incomplete: {missing[0]} (listed in {MANIFEST}) is missing"
+    _agree(problem)
+    digests = _hash_share(path, names)
+    damaged = [n for n in names if digests[n] != listed[n].get("sha256")]
+    if damaged:
+        _agree(
+            f"checkpoint {path} is damaged: {damaged[0]} does not match its sha256 in {MANIFEST}"
+            + (f" (nor do {len(damaged) - 1} more files)" if len(damaged) > 1 else "")
+        )
+    return None
+
+
+# ----------------------------------------------------------------------------- loading without running code
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's `.metadata` pickle, admitting only the classes DCP puts there (no functions that act)."""
+
+    _ALLOWED = frozenset(
+        {
+            ("torch", "Size"),
+            ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+            ("torch.serialization", "_get_layout"),  # a lookup of torch.strided & co. by name
+            ("pathlib", "PosixPath"),
+            ("pathlib", "WindowsPath"),
+            ("collections", "OrderedDict"),
+        }
+    )
+
+    def find_class(self, module: str, name: str):
+        own = module == dcp_metadata.__name__ and getattr(getattr(dcp_metadata, name, None), "__module__", "") == module
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if own or dtype or (module, name) in self._ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not checkpoint metadata: refused")
+
+
+class _PlainDataUnpickler(pickle.Unpickler):
+    """Dicts, lists, strings and numbers only: the pickled training state of older checkpoints."""
+
+    def find_class(self, module: str, name: str):
+        raise pickle.UnpicklingError(f"{module}.{name} is not plain data: refused")
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader with `.metadata` read by `_MetadataUnpickler` instead of `pickle.load`."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        with open(Path(self.path) / ".metadata", "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if not isinstance(metadata, Metadata):
+            raise pickle.UnpicklingError(f".metadata holds a {type(metadata).__name__}, not DCP Metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafePlanner(DefaultLoadPlanner):
+    """DCP's load planner; its non-tensor values (optimizer hyperparameters) pass `weights_only`."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        # DefaultLoadPlanner unpickles these with weights_only=False; refuse anything a
+        # weights_only load refuses first, so what reaches it is plain data and tensors.
+        try:
+            torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+            what = found.group(1) if found else "objects beyond plain data and tensors"
+            raise pickle.UnpicklingError(
+                f"{read_item.dest_index.fqn!r} holds {what}: refused, since loading it could run code"
+            ) from None
+        value.seek(0)
+        super().load_bytes(read_item, value)
+
+
+def read_tensors(path: Path, state: dict) -> None:
+    """`dcp.load(state)` from `path`, nothing unpickled but plain data; CheckpointError otherwise."""
+    try:
+        dcp.load(state, storage_reader=SafeReader(path), planner=SafePlanner())
+    except (OSError, EOFError, pickle.UnpicklingError, CheckpointException) as e:  # CheckpointException is a
+        raise CheckpointError(f"checkpoint {path} cannot be read: {_first_line(e)}") from None  # BaseException
+
+
+def read_metadata(path: Path) -> Metadata:
+    try:
+        return SafeReader(path).read_metadata()
+    except (OSError, EOFError, ValueError, AttributeError, pickle.UnpicklingError) as e:
+        raise CheckpointError(f"checkpoint {path}: .metadata cannot be read: {_first_line(e)}") from None
+
+
+def read_train_state(path: Path, metadata: Metadata) -> dict:
+    """The training state saved with `path`: `train_state.json`, or an older checkpoint's pickle."""
+    if (path / TRAIN_STATE).is_file():
+        try:
+            return json.loads((path / TRAIN_STATE).read_text())
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"checkpoint {path}: {TRAIN_STATE} cannot be read: {e}") from None
+    if "train" not in metadata.state_dict_metadata:
+        raise CheckpointError(f"checkpoint {path} has no {TRAIN_STATE}: not a ringflash training checkpoint")
+    head = {"train": b""}
+    read_tensors(path, head)
+    try:
+        return _PlainDataUnpickler(io.BytesIO(head["train"])).load()
+    except (pickle.UnpicklingError, EOFError, TypeError, ValueError) as e:
+        raise CheckpointError(
+            f"checkpoint {path} is from an older ringflash and its pickled training state holds more than plain "
+            f"data ({e}): not loaded, since unpickling it could run code"
+        ) from None
+
+
+# ----------------------------------------------------------------------------- save and load
+
+
 def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
     state = {"cpu": torch.get_rng_state()}
     if device.type == "cuda":
@@ -110,54 +305,67 @@ def _set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None
 
 
 class Checkpointer:
-    """Saves and restores `model`, `optimizer` and an arbitrary picklable `train_state` dict."""
+    """Saves and restores `model`, `optimizer` and a JSON-serialisable `train_state` dict.
 
-    def __init__(self, directory: str | Path, keep: int, rank: int, device: torch.device):
-        self.dir, self.keep, self.rank, self.device = Path(directory), keep, rank, device
+    `writer`: DCP's storage writer class for a directory (a test passes one that fails).
+    """
 
-    def _state(self, model: nn.Module, optimizer: torch.optim.Optimizer, train_state: dict) -> dict:
+    def __init__(self, directory: str | Path, keep: int, rank: int, device: torch.device, writer=FileSystemWriter):
+        self.dir, self.keep, self.rank, self.device, self.writer = Path(directory), keep, rank, device, writer
+
+    def _state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        # DCP loads exactly the keys of the dict it is given, and the training state's keys are not
-        # known before loading: so it travels as one opaque blob (identical on every rank).
         # RNG streams differ per rank, hence a per-rank key (DCP de-duplicates equal keys).
-        return {
-            "model": model_sd,
-            "optim": optim_sd,
-            "train": pickle.dumps(train_state),
-            f"rng_rank{self.rank}": _rng_state(self.device),
-        }
+        return {"model": model_sd, "optim": optim_sd, f"rng_rank{self.rank}": _rng_state(self.device)}
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, train_state: dict) -> Path:
         final = self.dir / f"step_{step:08d}"
         tmp = final.with_name(final.name + ".tmp")
+        failed = f"saving checkpoint {final} failed"
+        error = None
         if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            self.dir.mkdir(parents=True, exist_ok=True)
-        dist.barrier()
-        dcp.save(self._state(model, optimizer, train_state), checkpoint_id=tmp)
+            try:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+                _write_durably(tmp / TRAIN_STATE, json.dumps(train_state))
+            except OSError as e:
+                error = f"{failed}: {e}"
+        _agree(error)
+        try:
+            dcp.save(self._state(model, optimizer), storage_writer=self.writer(tmp))
+        except (OSError, CheckpointException) as e:  # every rank gets a CheckpointException
+            raise CheckpointError(f"{failed}: {_first_line(e)} (nothing was published)") from None
         _failpoint("save", step, self.rank)
-        dist.barrier()  # every rank's shards are on disk before the rename publishes them
-        if self.rank == 0:
-            if final.exists():  # the same step saved again (a resumed run that stopped early)
-                _remove(final)
-            tmp.rename(final)
-            _fsync_dir(self.dir)
-            for old in complete_checkpoints(self.dir)[: -self.keep]:
-                _remove(old)
-        dist.barrier()
+        dist.barrier()  # every rank's shards are on disk before they are hashed and published
+        error = None
+        try:
+            digests = _hash_share(tmp, sorted(p.name for p in tmp.iterdir() if p.is_file()))
+            if self.rank == 0:
+                _write_manifest(tmp, digests)
+                if final.exists():  # the same step saved again (a resumed run that stopped early)
+                    _remove(final)
+                tmp.rename(final)
+                _fsync_dir(self.dir)
+                for old in complete_checkpoints(self.dir)[: -self.keep]:
+                    _remove(old)
+        except OSError as e:
+            error = f"{failed}: {e}"
+        _agree(error)
         return final
 
     def resolve(self, resume: str) -> Path | None:
         """The checkpoint named by `checkpoint.resume`: '' none, 'latest' (None if there is none), or a path."""
         if not resume:
             return None
+        path, error = None, None
         if resume == "latest":
             found = complete_checkpoints(self.dir)
             path = found[-1] if found else None
         else:
             path = Path(resume)
             if not (path / ".metadata").is_file():
-                raise CheckpointError(f"checkpoint.resume: {path} is not a complete checkpoint (no .metadata)")
+                error = f"checkpoint.resume: {path} is not a complete checkpoint (no .metadata)"
+        _agree(error)
         if dist.is_initialized() and dist.get_world_size() > 1:
             # Every rank loads collectively, so all must load the same one; they may not when
             # the checkpoint directory is not on a filesystem shared by every node.
@@ -171,34 +379,28 @@ class Checkpointer:
                 )
         return path
 
-    def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-        """Restore model, optimizer and this rank's RNG in place; return the saved train_state.
+    def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, str | None]:
+        """Restore model, optimizer and this rank's RNG in place; return the saved train_state and a
+        warning (None, or: no manifest to verify).
 
-        Raises CheckpointError if the checkpoint holds another model (parameter names or shapes
-        differ: checked before anything is loaded) or cannot be read (a damaged file may be found
-        halfway through loading: the run must stop then, and does, since every rank raises).
+        Raises CheckpointError if a file is damaged (checked against the manifest first), the
+        checkpoint holds another model (parameter names or shapes differ: checked before anything
+        is loaded) or cannot be read; every rank raises, so the run stops.
         """
-        try:
-            saved_keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-            head = {"train": b""}
-            dcp.load(head, checkpoint_id=path)  # the small blob first: it holds the saved config
-            train_state = pickle.loads(head["train"])
-        except (OSError, EOFError, pickle.UnpicklingError, CheckpointException) as e:
-            raise CheckpointError(f"checkpoint {path} cannot be read: {_first_line(e)}") from None
-        state = self._state(model, optimizer, {})
+        warning = verify(path)
+        metadata = read_metadata(path)
+        train_state = read_train_state(path, metadata)
+        saved_keys = metadata.state_dict_metadata
+        state = self._state(model, optimizer)
         _check_same_model(path, state["model"], saved_keys, model, train_state.get("config", {}).get("model"))
         rng_key = f"rng_rank{self.rank}"
         if not any(k.startswith(rng_key + ".") for k in saved_keys):
             state.pop(rng_key)  # saved with fewer ranks: this rank keeps its fresh RNG
-        state.pop("train")
-        try:
-            dcp.load(state, checkpoint_id=path)
-        except CheckpointException as e:  # a BaseException: it would slip past `except Exception`
-            raise CheckpointError(f"checkpoint {path} cannot be read: {_first_line(e)}") from None
+        read_tensors(path, state)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         if rng_key in state:
             _set_rng_state(state[rng_key], self.device)
-        return train_state
+        return train_state, warning
 
     def clean_partial(self) -> None:
         """Remove what a killed save left: `.tmp` (never published) and `.old` (being deleted); rank 0."""
@@ -210,7 +412,7 @@ class Checkpointer:
 def _first_line(e: BaseException) -> str:
     """The informative line of an exception; DCP's wrap every rank's traceback in one message."""
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    errors = [line for line in lines if re.match(r"^\w*(Error|Exception)\b", line)]
+    errors = [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b", line)]
     return (errors or lines or [type(e).__name__])[-1]
 
 

@@ -170,11 +170,11 @@ def _loop(cfg: Config, pc: ParallelContext, on_exit: contextlib.ExitStack) -> Tr
     step, resume_note = 0, ""
     path = ckpt.resolve(cfg.checkpoint.resume)
     if path is not None:
-        state = ckpt.load(path, model, optimizer)
+        state, warning = ckpt.load(path, model, optimizer)
         scheduler.load_state_dict(state["scheduler"])
         loader.load_state_dict(state["data"])
         step = state["step"]
-        resume_note = f"resumed from {path} at step {step}"
+        resume_note = f"resumed from {path} at step {step}" + (f"\nwarning: {warning}" if warning else "")
     elif cfg.checkpoint.resume:
         resume_note = f"no complete checkpoint in {ckpt_dir}: starting fresh"
     elif cfg.checkpoint.enabled and complete_checkpoints(ckpt_dir):
