@@ -354,13 +354,20 @@ class Checkpointer:
         return final
 
     def resolve(self, resume: str) -> Path | None:
-        """The checkpoint named by `checkpoint.resume`: '' none, 'latest' (None if there is none), or a path."""
+        """The checkpoint named by `checkpoint.resume`: '' none; 'latest' the latest complete one in
+        the directory (CheckpointError if there is none); 'auto' the same, None if there is none
+        (a torchrun restart before the first save); or a checkpoint path. The same on every rank."""
         if not resume:
             return None
         path, error = None, None
-        if resume == "latest":
+        if resume in ("latest", "auto"):
             found = complete_checkpoints(self.dir)
             path = found[-1] if found else None
+            if path is None and resume == "latest":
+                error = (
+                    f"checkpoint.resume = latest: no complete checkpoint in {self.dir} to resume; "
+                    "start without --resume for a new run"
+                )
         else:
             path = Path(resume)
             if not (path / ".metadata").is_file():
