@@ -17,15 +17,13 @@ Contents of the shards: model and optimizer (DCP's FQN-keyed state dicts, so DDP
 and activation checkpointing wrappers do not change the keys; FSDP2's DTensors are saved as their
 shards) and each rank's RNG states (tensors) under a per-rank key.
 
-Loading first verifies the manifest (every rank hashes a share of the files; a damaged or missing
-file is named), then checks the checkpoint against this run before touching the model: every rank
-must have resolved the same checkpoint, and its parameter names and shapes must be this model's (a
-checkpoint of another model shape names the differing `model.*` settings). Nothing in a checkpoint
-can run code: `.metadata` (a pickle, DCP's format) is read by an unpickler that admits only DCP's
-metadata classes, tensors and DCP's small values by `torch.load(weights_only=True)`, and the
-pickled training state of older checkpoints by one that admits no classes at all. A checkpoint
-without a manifest (written before manifests existed) loads with a warning. What cannot be used
-raises `CheckpointError` (a `ConfigError`: the launcher prints it as one line).
+Loading first verifies the manifest (a damaged or missing file is named), then checks the
+checkpoint against this run before touching the model: every rank must have resolved the same
+checkpoint, and its parameter names and shapes must be this model's (a checkpoint of another model
+shape names the differing `model.*` settings). Nothing in a checkpoint can run code when loaded
+(train/checkpoint_files.py). A checkpoint without a manifest (written before manifests existed)
+loads with a warning. What cannot be used raises `CheckpointError` (a `ConfigError`: the
+launcher prints it as one line).
 
 Another world size is not refused: DCP stores every tensor with its global shape and each rank
 reads the pieces its own shards need, so a checkpoint of 4 ranks resumes on 2 and the reverse,
@@ -42,11 +40,8 @@ checkpoint is published, in torchrun attempt ATTEMPT (default 0; `TORCHELASTIC_R
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import io
 import json
 import os
-import pickle
 import re
 import shutil
 import signal
@@ -55,21 +50,29 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.distributed.checkpoint.metadata as dcp_metadata
 import torch.nn as nn
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from ringflash.train.config import ConfigError
+from ringflash.train.checkpoint_files import (  # CheckpointError is re-exported: callers import it from here
+    TRAIN_STATE,
+    CheckpointError,
+    agree,
+    first_line,
+    hash_share,
+    read_metadata,
+    read_tensors,
+    read_train_state,
+    verify,
+    write_durably,
+    write_manifest,
+)
+
+__all__ = ["CheckpointError", "Checkpointer", "complete_checkpoints"]
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
-MANIFEST, TRAIN_STATE = "manifest.json", "train_state.json"
-
-
-class CheckpointError(ConfigError):
-    """A checkpoint cannot be resumed by this run: another model shape, unreadable or corrupt."""
 
 
 def _failpoint(where: str, step: int, rank: int) -> None:
@@ -95,13 +98,6 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_durably(path: Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def _remove(path: Path) -> None:
     """Delete a checkpoint directory: renamed away first (atomic), so it is never half-complete."""
     trash = path.with_name(path.name + ".old")
@@ -117,175 +113,6 @@ def complete_checkpoints(directory: str | Path) -> list[Path]:
         return []
     found = [p for p in directory.iterdir() if _STEP_DIR.match(p.name) and (p / ".metadata").is_file()]
     return sorted(found, key=lambda p: p.name)
-
-
-def _agree(error: str | None) -> None:
-    """Raise CheckpointError on every rank if any rank has an `error` (the first in rank order)."""
-    errors = [error]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-    first = next((e for e in errors if e is not None), None)
-    if first is not None:
-        raise CheckpointError(first)
-
-
-def _rank_world() -> tuple[int, int]:
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-# ----------------------------------------------------------------------------- checksums
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()  # hashlib.file_digest needs Python 3.11
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _hash_share(directory: Path, names: list[str]) -> dict[str, str]:
-    """sha256 of this rank's share of `names` (every rank hashes 1/world of the files), all ranks'
-    results gathered: hashing a checkpoint of many GB on one rank alone would outlast the timeout."""
-    rank, world = _rank_world()
-    mine = {n: _sha256(directory / n) for n in names[rank::world]}
-    if world == 1:
-        return mine
-    every: list[dict[str, str] | None] = [None] * world
-    dist.all_gather_object(every, mine)
-    return {k: v for part in every for k, v in part.items()}
-
-
-def _write_manifest(directory: Path, digests: dict[str, str]) -> None:
-    files = {n: {"sha256": h, "bytes": (directory / n).stat().st_size} for n, h in sorted(digests.items())}
-    _write_durably(directory / MANIFEST, json.dumps({"algorithm": "sha256", "files": files}, indent=1))
-
-
-def verify(path: Path) -> str | None:
-    """CheckpointError naming the first damaged or missing file of `path`, on every rank; returns a
-    warning if `path` has no manifest (an older checkpoint), else None. Collective when distributed."""
-    try:
-        listed = json.loads((path / MANIFEST).read_text())["files"]
-    except FileNotFoundError:
-        return f"checkpoint {path} has no {MANIFEST} (written by an older ringflash): loaded without checksums"
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        _agree(f"checkpoint {path}: {MANIFEST} is damaged ({type(e).__name__}: {e}); the checkpoint cannot be trusted")
-    names = sorted(listed)
-    missing = [n for n in names if not (path / n).is_file()]
-    problem = None
-    if missing:
-        problem = f"checkpoint {path} is incomplete: {missing[0]} (listed in {MANIFEST}) is missing"
-    _agree(problem)
-    digests = _hash_share(path, names)
-    damaged = [n for n in names if digests[n] != listed[n].get("sha256")]
-    if damaged:
-        _agree(
-            f"checkpoint {path} is damaged: {damaged[0]} does not match its sha256 in {MANIFEST}"
-            + (f" (nor do {len(damaged) - 1} more files)" if len(damaged) > 1 else "")
-        )
-    return None
-
-
-# ----------------------------------------------------------------------------- loading without running code
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's `.metadata` pickle, admitting only the classes DCP puts there (no functions that act)."""
-
-    _ALLOWED = frozenset(
-        {
-            ("torch", "Size"),
-            ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-            ("torch.serialization", "_get_layout"),  # a lookup of torch.strided & co. by name
-            ("pathlib", "PosixPath"),
-            ("pathlib", "WindowsPath"),
-            ("collections", "OrderedDict"),
-        }
-    )
-
-    def find_class(self, module: str, name: str):
-        own = module == dcp_metadata.__name__ and getattr(getattr(dcp_metadata, name, None), "__module__", "") == module
-        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        if own or dtype or (module, name) in self._ALLOWED:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not checkpoint metadata: refused")
-
-
-class _PlainDataUnpickler(pickle.Unpickler):
-    """Dicts, lists, strings and numbers only: the pickled training state of older checkpoints."""
-
-    def find_class(self, module: str, name: str):
-        raise pickle.UnpicklingError(f"{module}.{name} is not plain data: refused")
-
-
-class SafeReader(FileSystemReader):
-    """DCP's file reader with `.metadata` read by `_MetadataUnpickler` instead of `pickle.load`."""
-
-    def read_metadata(self, *args, **kwargs) -> Metadata:
-        with open(Path(self.path) / ".metadata", "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-        if not isinstance(metadata, Metadata):
-            raise pickle.UnpicklingError(f".metadata holds a {type(metadata).__name__}, not DCP Metadata")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class SafePlanner(DefaultLoadPlanner):
-    """DCP's load planner; its non-tensor values (optimizer hyperparameters) pass `weights_only`."""
-
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        # DefaultLoadPlanner unpickles these with weights_only=False; refuse anything a
-        # weights_only load refuses first, so what reaches it is plain data and tensors.
-        try:
-            torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as e:
-            found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
-            what = found.group(1) if found else "objects beyond plain data and tensors"
-            raise pickle.UnpicklingError(
-                f"{read_item.dest_index.fqn!r} holds {what}: refused, since loading it could run code"
-            ) from None
-        value.seek(0)
-        super().load_bytes(read_item, value)
-
-
-def read_tensors(path: Path, state: dict) -> None:
-    """`dcp.load(state)` from `path`, nothing unpickled but plain data; CheckpointError otherwise."""
-    try:
-        dcp.load(state, storage_reader=SafeReader(path), planner=SafePlanner())
-    except (OSError, EOFError, pickle.UnpicklingError, CheckpointException) as e:  # CheckpointException is a
-        raise CheckpointError(f"checkpoint {path} cannot be read: {_first_line(e)}") from None  # BaseException
-
-
-def read_metadata(path: Path) -> Metadata:
-    try:
-        return SafeReader(path).read_metadata()
-    except (OSError, EOFError, ValueError, AttributeError, pickle.UnpicklingError) as e:
-        raise CheckpointError(f"checkpoint {path}: .metadata cannot be read: {_first_line(e)}") from None
-
-
-def read_train_state(path: Path, metadata: Metadata) -> dict:
-    """The training state saved with `path`: `train_state.json`, or an older checkpoint's pickle."""
-    if (path / TRAIN_STATE).is_file():
-        try:
-            return json.loads((path / TRAIN_STATE).read_text())
-        except (OSError, ValueError) as e:
-            raise CheckpointError(f"checkpoint {path}: {TRAIN_STATE} cannot be read: {e}") from None
-    if "train" not in metadata.state_dict_metadata:
-        raise CheckpointError(f"checkpoint {path} has no {TRAIN_STATE}: not a ringflash training checkpoint")
-    head = {"train": b""}
-    read_tensors(path, head)
-    try:
-        return _PlainDataUnpickler(io.BytesIO(head["train"])).load()
-    except (pickle.UnpicklingError, EOFError, TypeError, ValueError) as e:
-        raise CheckpointError(
-            f"checkpoint {path} is from an older ringflash and its pickled training state holds more than plain "
-            f"data ({e}): not loaded, since unpickling it could run code"
-        ) from None
 
 
 # ----------------------------------------------------------------------------- save and load
@@ -327,21 +154,21 @@ class Checkpointer:
             try:
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir(parents=True)
-                _write_durably(tmp / TRAIN_STATE, json.dumps(train_state))
+                write_durably(tmp / TRAIN_STATE, json.dumps(train_state))
             except OSError as e:
                 error = f"{failed}: {e}"
-        _agree(error)
+        agree(error)
         try:
             dcp.save(self._state(model, optimizer), storage_writer=self.writer(tmp))
         except (OSError, CheckpointException) as e:  # every rank gets a CheckpointException
-            raise CheckpointError(f"{failed}: {_first_line(e)} (nothing was published)") from None
+            raise CheckpointError(f"{failed}: {first_line(e)} (nothing was published)") from None
         _failpoint("save", step, self.rank)
         dist.barrier()  # every rank's shards are on disk before they are hashed and published
         error = None
         try:
-            digests = _hash_share(tmp, sorted(p.name for p in tmp.iterdir() if p.is_file()))
+            digests = hash_share(tmp, sorted(p.name for p in tmp.iterdir() if p.is_file()))
             if self.rank == 0:
-                _write_manifest(tmp, digests)
+                write_manifest(tmp, digests)
                 if final.exists():  # the same step saved again (a resumed run that stopped early)
                     _remove(final)
                 tmp.rename(final)
@@ -350,7 +177,7 @@ class Checkpointer:
                     _remove(old)
         except OSError as e:
             error = f"{failed}: {e}"
-        _agree(error)
+        agree(error)
         return final
 
     def resolve(self, resume: str) -> Path | None:
@@ -372,7 +199,7 @@ class Checkpointer:
             path = Path(resume)
             if not (path / ".metadata").is_file():
                 error = f"checkpoint.resume: {path} is not a complete checkpoint (no .metadata)"
-        _agree(error)
+        agree(error)
         if dist.is_initialized() and dist.get_world_size() > 1:
             # Every rank loads collectively, so all must load the same one; they may not when
             # the checkpoint directory is not on a filesystem shared by every node.
@@ -414,13 +241,6 @@ class Checkpointer:
         if self.rank == 0 and self.dir.is_dir():
             for p in [*self.dir.glob("step_*.tmp"), *self.dir.glob("step_*.old")]:
                 shutil.rmtree(p, ignore_errors=True)
-
-
-def _first_line(e: BaseException) -> str:
-    """The informative line of an exception; DCP's wrap every rank's traceback in one message."""
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    errors = [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b", line)]
-    return (errors or lines or [type(e).__name__])[-1]
 
 
 def _check_same_model(path: Path, model_sd: dict, saved_keys: dict, model: nn.Module, saved_cfg: dict | None) -> None:

@@ -155,7 +155,7 @@ def export_pretrained(checkpoint: str | Path, out: str | Path, warn=print) -> Pa
     checkpoint's checksums are verified first (`warn` gets the note if it has none)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    from ringflash.train.checkpoint import read_metadata, read_tensors, read_train_state, verify
+    from ringflash.train.checkpoint_files import read_metadata, read_tensors, read_train_state, verify
 
     path = Path(checkpoint)
     if not (path / ".metadata").is_file():

@@ -102,7 +102,7 @@ def test_older_checkpoint_with_plain_data_loads(tmp_path):
 
 def test_metadata_unpickler_admits_what_dcp_writes(tmp_path):
     """Every class a real DCP .metadata names is admitted (the allowlist is not too narrow)."""
-    from ringflash.train.checkpoint import read_metadata
+    from ringflash.train.checkpoint_files import read_metadata
 
     model = torch.nn.Linear(3, 3)
     opt = torch.optim.AdamW(model.parameters())
