@@ -149,12 +149,16 @@ class Checkpointer:
         final = self.dir / f"step_{step:08d}"
         tmp = final.with_name(final.name + ".tmp")
         failed = f"saving checkpoint {final} failed"
+        try:  # on every rank (the state is the same on all): all raise, none waits for the others
+            text = json.dumps(train_state)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"{failed}: the training state is not plain JSON data: {e}") from None
         error = None
         if self.rank == 0:
             try:
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir(parents=True)
-                write_durably(tmp / TRAIN_STATE, json.dumps(train_state))
+                write_durably(tmp / TRAIN_STATE, text)
             except OSError as e:
                 error = f"{failed}: {e}"
         agree(error)

@@ -91,10 +91,13 @@ def verify(path: Path) -> str | None:
     """CheckpointError naming the first damaged or missing file of `path`, on every rank; returns a
     warning if `path` has no manifest (an older checkpoint), else None. Collective when distributed."""
     try:
-        listed = json.loads((path / MANIFEST).read_text())["files"]
+        files = json.loads((path / MANIFEST).read_text())["files"]
+        listed = {name: entry["sha256"] for name, entry in files.items()}
+        if any(Path(name).name != name or name in ("", ".", "..") for name in listed):
+            raise ValueError("a listed name is not a file of the checkpoint directory")
     except FileNotFoundError:
         return f"checkpoint {path} has no {MANIFEST} (written by an older ringflash): loaded without checksums"
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         agree(f"checkpoint {path}: {MANIFEST} is damaged ({type(e).__name__}: {e}); the checkpoint cannot be trusted")
     names = sorted(listed)
     missing = [n for n in names if not (path / n).is_file()]
@@ -103,7 +106,7 @@ def verify(path: Path) -> str | None:
         problem = f"checkpoint {path} is incomplete: {missing[0]} (listed in {MANIFEST}) is missing"
     agree(problem)
     digests = hash_share(path, names)
-    damaged = [n for n in names if digests[n] != listed[n].get("sha256")]
+    damaged = [n for n in names if digests[n] != listed[n]]
     if damaged:
         agree(
             f"checkpoint {path} is damaged: {damaged[0]} does not match its sha256 in {MANIFEST}"
@@ -195,9 +198,12 @@ def read_train_state(path: Path, metadata: Metadata) -> dict:
     """The training state saved with `path`: `train_state.json`, or an older checkpoint's pickle."""
     if (path / TRAIN_STATE).is_file():
         try:
-            return json.loads((path / TRAIN_STATE).read_text())
+            state = json.loads((path / TRAIN_STATE).read_text())
         except (OSError, ValueError) as e:
             raise CheckpointError(f"checkpoint {path}: {TRAIN_STATE} cannot be read: {e}") from None
+        if not isinstance(state, dict):
+            raise CheckpointError(f"checkpoint {path}: {TRAIN_STATE} holds a {type(state).__name__}, not an object")
+        return state
     if "train" not in metadata.state_dict_metadata:
         raise CheckpointError(f"checkpoint {path} has no {TRAIN_STATE}: not a ringflash training checkpoint")
     head = {"train": b""}

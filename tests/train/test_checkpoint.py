@@ -201,3 +201,26 @@ def test_full_disk_is_one_line_on_every_rank_and_publishes_nothing(tmp_path):
             f"saving checkpoint {tmp_path / 'step_00000002'} failed: OSError: [Errno 28] No space left on device "
             "(nothing was published)"
         ), msg
+
+
+def _damaged_manifest_or_missing_file(rank, world, tmp: Path):
+    model, opt = _linear_and_adamw()
+    ckpt = Checkpointer(tmp, keep=2, rank=rank, device=torch.device("cpu"))
+    path = ckpt.save(1, model, opt, {"step": 1})
+    manifest = json.loads((path / "manifest.json").read_text())
+    shard = sorted(path.glob("*.distcp"))[0]
+    files = manifest["files"]
+    cases = [
+        ("{not json", r"manifest.json is damaged \(JSONDecodeError: "),
+        (json.dumps({"files": {"../x": {"sha256": "0"}}}), r"manifest.json is damaged .*not a file of the checkpoint"),
+        (json.dumps({"files": {**files, "__9_0.distcp": {"sha256": "0"}}}), r"incomplete: __9_0.distcp .* missing"),
+        (json.dumps({"files": {**files, shard.name: {"sha256": "0" * 64}}}), rf"damaged: {shard.name} does not match"),
+    ]
+    for text, match in cases:
+        (path / "manifest.json").write_text(text)
+        with pytest.raises(CheckpointError, match=rf"checkpoint {path}.*{match}"):
+            ckpt.load(path, model, opt)
+
+
+def test_damaged_manifest_or_missing_file_is_named(tmp_path):
+    run_ranks(_damaged_manifest_or_missing_file, 1, args=(tmp_path,))
