@@ -1,9 +1,10 @@
 """Export a `[model] kind = "hf"` training checkpoint for transformers (`save_pretrained`):
 
-    python launch/export_hf.py --checkpoint runs/X/checkpoints/step_00000100 --out runs/X/hf
-    AutoModelForCausalLM.from_pretrained("runs/X/hf")      # then loads it, no ringflash needed
+    python launch/export_hf.py --checkpoint runs/X/RUN/checkpoints/step_00000100 --out runs/X/RUN/hf
+    AutoModelForCausalLM.from_pretrained("runs/X/RUN/hf")      # then loads it, no ringflash needed
 
-One process, no torchrun: the checkpoint's shards are read whatever world size wrote them.
+One process, no torchrun: the checkpoint's shards are read whatever world size wrote them. Its
+checksums (manifest.json) are verified first, and nothing in it is unpickled but plain data.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="the directory to write (config.json, model.safetensors)")
     args = parser.parse_args(argv)
     try:
-        out = export_pretrained(args.checkpoint, args.out)
+        out = export_pretrained(args.checkpoint, args.out, warn=lambda msg: print(msg, file=sys.stderr))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -67,6 +67,7 @@ def train_overrides(run_dir: Path, steps: int, interval: int, timeout_s: float =
         f"--checkpoint.interval={interval}",
         "--checkpoint.keep=2",
         f"--logging.dir={run_dir}",
+        "--logging.run_id=",  # run_dir itself: final_checkpoint looks in run_dir/checkpoints
         "--logging.log_every=1",
         "--logging.progress_bar=false",
         "--logging.tensorboard=false",

@@ -1,15 +1,18 @@
 """Train the ringflash LM: `torchrun --nproc_per_node=N launch/train.py --config configs/X.toml`.
 
-Any option can be overridden as `--section.key=value` (see `--help`); `--resume` continues the
-latest complete checkpoint of the run (or `--resume PATH` a given one).
+Any option can be overridden as `--section.key=value` (see `--help`). Each launch is a new run in
+its own directory, `<logging.dir>/<start time>/`; `--resume` continues the latest run of
+`logging.dir` from its latest complete checkpoint (`--resume PATH`: a given checkpoint or run), or
+fails if there is none.
 
 Fault tolerance: under `torchrun --max-restarts=N` a restarted attempt (TORCHELASTIC_RESTART_COUNT
-> 0) resumes the latest complete checkpoint by itself, so a killed rank costs at most the steps
-since the last save (set `--checkpoint.interval`). Exit codes: 2 configuration or checkpoint
-error (or another ValueError or TypeError the library raises on bad input), 3 non-finite loss,
-4 communication failure (a peer rank died, hung past `parallel.timeout_s`, or skipped a collective):
-each rank prints its own one-line error, `rank N: error: ...`, before torchrun's report. Any other
-exception keeps its traceback.
+> 0) continues the run its first attempt started from the latest complete checkpoint by itself
+(fresh if none was saved yet), so a killed rank costs at most the steps since the last save (set
+`--checkpoint.interval`). Exit codes: 2 configuration or checkpoint error (or another ValueError
+or TypeError the library raises on bad input), 3 non-finite loss, 4 communication failure (a peer
+rank died, hung past `parallel.timeout_s`, or skipped a collective): each rank prints its own
+one-line error, `rank N: error: ...`, before torchrun's report. Any other exception keeps its
+traceback.
 """
 
 from __future__ import annotations
@@ -36,17 +39,18 @@ def main(argv: list[str] | None = None) -> int:
         nargs="?",
         const="latest",
         default=None,
-        help="continue the latest complete checkpoint, or the one at PATH",
+        help="continue the latest run of logging.dir from its latest checkpoint, or the checkpoint or run at PATH",
     )
     args, overrides = parser.parse_known_args(argv)
     rank = int(os.environ.get("RANK", 0))
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     if args.resume is None and restart > 0:
-        # torchrun restarted the job after a failure: this is the same run, not a new one (which
-        # would refuse the checkpoints the first attempt left). Fresh if none was saved yet.
-        args.resume = "latest"
+        # torchrun restarted the job after a failure: this is the same run, not a new one. Unlike
+        # an explicit --resume ("latest", which must find a checkpoint), "auto" starts the run
+        # fresh if its first attempt saved none yet.
+        args.resume = "auto"
         if rank == 0:
-            print(f"torchrun restart {restart}: resuming the latest complete checkpoint", flush=True)
+            print(f"torchrun restart {restart}: continuing this run from its latest complete checkpoint", flush=True)
     if args.resume is not None:
         overrides.append(f"--checkpoint.resume={args.resume}")
     # One line per rank, each naming itself when there are several: "rank 1: error: ...".

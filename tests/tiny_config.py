@@ -22,6 +22,7 @@ TINY = [
     "--data.eval_samples=0",
     "--logging.progress_bar=false",
     "--logging.tensorboard=false",
+    "--logging.run_id=",  # logging.dir is the run directory: the tests name their paths
     "--train.device=cpu",
 ]
 

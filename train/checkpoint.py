@@ -1,17 +1,29 @@
-"""Checkpoints with torch.distributed.checkpoint (DCP), made visible atomically.
+"""Checkpoints with torch.distributed.checkpoint (DCP), made visible atomically, checksummed,
+and loaded without running code stored in them.
 
 A checkpoint is a directory `step_00000100/` written by every rank in parallel. It is first
-written as `step_00000100.tmp/` and renamed only after every rank has finished, so a directory
-without the suffix is always complete: a crash mid-save leaves a `.tmp` that is ignored (and
-cleaned at the next start). Only the last `keep` complete checkpoints are kept; an old one is
-first renamed to `.old` and only then deleted, so a crash while deleting it never leaves a
-half-deleted directory under a complete checkpoint's name. DCP fsyncs every file it writes and
-the directory is fsynced after the rename, so a published checkpoint also survives a power cut.
+written as `step_00000100.tmp/` and renamed only after every rank has finished and the checksums
+are written, so a directory without the suffix is always complete and has its manifest: a crash
+mid-save leaves a `.tmp` that is ignored (and cleaned at the next start). Only the last `keep`
+complete checkpoints are kept; an old one is first renamed to `.old` and only then deleted, so a
+crash while deleting it never leaves a half-deleted directory under a complete checkpoint's name.
+DCP fsyncs every file it writes and the directory is fsynced after the rename, so a published
+checkpoint also survives a power cut. A failed write (a full disk) raises `CheckpointError` on
+every rank and publishes nothing.
 
-Loading checks the checkpoint against this run before touching the model: every rank must have
-resolved the same checkpoint, and its parameter names and shapes must be this model's (a
-checkpoint of another model shape names the differing `model.*` settings). What cannot be used
-raises `CheckpointError` (a `ConfigError`: the launcher prints it as one line).
+Files: DCP's shards (`*.distcp`) and `.metadata`; `train_state.json` (step, scheduler, data
+position, config: plain data, never a pickle); `manifest.json`, the sha256 of every other file.
+Contents of the shards: model and optimizer (DCP's FQN-keyed state dicts, so DDP, FSDP2, compile
+and activation checkpointing wrappers do not change the keys; FSDP2's DTensors are saved as their
+shards) and each rank's RNG states (tensors) under a per-rank key.
+
+Loading first verifies the manifest (a damaged or missing file is named), then checks the
+checkpoint against this run before touching the model: every rank must have resolved the same
+checkpoint, and its parameter names and shapes must be this model's (a checkpoint of another model
+shape names the differing `model.*` settings). Nothing in a checkpoint can run code when loaded
+(train/checkpoint_files.py). A checkpoint without a manifest (written before manifests existed)
+loads with a warning. What cannot be used raises `CheckpointError` (a `ConfigError`: the
+launcher prints it as one line).
 
 Another world size is not refused: DCP stores every tensor with its global shape and each rank
 reads the pieces its own shards need, so a checkpoint of 4 ranks resumes on 2 and the reverse,
@@ -23,17 +35,13 @@ order of the sums over ranks differs). At the same world size a resume is bit-ex
 Fault injection for tests and `launch/soak.py`: `RINGFLASH_FAULT=save:STEP:RANK[:ATTEMPT]` kills
 rank RANK with SIGKILL while it saves step STEP, after its shards are written and before the
 checkpoint is published, in torchrun attempt ATTEMPT (default 0; `TORCHELASTIC_RESTART_COUNT`).
-
-Contents: model and optimizer (DCP's FQN-keyed state dicts, so DDP, FSDP2, compile and activation
-checkpointing wrappers do not change the keys; FSDP2's DTensors are saved as their shards), the
-training state (step, scheduler, data position) and each rank's RNG states under a per-rank key.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
-import pickle
 import re
 import shutil
 import signal
@@ -43,17 +51,28 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from ringflash.train.config import ConfigError
+from ringflash.train.checkpoint_files import (  # CheckpointError is re-exported: callers import it from here
+    TRAIN_STATE,
+    CheckpointError,
+    agree,
+    first_line,
+    hash_share,
+    read_metadata,
+    read_tensors,
+    read_train_state,
+    verify,
+    write_durably,
+    write_manifest,
+)
+
+__all__ = ["CheckpointError", "Checkpointer", "complete_checkpoints"]
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
-
-
-class CheckpointError(ConfigError):
-    """A checkpoint cannot be resumed by this run: another model shape, unreadable or corrupt."""
 
 
 def _failpoint(where: str, step: int, rank: int) -> None:
@@ -96,6 +115,9 @@ def complete_checkpoints(directory: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name)
 
 
+# ----------------------------------------------------------------------------- save and load
+
+
 def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
     state = {"cpu": torch.get_rng_state()}
     if device.type == "cuda":
@@ -110,54 +132,78 @@ def _set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None
 
 
 class Checkpointer:
-    """Saves and restores `model`, `optimizer` and an arbitrary picklable `train_state` dict."""
+    """Saves and restores `model`, `optimizer` and a JSON-serialisable `train_state` dict.
 
-    def __init__(self, directory: str | Path, keep: int, rank: int, device: torch.device):
-        self.dir, self.keep, self.rank, self.device = Path(directory), keep, rank, device
+    `writer`: DCP's storage writer class for a directory (a test passes one that fails).
+    """
 
-    def _state(self, model: nn.Module, optimizer: torch.optim.Optimizer, train_state: dict) -> dict:
+    def __init__(self, directory: str | Path, keep: int, rank: int, device: torch.device, writer=FileSystemWriter):
+        self.dir, self.keep, self.rank, self.device, self.writer = Path(directory), keep, rank, device, writer
+
+    def _state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        # DCP loads exactly the keys of the dict it is given, and the training state's keys are not
-        # known before loading: so it travels as one opaque blob (identical on every rank).
         # RNG streams differ per rank, hence a per-rank key (DCP de-duplicates equal keys).
-        return {
-            "model": model_sd,
-            "optim": optim_sd,
-            "train": pickle.dumps(train_state),
-            f"rng_rank{self.rank}": _rng_state(self.device),
-        }
+        return {"model": model_sd, "optim": optim_sd, f"rng_rank{self.rank}": _rng_state(self.device)}
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, train_state: dict) -> Path:
         final = self.dir / f"step_{step:08d}"
         tmp = final.with_name(final.name + ".tmp")
+        failed = f"saving checkpoint {final} failed"
+        try:  # on every rank (the state is the same on all): all raise, none waits for the others
+            text = json.dumps(train_state)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"{failed}: the training state is not plain JSON data: {e}") from None
+        error = None
         if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            self.dir.mkdir(parents=True, exist_ok=True)
-        dist.barrier()
-        dcp.save(self._state(model, optimizer, train_state), checkpoint_id=tmp)
+            try:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+                write_durably(tmp / TRAIN_STATE, text)
+            except OSError as e:
+                error = f"{failed}: {e}"
+        agree(error)
+        try:
+            dcp.save(self._state(model, optimizer), storage_writer=self.writer(tmp))
+        except (OSError, CheckpointException) as e:  # every rank gets a CheckpointException
+            raise CheckpointError(f"{failed}: {first_line(e)} (nothing was published)") from None
         _failpoint("save", step, self.rank)
-        dist.barrier()  # every rank's shards are on disk before the rename publishes them
-        if self.rank == 0:
-            if final.exists():  # the same step saved again (a resumed run that stopped early)
-                _remove(final)
-            tmp.rename(final)
-            _fsync_dir(self.dir)
-            for old in complete_checkpoints(self.dir)[: -self.keep]:
-                _remove(old)
-        dist.barrier()
+        dist.barrier()  # every rank's shards are on disk before they are hashed and published
+        error = None
+        try:
+            digests = hash_share(tmp, sorted(p.name for p in tmp.iterdir() if p.is_file()))
+            if self.rank == 0:
+                write_manifest(tmp, digests)
+                if final.exists():  # the same step saved again (a resumed run that stopped early)
+                    _remove(final)
+                tmp.rename(final)
+                _fsync_dir(self.dir)
+                for old in complete_checkpoints(self.dir)[: -self.keep]:
+                    _remove(old)
+        except OSError as e:
+            error = f"{failed}: {e}"
+        agree(error)
         return final
 
     def resolve(self, resume: str) -> Path | None:
-        """The checkpoint named by `checkpoint.resume`: '' none, 'latest' (None if there is none), or a path."""
+        """The checkpoint named by `checkpoint.resume`: '' none; 'latest' the latest complete one in
+        the directory (CheckpointError if there is none); 'auto' the same, None if there is none
+        (a torchrun restart before the first save); or a checkpoint path. The same on every rank."""
         if not resume:
             return None
-        if resume == "latest":
+        path, error = None, None
+        if resume in ("latest", "auto"):
             found = complete_checkpoints(self.dir)
             path = found[-1] if found else None
+            if path is None and resume == "latest":
+                error = (
+                    f"checkpoint.resume = latest: no complete checkpoint in {self.dir} to resume; "
+                    "start without --resume for a new run"
+                )
         else:
             path = Path(resume)
             if not (path / ".metadata").is_file():
-                raise CheckpointError(f"checkpoint.resume: {path} is not a complete checkpoint (no .metadata)")
+                error = f"checkpoint.resume: {path} is not a complete checkpoint (no .metadata)"
+        agree(error)
         if dist.is_initialized() and dist.get_world_size() > 1:
             # Every rank loads collectively, so all must load the same one; they may not when
             # the checkpoint directory is not on a filesystem shared by every node.
@@ -171,47 +217,34 @@ class Checkpointer:
                 )
         return path
 
-    def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-        """Restore model, optimizer and this rank's RNG in place; return the saved train_state.
+    def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, str | None]:
+        """Restore model, optimizer and this rank's RNG in place; return the saved train_state and a
+        warning (None, or: no manifest to verify).
 
-        Raises CheckpointError if the checkpoint holds another model (parameter names or shapes
-        differ: checked before anything is loaded) or cannot be read (a damaged file may be found
-        halfway through loading: the run must stop then, and does, since every rank raises).
+        Raises CheckpointError if a file is damaged (checked against the manifest first), the
+        checkpoint holds another model (parameter names or shapes differ: checked before anything
+        is loaded) or cannot be read; every rank raises, so the run stops.
         """
-        try:
-            saved_keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-            head = {"train": b""}
-            dcp.load(head, checkpoint_id=path)  # the small blob first: it holds the saved config
-            train_state = pickle.loads(head["train"])
-        except (OSError, EOFError, pickle.UnpicklingError, CheckpointException) as e:
-            raise CheckpointError(f"checkpoint {path} cannot be read: {_first_line(e)}") from None
-        state = self._state(model, optimizer, {})
+        warning = verify(path)
+        metadata = read_metadata(path)
+        train_state = read_train_state(path, metadata)
+        saved_keys = metadata.state_dict_metadata
+        state = self._state(model, optimizer)
         _check_same_model(path, state["model"], saved_keys, model, train_state.get("config", {}).get("model"))
         rng_key = f"rng_rank{self.rank}"
         if not any(k.startswith(rng_key + ".") for k in saved_keys):
             state.pop(rng_key)  # saved with fewer ranks: this rank keeps its fresh RNG
-        state.pop("train")
-        try:
-            dcp.load(state, checkpoint_id=path)
-        except CheckpointException as e:  # a BaseException: it would slip past `except Exception`
-            raise CheckpointError(f"checkpoint {path} cannot be read: {_first_line(e)}") from None
+        read_tensors(path, state)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         if rng_key in state:
             _set_rng_state(state[rng_key], self.device)
-        return train_state
+        return train_state, warning
 
     def clean_partial(self) -> None:
         """Remove what a killed save left: `.tmp` (never published) and `.old` (being deleted); rank 0."""
         if self.rank == 0 and self.dir.is_dir():
             for p in [*self.dir.glob("step_*.tmp"), *self.dir.glob("step_*.old")]:
                 shutil.rmtree(p, ignore_errors=True)
-
-
-def _first_line(e: BaseException) -> str:
-    """The informative line of an exception; DCP's wrap every rank's traceback in one message."""
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    errors = [line for line in lines if re.match(r"^\w*(Error|Exception)\b", line)]
-    return (errors or lines or [type(e).__name__])[-1]
 
 
 def _check_same_model(path: Path, model_sd: dict, saved_keys: dict, model: nn.Module, saved_cfg: dict | None) -> None:

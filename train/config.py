@@ -231,19 +231,28 @@ class TrainConfig:
 @dataclass
 class CheckpointConfig:
     enabled: bool = opt(True, "Save checkpoints (at `interval` and at the end of the run).")
-    dir: str = opt("", "Checkpoint directory; empty means <logging.dir>/checkpoints.")
+    dir: str = opt("", "Checkpoint directory; empty means the run directory's checkpoints/ (see logging.run_id).")
     interval: int = opt(0, "Save every N steps (0: only at the end of the run).")
     keep: int = opt(2, "Keep the last K complete checkpoints.")
     resume: str = opt(
-        "", "Empty: start fresh; 'latest': the latest complete checkpoint in dir (fresh if none); or a checkpoint path."
+        "",
+        "Empty: a new run; 'latest' (--resume): the latest complete checkpoint, of the latest run of "
+        "logging.dir holding one, else an error; a checkpoint or run directory path; 'auto': what a "
+        "torchrun restart sets, the latest checkpoint of the run its first attempt started, fresh if none.",
     )
 
 
 @dataclass
 class LoggingConfig:
-    dir: str = opt("runs/default", "Run directory: TensorBoard events and, by default, checkpoints.")
+    dir: str = opt("runs/default", "Where this configuration's runs go: <dir>/<run_id>/ (tb/, checkpoints/).")
+    run_id: str = opt(
+        "auto",
+        "The run's sub-directory of dir: 'auto' a new one per launch, named by its start time "
+        "(--resume: the latest run); a name; or '' for dir itself. A named directory holding "
+        "checkpoints is refused without --resume.",
+    )
     log_every: int = opt(10, "One summary line every N steps.")
-    tensorboard: bool = opt(True, "Write TensorBoard scalars to <dir>.")
+    tensorboard: bool = opt(True, "Write TensorBoard scalars to the run directory's tb/.")
     progress_bar: bool = opt(True, "tqdm progress bar with ETA on rank 0, drawn only when stderr is a terminal.")
     peak_tflops: float = opt(
         0.0, "Peak dense bf16 TFLOP/s per device for MFU; 0 guesses from the GPU name (no MFU on CPU)."
@@ -509,6 +518,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"data.path: required for data.kind = {d.kind!r}")
     if not 0 <= t.stop_at <= t.steps:
         raise ConfigError(f"train.stop_at ({t.stop_at}) must be in [0, train.steps = {t.steps}]")
+    run_id = cfg.logging.run_id
+    if run_id and (Path(run_id).name != run_id or run_id.startswith(".")):
+        raise ConfigError(f"logging.run_id: 'auto', '' or a directory name (no '/', no leading '.'), got {run_id!r}")
 
 
 # Adam moves every weight by about lr a step from the first steps on, so a linear layer of fan-in

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import pickle
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -150,23 +149,25 @@ def config_from_dict(saved: dict) -> Config:
     return cfg
 
 
-def export_pretrained(checkpoint: str | Path, out: str | Path) -> Path:
+def export_pretrained(checkpoint: str | Path, out: str | Path, warn=print) -> Path:
     """Write the `kind = hf` model of a training checkpoint with `save_pretrained` to `out`, for
-    `AutoModelForCausalLM.from_pretrained(out)`. One process, no process group needed."""
-    import torch.distributed.checkpoint as dcp
+    `AutoModelForCausalLM.from_pretrained(out)`. One process, no process group needed. The
+    checkpoint's checksums are verified first (`warn` gets the note if it has none)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from ringflash.train.checkpoint_files import read_metadata, read_tensors, read_train_state, verify
 
     path = Path(checkpoint)
     if not (path / ".metadata").is_file():
         raise ConfigError(f"--checkpoint: {path} is not a complete checkpoint (no .metadata)")
-    head = {"train": b""}
-    dcp.load(head, checkpoint_id=path)
-    cfg = config_from_dict(pickle.loads(head["train"])["config"])
+    if (warning := verify(path)) is not None:
+        warn(f"warning: {warning}")
+    cfg = config_from_dict(read_train_state(path, read_metadata(path))["config"])
     if cfg.model.kind != "hf":
         raise ConfigError(f"--checkpoint: {path} holds a model.kind = {cfg.model.kind!r} model, not an hf one")
     model = build_hf_model(cfg)
     state = {"model": get_model_state_dict(model)}
-    dcp.load(state, checkpoint_id=path)
+    read_tensors(path, state)
     set_model_state_dict(model, state["model"])
     model.hf.config.use_cache = True  # off for training only: generation wants its KV cache
     model.hf.save_pretrained(out)

@@ -16,7 +16,6 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -41,6 +40,7 @@ from ringflash.train.parallel import (
     parallelize_hf,
     shard_batch,
 )
+from ringflash.train.runs import resolve_run
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -171,35 +171,37 @@ def _loop(cfg: Config, pc: ParallelContext, on_exit: contextlib.ExitStack) -> Tr
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     autocast = autocast_for(cfg, dev)
 
-    # ---- resume
-    ckpt_dir = Path(cfg.checkpoint.dir or Path(cfg.logging.dir) / "checkpoints")
+    # ---- run directory, resume
+    run = resolve_run(cfg, pc.rank)
+    on_exit.callback(run.remove_if_unused, pc.is_main)  # after log.close: a run that wrote nothing
+    ckpt_dir = run.checkpoints
     ckpt = Checkpointer(ckpt_dir, cfg.checkpoint.keep, pc.rank, dev)
     ckpt.clean_partial()
-    step, resume_note = 0, ""
-    path = ckpt.resolve(cfg.checkpoint.resume)
+    step, resume_notes = 0, []
+    path = ckpt.resolve(run.resume)
     if path is not None:
-        state = ckpt.load(path, model, optimizer)
+        state, warning = ckpt.load(path, model, optimizer)
         scheduler.load_state_dict(state["scheduler"])
         loader.load_state_dict(state["data"])
         step = state["step"]
-        resume_note = f"resumed from {path} at step {step}"
-    elif cfg.checkpoint.resume:
-        resume_note = f"no complete checkpoint in {ckpt_dir}: starting fresh"
+        resume_notes = [f"resumed from {path} at step {step}"] + ([f"warning: {warning}"] if warning else [])
+    elif run.resume:
+        resume_notes = [f"no complete checkpoint in {ckpt_dir} yet: starting this run fresh"]
     elif cfg.checkpoint.enabled and complete_checkpoints(ckpt_dir):
         # Starting over here would interleave two runs' checkpoints; make the user choose.
         raise ConfigError(
             f"checkpoint.dir {ckpt_dir} already holds checkpoints "
             f"({complete_checkpoints(ckpt_dir)[-1].name}): pass --resume to continue "
-            f"that run, or set --checkpoint.dir / --logging.dir for a new one"
+            f"that run, or give another --checkpoint.dir / --logging.run_id (auto: a new directory per run)"
         )
 
     stop = t.stop_at or t.steps
     # A run resumed at its end has nothing to log: no TensorBoard directory for it either.
     tensorboard = cfg.logging.tensorboard and step < stop
-    log = Logger(cfg.logging.dir, pc.is_main, tensorboard, cfg.logging.progress_bar)
+    log = Logger(str(run.dir), pc.is_main, tensorboard, cfg.logging.progress_bar)
     on_exit.callback(log.close)
-    if resume_note:
-        log.print(resume_note)
+    for note in resume_notes:
+        log.print(note)
     if lr_warning and step == 0:
         log.print(f"warning: {lr_warning}")
     if step >= stop:
@@ -357,7 +359,7 @@ def _loop(cfg: Config, pc: ParallelContext, on_exit: contextlib.ExitStack) -> Tr
         for line in report(name, result.passkey, passkey, pc.dims.cp, cfg.parallel.layout, cfg.data.eval_samples):
             log.print(line)
     if log.writer is not None:
-        log.print(f"TensorBoard logs: {log.writer.get_logdir()} (view: tensorboard --logdir {cfg.logging.dir})")
+        log.print(f"TensorBoard logs: {log.writer.get_logdir()} (every run: tensorboard --logdir {cfg.logging.dir})")
     if cfg.checkpoint.enabled:
-        log.print(f"checkpoint of step {step}: {ckpt_dir / f'step_{step:08d}'}")
+        log.print(f"checkpoint of step {step}: {ckpt_dir / f'step_{step:08d}'} (continue with --resume)")
     return result

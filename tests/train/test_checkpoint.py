@@ -1,13 +1,19 @@
-"""Checkpoints: stopping at k and resuming to 2k equals an uninterrupted 2k-step run, bit for bit."""
+"""Checkpoints: stopping at k and resuming to 2k equals an uninterrupted 2k-step run, bit for bit;
+old ones pruned, partial ones ignored; damaged files named by their checksums; a failed write
+(a full disk) published nowhere and reported on every rank."""
 
 from __future__ import annotations
 
+import errno
+import json
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemWriter
 
-from ringflash.train.checkpoint import Checkpointer, complete_checkpoints
+from ringflash.train.checkpoint import Checkpointer, CheckpointError, complete_checkpoints
 from ringflash.train.config import ConfigError
 from tests.dist_utils import run_ranks
 from tests.tiny_config import tiny_config
@@ -97,7 +103,7 @@ def _keep_last_k_and_ignore_partial(rank, world, tmp: Path):
         for p in model.parameters():
             p.zero_()
     torch.rand(5)
-    assert ckpt.load(tmp / "step_00000003", model, opt) == {"step": 3}
+    assert ckpt.load(tmp / "step_00000003", model, opt) == ({"step": 3}, None)  # None: no warning
     for a, b in zip(before, model.parameters(), strict=True):
         assert torch.equal(a, b)
     assert torch.equal(torch.rand(3), after_save)  # this rank's own RNG state, restored
@@ -109,3 +115,119 @@ def _keep_last_k_and_ignore_partial(rank, world, tmp: Path):
 
 def test_keep_last_k_and_ignore_partial(tmp_path):
     run_ranks(_keep_last_k_and_ignore_partial, 2, args=(tmp_path,))
+
+
+def _linear_and_adamw() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def _flip_bytes(path: Path) -> None:
+    """Invert 8 bytes in the middle of `path`: same size, still parseable, other numbers."""
+    data = bytearray(path.read_bytes())
+    mid = len(data) // 2
+    data[mid : mid + 8] = bytes(b ^ 0xFF for b in data[mid : mid + 8])
+    path.write_bytes(bytes(data))
+
+
+def _damaged_files_are_named(rank, world, tmp: Path):
+    from ringflash.train.trainer import train
+
+    train(cfg_for(tmp, "--train.steps=1"))
+    step = tmp / "checkpoints" / "step_00000001"
+    listed = json.loads((step / "manifest.json").read_text())["files"]
+    assert sorted(listed) == sorted(p.name for p in step.iterdir() if p.name != "manifest.json")
+    assert {".metadata", "train_state.json"} < set(listed)
+    resume = "--checkpoint.resume=latest"
+    shard = sorted(step.glob("*.distcp"))[-1]  # the last rank's shard: every rank must still raise
+    original = shard.read_bytes()
+    torch.distributed.barrier()
+    if rank == 0:
+        _flip_bytes(shard)
+    torch.distributed.barrier()
+    with pytest.raises(CheckpointError, match=rf"step_00000001 is damaged: {shard.name} does not match its sha256"):
+        train(cfg_for(tmp, "--train.steps=2", resume))
+    torch.distributed.barrier()
+    if rank == 0:
+        shard.write_bytes(original)
+        _flip_bytes(step / ".metadata")
+    torch.distributed.barrier()
+    with pytest.raises(CheckpointError, match=r"step_00000001 is damaged: .metadata does not match its sha256"):
+        train(cfg_for(tmp, "--train.steps=2", resume))
+
+
+def test_flipped_bytes_in_a_shard_or_metadata_are_named(tmp_path):
+    """The bytes of a weight shard inverted: before manifests this loaded, and trained on, silently."""
+    run_ranks(_damaged_files_are_named, 2, args=(tmp_path,), timeout_s=60)
+
+
+def _no_manifest_loads_with_a_warning(rank, world, tmp: Path):
+    model, opt = _linear_and_adamw()
+    ckpt = Checkpointer(tmp, keep=2, rank=rank, device=torch.device("cpu"))
+    path = ckpt.save(1, model, opt, {"step": 1})
+    dist.barrier()
+    if rank == 0:
+        (path / "manifest.json").unlink()
+    dist.barrier()
+    state, warning = ckpt.load(path, model, opt)
+    assert state == {"step": 1}
+    old = "has no manifest.json (written by an older ringflash): loaded without checksums"
+    assert warning == f"checkpoint {path} {old}"
+
+
+def test_checkpoint_without_manifest_loads_with_a_warning(tmp_path):
+    run_ranks(_no_manifest_loads_with_a_warning, 2, args=(tmp_path,))
+
+
+class _FullDisk(FileSystemWriter):
+    """DCP's writer on a disk that is full for rank 1."""
+
+    def write_data(self, plan, planner):
+        if dist.get_rank() == 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return super().write_data(plan, planner)
+
+
+def _full_disk(rank, world, tmp: Path):
+    model, opt = _linear_and_adamw()
+    Checkpointer(tmp, keep=2, rank=rank, device=torch.device("cpu")).save(1, model, opt, {"step": 1})
+    full = Checkpointer(tmp, keep=2, rank=rank, device=torch.device("cpu"), writer=_FullDisk)
+    with pytest.raises(CheckpointError) as err:
+        full.save(2, model, opt, {"step": 2})
+    dist.barrier()
+    assert [p.name for p in complete_checkpoints(tmp)] == ["step_00000001"]  # nothing published
+    return str(err.value)
+
+
+def test_full_disk_is_one_line_on_every_rank_and_publishes_nothing(tmp_path):
+    for msg in run_ranks(_full_disk, 2, args=(tmp_path,)):
+        assert msg == (
+            f"saving checkpoint {tmp_path / 'step_00000002'} failed: OSError: [Errno 28] No space left on device "
+            "(nothing was published)"
+        ), msg
+
+
+def _damaged_manifest_or_missing_file(rank, world, tmp: Path):
+    model, opt = _linear_and_adamw()
+    ckpt = Checkpointer(tmp, keep=2, rank=rank, device=torch.device("cpu"))
+    path = ckpt.save(1, model, opt, {"step": 1})
+    manifest = json.loads((path / "manifest.json").read_text())
+    shard = sorted(path.glob("*.distcp"))[0]
+    files = manifest["files"]
+    cases = [
+        ("{not json", r"manifest.json is damaged \(JSONDecodeError: "),
+        (json.dumps({"files": {"../x": {"sha256": "0"}}}), r"manifest.json is damaged .*not a file of the checkpoint"),
+        (json.dumps({"files": {**files, "__9_0.distcp": {"sha256": "0"}}}), r"incomplete: __9_0.distcp .* missing"),
+        (json.dumps({"files": {**files, shard.name: {"sha256": "0" * 64}}}), rf"damaged: {shard.name} does not match"),
+    ]
+    for text, match in cases:
+        (path / "manifest.json").write_text(text)
+        with pytest.raises(CheckpointError, match=rf"checkpoint {path}.*{match}"):
+            ckpt.load(path, model, opt)
+
+
+def test_damaged_manifest_or_missing_file_is_named(tmp_path):
+    run_ranks(_damaged_manifest_or_missing_file, 1, args=(tmp_path,))

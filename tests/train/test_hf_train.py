@@ -118,7 +118,7 @@ def test_torchrun_trains_and_exports(tmp_path):
                    f"--logging.dir={tmp_path}", "--train.steps=3", "--data.eval_samples=1", cwd=tmp_path)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     assert "done: step 3" in out.stdout
-    ckpt = tmp_path / "checkpoints" / "step_00000003"
+    [ckpt] = tmp_path.glob("*/checkpoints/step_00000003")  # <logging.dir>/<run id>/checkpoints
     export = subprocess_run([str(REPO / "launch" / "export_hf.py"), "--checkpoint", str(ckpt), "--out",
                              str(tmp_path / "hf")])  # fmt: skip
     assert export.returncode == 0, export.stderr[-3000:]

@@ -176,9 +176,13 @@ def _bad_checkpoints(rank, world, tmp: Path):
         train(cfg_for(tmp, "--train.steps=2", "--model.n_layers=1", resume))
     with pytest.raises(ConfigError, match=r"is not a complete checkpoint"):
         train(cfg_for(tmp, "--train.steps=2", f"--checkpoint.resume={tmp}"))
-    # A damaged shard: the message says which checkpoint, in one line, and nothing was loaded.
+    # A damaged shard: the message names the checkpoint and the file, in one line, and nothing was loaded.
     shard = next((tmp / "checkpoints" / "step_00000001").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=rf"checkpoint .*step_00000001 is damaged: {shard.name} does not match"):
+        train(cfg_for(tmp, "--train.steps=2", resume))
+    # Without its manifest (as an older checkpoint) the truncated shard still fails in one line.
+    (shard.parent / "manifest.json").unlink()
     with pytest.raises(CheckpointError, match=r"checkpoint .*step_00000001 cannot be read: "):
         train(cfg_for(tmp, "--train.steps=2", resume))
 

@@ -226,17 +226,18 @@ def test_torchrun_two_ranks_loss_falls(tmp_path):
     done = next(line for line in out.stdout.splitlines() if line.startswith("done:"))
     first, last = (float(v) for v in done.split("loss ")[1].split(" -> "))
     assert last < first - 1.0, done
-    assert list((tmp_path / "run" / "tb").glob("*/events.out.tfevents.*"))
+    [run] = [tb.parent for tb in (tmp_path / "run").glob("*/tb")]  # <logging.dir>/<run id>/
+    assert list((run / "tb").glob("*/events.out.tfevents.*"))
     # The closing lines: what ran, accuracy by depth and by the rank holding the key, where the logs are.
     assert "summary: trained 20 steps in " in out.stdout and "on 2 cpu processes (cp = 2, dp = 1)" in out.stdout
     assert "the query, at the end, is on rank 0:" in out.stdout
     assert "  bucket 1: key at tokens    33-62    held by rank 1 (another rank, across the ring): " in out.stdout
     assert "  by the rank holding the key: rank 0 " in out.stdout
-    assert f"(view: tensorboard --logdir {tmp_path / 'run'})" in out.stdout
-    assert f"checkpoint of step 20: {tmp_path / 'run' / 'checkpoints' / 'step_00000020'}" in out.stdout
+    assert f"(every run: tensorboard --logdir {tmp_path / 'run'})" in out.stdout
+    assert f"checkpoint of step 20: {run / 'checkpoints' / 'step_00000020'}" in out.stdout
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(next((tmp_path / "run" / "tb").iterdir())))
+    events = EventAccumulator(str(next((run / "tb").iterdir())))
     events.Reload()
     assert {"recall/acc_bucket3", "recall/acc_min", "recall/acc_key_on_rank1"} <= set(events.Tags()["scalars"])
 
