@@ -24,9 +24,8 @@ import ringflash
 from ringflash import RingFlashAttention, ring_flash_attn_func, shard
 from ringflash.kernels import attn_bwd, attn_fwd, backend_named, interpreting
 from ringflash.layout import ring_schedule
-from ringflash.ops import _check_across_ranks, _signature
 from ringflash.ring import ring_backward, ring_forward
-from ringflash.transport import TRANSPORTS, ring_comm
+from ringflash.transport import ring_comm
 from tests.dist_utils import REPO, RankFailure, run_ranks, torchrun
 from tests.truth import TOL, attention_f64, lse_err, rel_err
 
@@ -313,24 +312,6 @@ def test_transport_is_checked(env, arg, match):
     # Copy engines move CUDA blocks between the GPUs of one host (tested by the multigpu case);
     # a gloo group or an unknown name gets an error naming the argument or variable, on every rank.
     assert len(run_ranks(_transport_worker, 2, (env, arg, match))) == 2
-
-
-class _TwoRanks:
-    """Stands in for a two-rank comm whose rank 1 differs only in its transport."""
-
-    def all_gather_ints(self, row):
-        other = list(row)
-        other[-1] = TRANSPORTS.index("copy-engine")
-        return [list(row), other]
-
-
-def test_ranks_with_different_transports_raise():
-    # Mixed transports would leave one rank waiting on a signal and the other in NCCL (the
-    # multigpu case checks it for real); the cross-rank check names the variable instead.
-    q, k = torch.randn(1, 8, 2, 4), torch.randn(1, 8, 2, 4)
-    row = _signature(True, q, k, True, 0.5, "zigzag", transport="nccl")
-    with pytest.raises(ValueError, match="transport is nccl on rank 0, copy-engine on rank 1"):
-        _check_across_ranks(_TwoRanks(), row)
 
 
 def _error_worker(rank, world, what):
