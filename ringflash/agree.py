@@ -2,8 +2,9 @@
 
 Each rank all-gathers one fixed-length int64 row (`row`) describing its call: which call (ring
 attention, hybrid attention, shard_batch) over how many ranks, q/k shapes, dtype, device,
-layout, causal, softmax_scale (its exact bits), window, the mask's digest, transport, backend,
-and for a batch its shape and a digest of each field. Every rank then compares every row and
+layout, causal, softmax_scale (its exact bits), window, the mask's digest, transport, and for a
+batch its shape and a digest of each field. Not the kernel backend: ranks on different kernels
+compute the same attention, to rounding, with the same transfers. Every rank then compares every row and
 raises the same ValueError, naming the field and each (global) rank's value, decoded. Because
 the row has the same length whatever the call, ranks that disagree even on *which* call they
 make (one omits `head_group=`; one's model never entered the ring) meet in the same collective
@@ -24,7 +25,6 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ringflash.kernels.backends import BACKENDS
 from ringflash.kernels.checks import SUPPORTED_DTYPES
 from ringflash.layout import LAYOUTS
 from ringflash.transport import TRANSPORTS, Transport, ring_comm
@@ -39,7 +39,7 @@ _DEVICES = ("cpu", "cuda")
 # (field, width): the row after its leading ok flag. Unused fields hold -1 (or 0 for digests).
 _FIELDS = (
     ("call", 3), ("q.shape", 4), ("k.shape", 4), ("dtype", 1), ("device", 1), ("layout", 1), ("causal", 1),
-    ("softmax_scale", 1), ("window", 1), ("mask", 1), ("transport", 1), ("backend", 1), ("input_ids shape", 2),
+    ("softmax_scale", 1), ("window", 1), ("mask", 1), ("transport", 1), ("input_ids shape", 2),
     *((name, 1) for name in BATCH_FIELDS),
 )  # fmt: skip
 WIDTH = 1 + sum(w for _, w in _FIELDS)
@@ -77,7 +77,6 @@ def row(
     window=None,
     mask_key: int = 0,
     transport=None,
-    backend=None,
     batch: dict | None = None,
 ) -> list[int]:
     """This rank's row: `call` (one of `CALLS`) over `world` ranks (`heads`: the hybrid's u), and
@@ -98,7 +97,6 @@ def row(
         window if isinstance(window, int) and not isinstance(window, bool) else 0,
         mask_key,
         _index(TRANSPORTS, transport),
-        _index(BACKENDS, backend),
         *_shape(ids, 2),
         *(digest((batch or {}).get(name)) if batch is not None else 0 for name in BATCH_FIELDS),
     ]  # fmt: skip
@@ -130,8 +128,6 @@ def _show(name: str, v: tuple[int, ...]):
         return x or None
     if name == "transport":
         return TRANSPORTS[x]
-    if name == "backend":
-        return BACKENDS[x]
     return "none" if x == 0 else f"{x & (2**64 - 1):016x}"  # a digest
 
 

@@ -226,12 +226,12 @@ def _agreed(q, flash: tuple, causal, softmax_scale, window, mask, transport, bac
     causal = causal if causal is not None else (mask.causal if isinstance(mask, RingMask) else False)
     window = _flash_options(*flash, causal, window)
     kernels.check_window(window, causal)
+    kernels.get_backend(backend, q.device)  # an unknown name raises here; the backend is not compared
     return dict(
         softmax_scale=resolve_scale(softmax_scale, q.shape[-1]),
         window=mask.window if isinstance(mask, RingMask) else window,
         mask_key=mask.fingerprint if isinstance(mask, RingMask) else 0,
         transport=resolve_transport(transport),
-        backend=kernels.get_backend(backend, q.device).name,
     )
 
 

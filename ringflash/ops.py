@@ -111,8 +111,7 @@ def _ring_attn(
     comm = _comm(group_name, transport)
     if check_ranks:  # over the whole grid when the group is part of one: even a ring of one rank
         mine = agree.row(True, "ring attention", comm.world, q=q, k=k, causal=causal, softmax_scale=softmax_scale,
-                         layout=layout, window=window, mask_key=mask_key, transport=comm.name,
-                         backend=backend)  # fmt: skip
+                         layout=layout, window=window, mask_key=mask_key, transport=comm.name)  # fmt: skip
         agree.check(agree.check_comm(comm.group), mine)
     plan = _plan(comm, q, causal, layout, mask_plan, mask_vis)
     # Autocast off: the merge and accumulators are float32 by design, and the reference kernel's

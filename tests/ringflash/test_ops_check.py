@@ -16,8 +16,7 @@ import torch
 from ringflash import agree
 
 # The call every rank makes unless a case changes one argument on one rank.
-BASE = dict(causal=True, softmax_scale=0.125, layout="zigzag", window=None, mask_key=0, transport="nccl",
-            backend="reference")  # fmt: skip
+BASE = dict(causal=True, softmax_scale=0.125, layout="zigzag", window=None, mask_key=0, transport="nccl")
 
 
 class _Ranks:
@@ -58,12 +57,11 @@ def _row(ok=True, dtype=torch.float32, hkv=2, call="ring attention", world=3, he
         (dict(mask_key=255), "the mask (documents, window or layout given to ring_mask) is none on ranks 0-1, "
                              "00000000000000ff on rank 2"),
         (dict(transport="copy-engine"), "transport is nccl on ranks 0-1, copy-engine on rank 2"),
-        (dict(backend="triton"), "backend is reference on ranks 0-1, triton on rank 2"),
         (dict(call="hybrid attention", world=2, heads=2),
          "call is ring attention over 3 rank(s) on ranks 0-1, "
          "hybrid attention (u = 2 head × r = 2 ring ranks) on rank 2"),
     ],
-    ids=["k-shape", "dtype", "layout", "causal", "scale", "window", "mask", "transport", "backend", "call"],
+    ids=["k-shape", "dtype", "layout", "causal", "scale", "window", "mask", "transport", "call"],
 )  # fmt: skip
 def test_mismatch_names_the_field_and_every_rank(other, report):
     # Three ranks, the last one different: a check of ranks 0 and 1 alone would miss it.
