@@ -186,7 +186,7 @@ def check_comm(group: dist.ProcessGroup | None) -> Transport:
 def _global_ranks(comm: Transport) -> list[int]:
     if comm.group is None:
         return list(range(comm.world))
-    return [dist.get_global_rank(comm.group, r) for r in range(comm.world)]
+    return dist.get_process_group_ranks(comm.group)  # in group-rank order, the default group's too
 
 
 def check(comms: Transport | Sequence[Transport], mine: list[int]) -> None:

@@ -109,10 +109,11 @@ def _ring_attn(
     how the blocks travel (`ringflash.transport.TRANSPORTS`).
     """
     comm = _comm(group_name, transport)
-    if check_ranks:  # over the whole grid when the group is part of one: even a ring of one rank
+    checker = agree.check_comm(comm.group) if check_ranks else None
+    if checker is not None and checker.world > 1:  # the whole grid when the group is part of one: a ring of one too
         mine = agree.row(True, "ring attention", comm.world, q=q, k=k, causal=causal, softmax_scale=softmax_scale,
                          layout=layout, window=window, mask_key=mask_key, transport=comm.name)  # fmt: skip
-        agree.check(agree.check_comm(comm.group), mine)
+        agree.check(checker, mine)
     plan = _plan(comm, q, causal, layout, mask_plan, mask_vis)
     # Autocast off: the merge and accumulators are float32 by design, and the reference kernel's
     # float32 einsums must not be recast to half precision.

@@ -14,6 +14,7 @@ spawn-started gloo ranks sharing one GPU with CUDA tensors and the Triton kernel
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -373,7 +374,17 @@ def test_errors_raise_on_every_rank(what):
     assert len(msgs) == 3
     if what in ("shape", "dtype", "causal", "scale", "layout"):
         assert len(set(msgs)) == 1, "every rank reports the same mismatch"
-        assert "rank 0" in msgs[0] and "rank 2" in msgs[0]
+        assert _named_ranks(msgs[0]) == {0, 1, 2}, msgs[0]
+
+
+def _named_ranks(msg: str) -> set[int]:
+    """The ranks a mismatch names: `... on rank 1`, `... on ranks 0, 2`, `... on ranks 0-2`."""
+    named = set()
+    for ranks in re.findall(r"on ranks? (\d+(?:-\d+)?(?:, \d+(?:-\d+)?)*)", msg):
+        for part in ranks.split(", "):
+            first, _, last = part.partition("-")
+            named.update(range(int(first), int(last or first) + 1))
+    return named
 
 
 def _raises_on_rank_1(rank, world):
