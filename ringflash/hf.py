@@ -266,14 +266,17 @@ def _refuse_model(config) -> None:
             "from copy.deepcopy(config), not from the ring model's config)"
         )
     model_type = getattr(config, "model_type", None)
-    name = MODEL_MAPPING_NAMES.get(model_type)
-    cls = getattr(transformers, name, None) if name else None
-    if cls is not None and not cls.is_backend_compatible():
-        raise ValueError(
-            f"model type {model_type!r} ({name}): its attention layers do not call transformers' "
-            "AttentionInterface (e.g. ALiBi in the layer itself), so they would ignore ring attention and "
-            "attend only within each rank's shard; ringflash.hf cannot serve this model"
-        )
+    base = MODEL_MAPPING_NAMES.get(model_type)
+    # The model type's base class and the config's own architectures: the classes transformers
+    # would build, whose `is_backend_compatible` says whether their layers call the interface.
+    for name in [*(base if isinstance(base, tuple) else [base]), *(getattr(config, "architectures", None) or [])]:
+        cls = getattr(transformers, name, None) if isinstance(name, str) else None
+        if cls is not None and not cls.is_backend_compatible():
+            raise ValueError(
+                f"model type {model_type!r} ({name}): its attention layers do not call transformers' "
+                "AttentionInterface (e.g. ALiBi in the layer itself), so they would ignore ring attention and "
+                "attend only within each rank's shard; ringflash.hf cannot serve this model"
+            )
 
 
 def shard_batch(
