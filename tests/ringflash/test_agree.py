@@ -45,6 +45,8 @@ def _call(rank, world, u, what):
         del kw["head_group"]
     elif what == "bad_q" and odd:
         ql = ql[0]  # 3 dims: refused by this rank, announced to the others
+    elif what == "bad_window_size" and odd:  # refused before the all-to-all, not inside the ring after it
+        kw["window_size"] = (3, 1)
     start = time.monotonic()
     try:
         ring_flash_attn_func(ql, kl, vl, **kw)
@@ -85,11 +87,12 @@ def test_hybrid_groups_wait_as_long_as_their_parent():
     assert run_ranks(_timeouts, 4, timeout_s=TIMEOUT_S) == [[TIMEOUT_S, TIMEOUT_S]] * 4
 
 
-def test_a_rank_that_rejects_its_inputs_is_named_by_its_global_rank():
-    results = run_ranks(_call, 4, (2, "bad_q"), timeout_s=TIMEOUT_S)
+@pytest.mark.parametrize(("what", "own"), [("bad_q", "q must have 4 dims"), ("bad_window_size", "window_size=(3, 1)")])
+def test_a_rank_that_rejects_its_inputs_is_named_by_its_global_rank(what, own):
+    results = run_ranks(_call, 4, (2, what), timeout_s=TIMEOUT_S)
     for rank, (kind, msg, took) in enumerate(results):
         assert kind == "ValueError" and took < TIMEOUT_S / 2, (rank, kind, msg)
         if rank == 3:
-            assert "q must have 4 dims" in msg, msg
+            assert own in msg, msg
         else:  # rank 3 of the world, whatever its rank in the head or ring group
             assert "rank(s) [3] of the group rejected their inputs" in msg, (rank, msg)
