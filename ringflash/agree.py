@@ -4,8 +4,8 @@ Each rank all-gathers one fixed-length int64 row (`row`) describing its call: wh
 attention, hybrid attention, shard_batch) over how many ranks, q/k shapes, dtype, device,
 layout, causal, softmax_scale (its exact bits), window, the mask's digest, transport, and for a
 batch its shape and a digest of each field. Not the kernel backend: ranks on different kernels
-compute the same attention, to rounding, with the same transfers. Every rank then compares every row and
-raises the same ValueError, naming the field and each (global) rank's value, decoded. Because
+compute the same attention, to rounding, with the same transfers. Every rank then compares
+every row and raises the same ValueError, naming the field and each global rank's value. Because
 the row has the same length whatever the call, ranks that disagree even on *which* call they
 make (one omits `head_group=`; one's model never entered the ring) meet in the same collective
 and all raise, instead of one dying inside gloo on a size mismatch and the others hanging.
@@ -30,7 +30,7 @@ from ringflash.layout import LAYOUTS
 from ringflash.transport import TRANSPORTS, Transport, ring_comm
 from ringflash.transport.groups import grid_of
 
-__all__ = ["BATCH_FIELDS", "CALLS", "announce", "check", "check_comm", "digest", "row"]
+__all__ = ["BATCH_FIELDS", "CALLS", "WIDTH", "announce", "check", "check_comm", "compare", "digest", "row"]
 
 CALLS = ("ring attention", "hybrid attention", "shard_batch")
 BATCH_FIELDS = ("input_ids", "labels", "position_ids", "attention_mask")
@@ -59,7 +59,7 @@ def digest(t: torch.Tensor | None) -> int:
         return 0
     t = t.detach().to("cpu").contiguous()
     h = hashlib.blake2b(f"{tuple(t.shape)} {t.dtype}".encode(), digest_size=8)
-    h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return int.from_bytes(h.digest(), "little") >> 1 or 1
 
 
