@@ -216,7 +216,7 @@ def hybrid_attention(
     q `(B, n, H, D)`, k, v `(B, n, Hkv, D)`: this rank's piece (`shard(..., head_rank=,
     head_world=)`). `ring(q, k, v) -> (o, lse)`: the ring over `group` on `(B, u·n, H/u, D)`
     blocks (the public API's, with every setting bound). `settings() -> dict`: the ring's other
-    settings as `agree.row` takes them (softmax_scale, window, mask_key, transport, backend),
+    settings as `agree.row` takes them (softmax_scale, window, mask_key, transport),
     raising TypeError/ValueError on bad ones. Returns o `(B, n, H, D)` in q's dtype and lse
     `(B, H, n)` float32, natural log (not differentiable).
 
