@@ -64,6 +64,7 @@ __all__ = [
     "ATTN_IMPLEMENTATION",
     "RingContext",
     "RingMasks",
+    "check_model",
     "context_parallel",
     "current_context",
     "doc_ids_from_positions",
@@ -256,8 +257,10 @@ def _check_batch(batch: Mapping) -> tuple[torch.Tensor, int, int]:
     return ids, B, N
 
 
-def _refuse_model(config) -> None:
-    """Raise ValueError if a model of `config` would not run its attention through the ring."""
+def check_model(config) -> None:
+    """Raise ValueError, naming the model type, if a model of `config` (its `model.config`) would
+    not run its attention through the ring: another `attn_implementation`, or a model class that
+    does not call transformers' AttentionInterface. `shard_batch(config=)` calls it."""
     impl = getattr(config, "_attn_implementation", None)
     if impl is not None and impl != ATTN_IMPLEMENTATION:
         raise ValueError(
@@ -320,7 +323,7 @@ def shard_batch(
         except ValueError as e:
             raise ValueError(f"batch['input_ids'] has {N} tokens per row: {e}") from None
         if config is not None:
-            _refuse_model(config)
+            check_model(config)
         error = None
     except (TypeError, ValueError) as e:
         error = e

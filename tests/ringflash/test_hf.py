@@ -283,6 +283,14 @@ def test_models_the_ring_cannot_serve_are_refused(kind):
         assert err == "ValueError" and f"model type {kind!r}" in msg and "AttentionInterface" in msg, msg
 
 
+def test_check_model_by_type_and_architectures():
+    rh.check_model(tiny_config("llama"))  # a fresh config (no attn_implementation yet) of a served type
+    with pytest.raises(ValueError, match=r"model type 'bloom' \(BloomModel\): its attention layers do not call"):
+        rh.check_model(transformers.BloomConfig())
+    with pytest.raises(ValueError, match=r"model type 'llama' \(FalconForCausalLM\)"):  # a checkpoint's classes
+        rh.check_model(tiny_config("llama", architectures=["FalconForCausalLM"]))
+
+
 def _skips_the_ring(rank, world, with_config):
     cfg = tiny_config("llama")
     torch.manual_seed(0)
