@@ -144,6 +144,8 @@ def ring_flash_attn_func(
             o, lse = hybrid_attention(
                 q, k, v, head_group=head_group, group=group, layout=layout, check_ranks=check_ranks,
                 causal=causal if causal is not None else (mask.causal if isinstance(mask, RingMask) else False),
+                settings=lambda: _agreed(q, (dropout_p, window_size, alibi_slopes, deterministic, return_attn_probs),
+                                         causal, softmax_scale, window, mask, transport, backend),
                 ring=lambda q, k, v: _attend(
                     q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, True, group,
                     **options,
@@ -223,13 +225,28 @@ def _attend(
         layout=layout,
         group_name=ops.group_name(group),
         backend=kern.name,
-        check_ranks=check_ranks and world > 1,
+        check_ranks=check_ranks,
         window=None if mask is None else mask.window,
         mask_plan=plan or None,
         mask_key=0 if mask is None else mask.fingerprint,
         transport=transport,
     )
     return (o, lse, None) if return_attn_probs else o
+
+
+def _agreed(q, flash: tuple, causal, softmax_scale, window, mask, transport, backend) -> dict:
+    """The ring's settings the hybrid's grid check compares (`agree.row`'s keywords), checked here,
+    before its all-to-all; `flash`: `_flash_options`' first five arguments."""
+    causal = causal if causal is not None else (mask.causal if isinstance(mask, RingMask) else False)
+    window = _flash_options(*flash, causal, window)
+    kernels.check_window(window, causal)
+    kernels.get_backend(backend, q.device)  # an unknown name raises here; the backend is not compared
+    return dict(
+        softmax_scale=resolve_scale(softmax_scale, q.shape[-1]),
+        window=mask.window if isinstance(mask, RingMask) else window,
+        mask_key=mask.fingerprint if isinstance(mask, RingMask) else 0,
+        transport=resolve_transport(transport),
+    )
 
 
 def _flash_options(dropout_p, window_size, alibi_slopes, deterministic, return_attn_probs, causal, window):
@@ -281,7 +298,7 @@ def _refuse(error: Exception, comm, check_ranks: bool, q, k, causal, layout) -> 
     wait in the op's all_gather (`check_ranks`, several ranks). `comm` is None under
     torch.compile: Dynamo cannot trace that collective, so it gives up on the frame at this
     raise and runs it eagerly, which announces (fullgraph=True cannot: see ring_flash_attn_func)."""
-    if comm is not None and comm.world > 1 and check_ranks:
+    if comm is not None and check_ranks:  # a ring of one rank too: its grid may wait (ringflash/agree.py)
         ops.announce_rejection(comm, q, k, causal, layout)
     raise error
 

@@ -20,7 +20,8 @@ ringflash's `window=w` exactly. HF builds no mask for this implementation (the r
 function returns None), so no dense (B, 1, N, N) mask is ever made: documents and padding come
 from `shard_batch`'s `RingMasks`, passed to the model as the keyword `ring_masks`. Refused by name:
 logit softcapping, ALiBi, attention sinks, chunked attention, attention dropout in training,
-non-causal layers, a KV cache (decoding), and any `attention_mask` but an all-ones one.
+non-causal layers, a KV cache (decoding), and any `attention_mask` but an all-ones one; and, by
+`shard_batch(config=)`, models whose layers bypass the AttentionInterface (Bloom, MPT).
 
 Which process group. `shard_batch` records the group and layout in its `RingMasks`, which every
 layer reads, so a call with `ring_masks=` needs nothing else (and activation checkpointing
@@ -47,12 +48,15 @@ import torch
 import torch.distributed as dist
 
 try:
+    import transformers
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("ringflash.hf needs transformers: pip install 'ringflash[hf]'") from e
 
 import ringflash
+from ringflash import agree
 from ringflash.layout import check_layout, check_splittable, shard
 from ringflash.masks import RingMask, ring_mask
 
@@ -60,6 +64,7 @@ __all__ = [
     "ATTN_IMPLEMENTATION",
     "RingContext",
     "RingMasks",
+    "check_model",
     "context_parallel",
     "current_context",
     "doc_ids_from_positions",
@@ -252,20 +257,29 @@ def _check_batch(batch: Mapping) -> tuple[torch.Tensor, int, int]:
     return ids, B, N
 
 
-def _same_batch_shape(context: RingContext, ok: bool, B: int, N: int) -> None:
-    from ringflash.transport import resolve_transport, ring_comm
-
-    rows = ring_comm(context.group, resolve_transport(context.transport)).all_gather_ints([int(ok), B, N])
-    failed = [r for r, row in enumerate(rows) if not row[0]]
-    if failed and ok:
-        raise ValueError(f"shard_batch: rank(s) {failed} of the group rejected their batch (see the error there)")
-    shapes = {tuple(row[1:]) for row in rows if row[0]}
-    if len(shapes) > 1:
+def check_model(config) -> None:
+    """Raise ValueError, naming the model type, if a model of `config` (its `model.config`) would
+    not run its attention through the ring: another `attn_implementation`, or a model class that
+    does not call transformers' AttentionInterface. `shard_batch(config=)` calls it."""
+    impl = getattr(config, "_attn_implementation", None)
+    if impl is not None and impl != ATTN_IMPLEMENTATION:
         raise ValueError(
-            "shard_batch: the ranks of the group hold different batches: input_ids shape "
-            + ", ".join(f"{tuple(row[1:])} on rank {r}" for r, row in enumerate(rows) if row[0])
-            + " (every rank of a ring must be given the same global batch)"
+            f"config._attn_implementation is {impl!r}, not {ATTN_IMPLEMENTATION!r}: this rank's model would "
+            "not enter the ring (models built from one config object share it: build a reference model "
+            "from copy.deepcopy(config), not from the ring model's config)"
         )
+    model_type = getattr(config, "model_type", None)
+    base = MODEL_MAPPING_NAMES.get(model_type)
+    # The model type's base class and the config's own architectures: the classes transformers
+    # would build, whose `is_backend_compatible` says whether their layers call the interface.
+    for name in [*(base if isinstance(base, tuple) else [base]), *(getattr(config, "architectures", None) or [])]:
+        cls = getattr(transformers, name, None) if isinstance(name, str) else None
+        if cls is not None and not cls.is_backend_compatible():
+            raise ValueError(
+                f"model type {model_type!r} ({name}): its attention layers do not call transformers' "
+                "AttentionInterface (e.g. ALiBi in the layer itself), so they would ignore ring attention and "
+                "attend only within each rank's shard; ringflash.hf cannot serve this model"
+            )
 
 
 def shard_batch(
@@ -287,8 +301,12 @@ def shard_batch(
         group, layout: the cp group and layout; None: `current_context()`'s (default group, zigzag).
         config: the model's config, so every layer's sliding window gets its mask up front.
         device: where the shard goes (default: input_ids' device).
-        check_ranks: first compare the batch's shape across the group (one small all-gather), so
-            that a rank with another batch, or one that refuses its own, fails every rank at once.
+        check_ranks: first compare the batch across the group (one small all-gather of its shape
+            and a digest of each field, ringflash/agree.py), so that a rank with another batch,
+            or one that refuses its own, fails every rank at once.
+    Raises ValueError (on every rank) if `config`'s model would not run its attention through
+    the ring: another `attn_implementation`, or a model type whose layers bypass transformers'
+    AttentionInterface (Bloom, MPT, Falcon).
     Returns:
         `input_ids`, `position_ids` (global), `labels` and `shift_labels` (the same shifted labels),
         each `(B, N/cp)`; `num_items_in_batch` (labelled tokens of the whole batch, a 0-dim
@@ -304,11 +322,19 @@ def shard_batch(
             check_splittable(N, world, context.layout)
         except ValueError as e:
             raise ValueError(f"batch['input_ids'] has {N} tokens per row: {e}") from None
+        if config is not None:
+            check_model(config)
         error = None
     except (TypeError, ValueError) as e:
-        error, B, N = e, -1, -1
-    if world > 1 and check_ranks:
-        _same_batch_shape(context, error is None, B, N)
+        error = e
+    checker = agree.check_comm(context.group) if check_ranks else None
+    if checker is not None and checker.world > 1:  # the digests cost a pass over the batch: only with peers
+        fields = {key: batch.get(key) for key in agree.BATCH_FIELDS} if error is None else None
+        mine = agree.row(error is None, "shard_batch", world, layout=context.layout, batch=fields)
+        try:
+            agree.check(checker, mine)
+        except ValueError as e:
+            error = error or e
     if error is not None:
         raise error
     device = torch.device(device) if device is not None else ids.device

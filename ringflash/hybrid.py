@@ -36,9 +36,10 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ringflash.kernels.checks import SUPPORTED_DTYPES, check_qkv
-from ringflash.layout import LAYOUTS
+from ringflash import agree
+from ringflash.kernels.checks import check_qkv
 from ringflash.transport import Transport, ring_comm
+from ringflash.transport.groups import grid_of, group_timeout, register_grid
 
 __all__ = ["grid_coords", "hybrid_attention", "hybrid_groups", "kv_heads_per_rank"]
 
@@ -55,22 +56,26 @@ def hybrid_groups(
     ranks (None: the default group). Every rank of `group` must call it (it creates every group).
 
     Head groups: consecutive cp ranks `[i·u, (i+1)·u)`; ring groups: cp ranks `j, j+u, j+2u, …`.
+    They wait as long as `group` does (its timeout), and are registered as parts of `group`, so
+    that every call over them is checked across all of `group`'s ranks (ringflash/agree.py).
     """
-    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    parent = group or dist.group.WORLD
+    ranks = dist.get_process_group_ranks(parent)
     if not isinstance(head_world, int) or head_world < 1 or len(ranks) % head_world:
         raise ValueError(
             f"head_world must be a positive int dividing the group's {len(ranks)} ranks, got {head_world!r}"
         )
-    u, me = head_world, dist.get_rank()
+    u, me, timeout = head_world, dist.get_rank(), group_timeout(parent)
     mine: dict[str, dist.ProcessGroup] = {}
     for i in range(len(ranks) // u):  # every rank creates every group, in the same order
-        g = dist.new_group(ranks[i * u : (i + 1) * u])
+        g = dist.new_group(ranks[i * u : (i + 1) * u], timeout=timeout)
         if me in ranks[i * u : (i + 1) * u]:
             mine["head"] = g
     for j in range(u):
-        g = dist.new_group(ranks[j::u])
+        g = dist.new_group(ranks[j::u], timeout=timeout)
         if me in ranks[j::u]:
             mine["ring"] = g
+    register_grid(parent, mine["ring"], mine["head"])
     return mine["ring"], mine["head"]
 
 
@@ -159,65 +164,21 @@ class _HeadsToSeq(torch.autograd.Function):
 
 # ---- checks ------------------------------------------------------------------------------------
 
-_FIELDS = ("u", "r", "place", "q.shape", "k.shape", "dtype", "causal", "layout")
 
-
-def _signature(ok: bool, u: int, r: int, place: int, q, k, causal, layout) -> list[int]:
-    def shape(t):
-        return list(t.shape) if isinstance(t, torch.Tensor) and t.dim() == 4 else [-1] * 4
-
-    dtype = getattr(q, "dtype", None)
-    return [int(ok), u, r, place, *shape(q), *shape(k),
-            SUPPORTED_DTYPES.index(dtype) if dtype in SUPPORTED_DTYPES else -1,
-            int(bool(causal)), LAYOUTS.index(layout) if layout in LAYOUTS else -1]  # fmt: skip
-
-
-def _compare(rows: list[list[int]], over: str) -> None:
-    failed = [i for i, row in enumerate(rows) if row[0] == 0]
-    if failed:
-        raise ValueError(
-            f"hybrid attention: rank(s) {failed} of the {over} group rejected their inputs (see the error "
-            "raised there); every rank raises so that none waits for them"
-        )
-    widths = (1, 1, 1, 4, 4, 1, 1, 1)
-    i = 1
-    for name, w in zip(_FIELDS, widths):
-        vals = [tuple(row[i : i + w]) for row in rows]
-        if len(set(vals)) > 1:
-            if name == "place":
-                name = "the ring rank (ranks of a head group must hold pieces of one ring shard)" if over == "head" \
-                    else "the head rank (ranks of a ring must hold the same heads)"  # fmt: skip
-            shown = [v[0] if w == 1 else v for v in vals]
-            raise ValueError(
-                f"hybrid attention inputs differ between the ranks of the {over} group: {name} is "
-                + ", ".join(f"{v} on rank {r}" for r, v in enumerate(shown))
-                + " (u: head_group's size, r: group's size; build both with ringflash.hybrid_groups)"
-            )
-        i += w
-
-
-def _check_grid(head: Transport, ring: Transport, local_error: Exception | None, q, k, causal, layout) -> None:
-    """Every rank of the grid learns whether any rank rejected its inputs, and that all agree on
-    u, r, shapes and settings: a gather over the head group, then one over the ring group of
-    each rank's verdict on its head group (together they reach every rank of the grid)."""
-    sig = _signature(local_error is None, head.world, ring.world, ring.rank, q, k, causal, layout)
-    verdict = None
-    try:
-        _compare(head.all_gather_ints(sig), "head")
-    except ValueError as e:
-        verdict = e
-    ring_sig = _signature(verdict is None and local_error is None, head.world, ring.world, head.rank, q, k, causal,
-                          layout)  # fmt: skip
-    if local_error is not None:
-        ring.all_gather_ints(ring_sig)
-        raise local_error
-    if verdict is not None:
-        ring.all_gather_ints(ring_sig)
-        raise verdict
-    _compare(ring.all_gather_ints(ring_sig), "ring")
+def _check_comms(head: Transport, ring: Transport | None) -> list[Transport]:
+    """Where the grid's agreement check gathers: the grid the head group was registered in
+    (`hybrid_groups`), else the head group then the ring group (together they reach every rank
+    of a grid, but a rank that does not make the hybrid call leaves the other stage waiting).
+    `ring` is None when this rank's `group` is unusable: it still joins what the others join."""
+    grid = grid_of(head.group)
+    if grid is not None and (ring is None or grid_of(ring.group) is grid):
+        return [ring_comm(grid, "nccl")]
+    return [head, *([ring] if ring is not None else [])]
 
 
 def _check_local(q, k, v, head_group, group, u: int) -> int:
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed.ProcessGroup, got {type(group).__name__}")
     if group is None:
         raise ValueError(
             "group: with head_group= give the ring group explicitly (a group of one rank when r = 1); "
@@ -248,25 +209,38 @@ def hybrid_attention(
     causal: bool,
     layout: str,
     check_ranks: bool = True,
+    settings: Callable[[], dict] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Head-parallel × ring attention (module docstring); differentiable in q, k, v.
 
     q `(B, n, H, D)`, k, v `(B, n, Hkv, D)`: this rank's piece (`shard(..., head_rank=,
     head_world=)`). `ring(q, k, v) -> (o, lse)`: the ring over `group` on `(B, u·n, H/u, D)`
-    blocks (the public API's, with every setting bound). Returns o `(B, n, H, D)` in q's dtype
-    and lse `(B, H, n)` float32, natural log (not differentiable).
+    blocks (the public API's, with every setting bound). `settings() -> dict`: the ring's other
+    settings as `agree.row` takes them (softmax_scale, window, mask_key, transport),
+    raising TypeError/ValueError on bad ones. Returns o `(B, n, H, D)` in q's dtype and lse
+    `(B, H, n)` float32, natural log (not differentiable).
+
+    Before the first all-to-all every rank of the grid agrees on all of it (`agree.check`):
+    a rank that refused there would strand its head group in the all-to-all.
     """
     head = ring_comm(head_group, "nccl")  # the group's own all_to_all, whatever moves the ring's blocks
-    u = head.world
-    error = None
+    u, ring_c = head.world, None
+    error, fields = None, {}
     try:
+        ring_c = ring_comm(group, "nccl") if group is not None else None
         hk = _check_local(q, k, v, head_group, group, u)
+        fields = settings() if settings is not None else {}
     except (TypeError, ValueError) as e:
         error = e
     if check_ranks:
-        _check_grid(head, ring_comm(group, "nccl") if error is None or group is not None else head, error, q, k,
-                    causal, layout)  # fmt: skip
-    elif error is not None:
+        comms = _check_comms(head, ring_c)
+        r = ring_c.world if ring_c is not None else -1
+        mine = agree.row(error is None, "hybrid attention", r, u, q=q, k=k, causal=causal, layout=layout, **fields)
+        try:
+            agree.check(comms, mine)
+        except ValueError as e:
+            error = error or e
+    if error is not None:
         raise error
     if hk * u > k.shape[2]:  # Hkv < u: one copy of each K/V head per head rank that needs it
         k, v = (t.repeat_interleave(hk * u // t.shape[2], dim=2) for t in (k, v))

@@ -19,10 +19,11 @@ turned back into the group at run time by `_resolve_process_group` (what torch's
 collectives do). `""` stands for `group=None`: the default group, or this process alone when
 torch.distributed is not initialised.
 
-The cross-rank check (see `ring_flash_attn_func`) runs inside the op when `check_ranks=True`, at
-run time, so it costs the same compiled or not and needs no graph break: each rank all-gathers
-its signature and raises if any differs. A rank whose own inputs fail validation never reaches
-the op; `announce_rejection` sends its "rejected" signature into the same all_gather instead.
+The cross-rank check (ringflash/agree.py) runs inside the op when `check_ranks=True`, at run
+time, so it costs the same compiled or not and needs no graph break: each rank all-gathers its
+row over the whole context-parallel group and raises if any differs. A rank whose own inputs
+fail validation never reaches the op; `announce_rejection` sends its "rejected" row into the
+same all_gather instead.
 
 A document/window mask (`ringflash.RingMask`, ringflash/masks.py) travels as op arguments:
 its `Visibility` tensors as the flat input list `mask_vis` (4 per masked step; `[]` without a
@@ -35,18 +36,16 @@ skipped steps or rows) recompiles; the tensors are inputs and change freely.
 
 from __future__ import annotations
 
-import struct
-
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ringflash import agree
 from ringflash.kernels import device_guard, get_backend
-from ringflash.kernels.checks import SUPPORTED_DTYPES
-from ringflash.layout import LAYOUTS, ring_schedule
+from ringflash.layout import ring_schedule
 from ringflash.masks import decode
 from ringflash.ring import ring_backward, ring_forward
-from ringflash.transport import TRANSPORTS, Transport, ring_comm
+from ringflash.transport import Transport, ring_comm
 
 __all__ = ["announce_rejection", "group_name", "ring_attn", "ring_attn_bwd", "ring_attn_eager"]
 
@@ -66,73 +65,12 @@ def _comm(name: str, transport: str = "nccl") -> Transport:
     return ring_comm(_resolve_process_group(name), transport)
 
 
-# ---- cross-rank check -------------------------------------------------------------------------
-
-# Fields of the per-call signature every rank must agree on, with how many ints each takes.
-_FIELDS = (
-    ("q.shape", 4), ("k.shape", 4), ("dtype", 1), ("layout", 1), ("causal", 1), ("softmax_scale", 1),
-    ("window", 1), ("mask", 1), ("transport", 1),
-)  # fmt: skip
-
-
-def _signature(ok, q, k, causal, scale, layout, window=None, mask_key=0, transport=None) -> list[int]:
-    def shape(t):
-        return list(t.shape) if isinstance(t, torch.Tensor) and t.dim() == 4 else [-1] * 4
-
-    dtype = getattr(q, "dtype", None)
-    return [
-        int(ok),
-        *shape(q),
-        *shape(k),
-        SUPPORTED_DTYPES.index(dtype) if dtype in SUPPORTED_DTYPES else -1,
-        LAYOUTS.index(layout) if layout in LAYOUTS else -1,
-        int(bool(causal)),
-        struct.unpack("<q", struct.pack("<d", scale))[0] if scale is not None else -1,  # exact bits
-        window if isinstance(window, int) else 0,
-        mask_key,
-        TRANSPORTS.index(transport) if transport in TRANSPORTS else -1,
-    ]
-
-
-def _check_across_ranks(comm: Transport, rows_of_self: list[int]) -> None:
-    rows = comm.all_gather_ints(rows_of_self)
-    failed = [r for r, row in enumerate(rows) if row[0] == 0]
-    if failed:
-        raise ValueError(
-            f"ring attention: rank(s) {failed} of the group rejected their inputs (see the "
-            "error raised there); every rank raises so that none waits for them"
-        )
-    i = 1
-    for name, width in _FIELDS:
-        vals = [tuple(row[i : i + width]) for row in rows]
-        if len(set(vals)) > 1:
-            if name == "dtype":
-                vals = [str(SUPPORTED_DTYPES[v[0]]) for v in vals]
-            elif name == "layout":
-                vals = [LAYOUTS[v[0]] for v in vals]
-            elif name == "softmax_scale":
-                vals = [struct.unpack("<d", struct.pack("<q", v[0]))[0] for v in vals]
-            elif name == "causal":
-                vals = [bool(v[0]) for v in vals]
-            elif name == "window":
-                vals = [v[0] or None for v in vals]
-            elif name == "transport":
-                vals = [TRANSPORTS[v[0]] for v in vals]
-            elif name == "mask":  # the fingerprint of ringflash.ring_mask's arguments
-                name = "the mask (documents, window or layout given to ring_mask)"
-                vals = ["none" if v[0] == 0 else f"{v[0] & (2**64 - 1):016x}" for v in vals]
-            elif width == 1:
-                vals = [v[0] for v in vals]
-            raise ValueError(
-                f"ring attention inputs differ between the ranks of the group: {name} is "
-                + ", ".join(f"{v} on rank {r}" for r, v in enumerate(vals))
-            )
-        i += width
+# ---- cross-rank check (ringflash/agree.py) ------------------------------------------------------
 
 
 def announce_rejection(comm: Transport, q, k, causal, layout) -> None:
-    """This rank rejected its inputs: tell the others, who wait in the op's all_gather."""
-    comm.all_gather_ints(_signature(False, q, k, causal, None, layout))
+    """This rank rejected its inputs: tell the others, who wait in the op's agreement check."""
+    agree.announce(agree.check_comm(comm.group), "ring attention", comm.world, q=q, k=k, causal=causal, layout=layout)
 
 
 def _plan(comm: Transport, q: Tensor, causal: bool, layout: str, mask_plan, mask_vis) -> list:
@@ -172,9 +110,11 @@ def _ring_attn(
     """
     with device_guard(q):  # the transport's streams and buffers and every launch on q's GPU
         comm = _comm(group_name, transport)
-        if check_ranks and comm.world > 1:
-            sig = _signature(True, q, k, causal, softmax_scale, layout, window, mask_key, comm.name)
-            _check_across_ranks(comm, sig)
+        checker = agree.check_comm(comm.group) if check_ranks else None
+        if checker is not None and checker.world > 1:  # the whole grid when the group is part of one: a ring of one too
+            mine = agree.row(True, "ring attention", comm.world, q=q, k=k, causal=causal, softmax_scale=softmax_scale,
+                             layout=layout, window=window, mask_key=mask_key, transport=comm.name)  # fmt: skip
+            agree.check(checker, mine)
         plan = _plan(comm, q, causal, layout, mask_plan, mask_vis)
         # Autocast off: the merge and accumulators are float32 by design, and the reference kernel's
         # float32 einsums must not be recast to half precision.

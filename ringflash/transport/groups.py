@@ -10,7 +10,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
-__all__ = ["backend_names", "group_key", "group_timeout", "host_group", "nccl_options"]
+__all__ = ["backend_names", "grid_of", "group_key", "group_timeout", "host_group", "nccl_options", "register_grid"]
 
 
 def nccl_options() -> dist.ProcessGroupNCCL.Options:
@@ -68,10 +68,37 @@ def host_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     return _host_groups[key]
 
 
-def group_timeout(group: dist.ProcessGroup) -> datetime.timedelta | None:
-    """`group`'s timeout (its CUDA backend's), so that what is made beside it waits as long (None: torch's default)."""
-    try:
-        timeout = group._get_backend(torch.device("cuda")).options._timeout
-    except Exception:  # a private API that may change: without it, torch's default timeout
+def group_timeout(group: dist.ProcessGroup | None) -> datetime.timedelta | None:
+    """`group`'s timeout (None: the default group's), so that what is made beside it waits as
+    long; None where it cannot be read (then torch's default)."""
+    group = group or dist.group.WORLD
+    for device in ("cuda", "cpu"):  # NCCL's if it has one, else gloo's
+        try:
+            timeout = group._get_backend(torch.device(device)).options._timeout
+        except Exception:  # no such backend, or a private API that changed
+            continue
+        if isinstance(timeout, datetime.timedelta):
+            return timeout
+    return None
+
+
+# The context-parallel group (grid) each registered ring or head group belongs to, by group name.
+_grids: dict[tuple, dist.ProcessGroup] = {}
+
+
+def register_grid(grid: dist.ProcessGroup, *groups: dist.ProcessGroup) -> None:
+    """Record that `groups` (a ring group, a head group) are parts of the context-parallel group
+    `grid`, so that the cross-rank check (ringflash/agree.py) of a call over any of them runs
+    over all of `grid`'s ranks. `ringflash.hybrid_groups` registers what it makes."""
+    for g in (grid, *groups):
+        _grids[(dist.group.WORLD, g.group_name)] = grid
+
+
+def grid_of(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """The grid `group` was registered in (`register_grid`), or None."""
+    if not (dist.is_available() and dist.is_initialized()):
         return None
-    return timeout if isinstance(timeout, datetime.timedelta) else None
+    group = group or dist.group.WORLD
+    if not isinstance(group, dist.ProcessGroup):
+        return None
+    return _grids.get((dist.group.WORLD, group.group_name))

@@ -11,7 +11,10 @@ sequence. Bad input fails on every rank with a clear message.
 from __future__ import annotations
 
 import copy
+import datetime
 import itertools
+import re
+import time
 
 import pytest
 import torch
@@ -206,7 +209,7 @@ def _bad(rank, world, what):
         batch = make_batch("plain")
         n = N if rank == 0 else N - 4
         ring(**rh.shard_batch({k: v[:, :n] for k, v in batch.items()}))
-    elif what == "mismatch-docs":  # same shapes, other documents: the ring's mask check catches it
+    elif what == "mismatch-docs":  # same shapes, other documents: shard_batch's digest catches it
         ring, _ = models("llama")
         batch = make_batch("packed")
         if rank == 1:
@@ -225,9 +228,10 @@ def _bad(rank, world, what):
     [
         ("softcap", r"config.attn_logit_softcapping = 50.0: ring attention has no logit softcapping"),
         ("length", r"batch\['input_ids'\] has 46 tokens per row: layout='zigzag' over world=2 ranks"),
-        ("mismatch", r"the ranks of the group hold different batches: input_ids shape \(2, 48\) on rank 0, "
-                     r"\(2, 44\) on rank 1"),
-        ("mismatch-docs", r"ring attention inputs differ between the ranks of the group: the mask"),
+        ("mismatch", r"shard_batch inputs differ between the ranks of the group: input_ids shape is \(2, 48\) on "
+                     r"rank 0, \(2, 44\) on rank 1"),
+        ("mismatch-docs", r"shard_batch inputs differ between the ranks of the group: batch\['position_ids'\] "
+                          r"\(digest\) is [0-9a-f]{16} on rank 0, [0-9a-f]{16} on rank 1"),
         ("mask-on-one-rank", None),
     ],
 )  # fmt: skip
@@ -239,10 +243,92 @@ def test_bad_input_fails_every_rank(what, match):
     for tb in errors.values():
         assert "did not finish" not in tb
         if match is not None:
-            assert __import__("re").search(match, tb), tb
+            assert re.search(match, tb), tb
     if what == "mask-on-one-rank":
         assert "ring attention takes no dense mask" in errors[0]
         assert "rank(s) [0] of the group rejected their inputs" in errors[1]
+
+
+def _answer(fn) -> tuple[str, str, float]:
+    """`fn()`'s error (type, message) and how long it took to come, after waiting for every rank
+    in a barrier of its own: a rank that raised stays alive, so a rank left waiting for it is
+    answered or times out (RuntimeError), never released by a closed connection."""
+    alive = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=90))
+    start = time.monotonic()
+    try:
+        fn()
+        got = ("no error", "")
+    except Exception as e:  # a timeout (RuntimeError) must be reported, not raised
+        got = (type(e).__name__, str(e))
+    took = time.monotonic() - start
+    dist.barrier(group=alive)
+    return (*got, took)
+
+
+def _unservable(rank, world, kind):
+    if kind == "bloom":
+        cfg = transformers.BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4)
+    else:
+        cfg = transformers.MptConfig(vocab_size=VOCAB, d_model=64, n_heads=4, n_layers=2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=rh.ATTN_IMPLEMENTATION)
+    return _answer(lambda: model(**rh.shard_batch(make_batch("plain"), config=model.config)).loss.backward())
+
+
+@pytest.mark.parametrize("kind", ["bloom", "mpt"])
+def test_models_the_ring_cannot_serve_are_refused(kind):
+    # Bloom's ALiBi attention ignores attn_implementation and would attend within each shard only;
+    # MPT's would crash mid-forward. Both are refused before the first forward, on every rank.
+    for err, msg, _ in run_ranks(_unservable, 2, (kind,), timeout_s=30):
+        assert err == "ValueError" and f"model type {kind!r}" in msg and "AttentionInterface" in msg, msg
+
+
+def test_check_model_by_type_and_architectures():
+    rh.check_model(tiny_config("llama"))  # a fresh config (no attn_implementation yet) of a served type
+    with pytest.raises(ValueError, match=r"model type 'bloom' \(BloomModel\): its attention layers do not call"):
+        rh.check_model(transformers.BloomConfig())
+    with pytest.raises(ValueError, match=r"model type 'llama' \(FalconForCausalLM\)"):  # a checkpoint's classes
+        rh.check_model(tiny_config("llama", architectures=["FalconForCausalLM"]))
+
+
+def _skips_the_ring(rank, world, with_config):
+    cfg = tiny_config("llama")
+    torch.manual_seed(0)
+    ring = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=rh.ATTN_IMPLEMENTATION)
+    if rank == 1:  # the pitfall: a reference built from the same config object turns `ring` to sdpa too
+        transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+
+    def steps():  # two: a rank that skipped the ring meets the others in the next batch's check
+        for _ in range(2):
+            ring(**rh.shard_batch(make_batch("plain"), config=ring.config if with_config else None)).loss.backward()
+
+    return _answer(steps)
+
+
+@pytest.mark.parametrize("with_config", [True, False], ids=["config", "no-config"])
+def test_a_rank_that_skips_the_ring_raises_everywhere(with_config):
+    (e0, m0, t0), (e1, m1, t1) = run_ranks(_skips_the_ring, 2, (with_config,), timeout_s=30)
+    assert e0 == e1 == "ValueError" and max(t0, t1) < 15, (e0, m0, e1, m1)
+    if with_config:  # refused by shard_batch, before any forward
+        assert "config._attn_implementation is 'sdpa', not 'ring_attention'" in m1 and "copy.deepcopy" in m1, m1
+        assert "rank(s) [1] of the group rejected their inputs" in m0, m0
+    else:  # rank 0 waits in layer 0's check, rank 1 arrives there from the next shard_batch
+        for m in (m0, m1):
+            assert "call is ring attention over 2 rank(s) on rank 0, shard_batch over 2 rank(s) on rank 1" in m, m
+
+
+def _other_tokens(rank, world):
+    batch = make_batch("plain")
+    if rank == 1:  # same shapes, other token ids
+        batch["input_ids"] = batch["input_ids"].roll(1, dims=1)
+    return _answer(lambda: rh.shard_batch(batch))
+
+
+def test_batches_with_other_tokens_are_refused():
+    for err, msg, _ in run_ranks(_other_tokens, 2, timeout_s=30):
+        assert err == "ValueError", msg
+        assert re.search(r"shard_batch inputs differ between the ranks of the group: batch\['input_ids'\] \(digest\) "
+                         r"is [0-9a-f]{16} on rank 0, [0-9a-f]{16} on rank 1", msg), msg  # fmt: skip
 
 
 def _compiled(rank, world):
