@@ -261,13 +261,6 @@ def check_model(config) -> None:
     """Raise ValueError, naming the model type, if a model of `config` (its `model.config`) would
     not run its attention through the ring: another `attn_implementation`, or a model class that
     does not call transformers' AttentionInterface. `shard_batch(config=)` calls it."""
-    impl = getattr(config, "_attn_implementation", None)
-    if impl is not None and impl != ATTN_IMPLEMENTATION:
-        raise ValueError(
-            f"config._attn_implementation is {impl!r}, not {ATTN_IMPLEMENTATION!r}: this rank's model would "
-            "not enter the ring (models built from one config object share it: build a reference model "
-            "from copy.deepcopy(config), not from the ring model's config)"
-        )
     model_type = getattr(config, "model_type", None)
     base = MODEL_MAPPING_NAMES.get(model_type)
     # The model type's base class and the config's own architectures: the classes transformers
@@ -280,6 +273,14 @@ def check_model(config) -> None:
                 "AttentionInterface (e.g. ALiBi in the layer itself), so they would ignore ring attention and "
                 "attend only within each rank's shard; ringflash.hf cannot serve this model"
             )
+    # After the model type: a model that cannot take the ring keeps its own implementation too.
+    impl = getattr(config, "_attn_implementation", None)
+    if impl is not None and impl != ATTN_IMPLEMENTATION:
+        raise ValueError(
+            f"config._attn_implementation is {impl!r}, not {ATTN_IMPLEMENTATION!r}: this rank's model would "
+            "not enter the ring (models built from one config object share it: build a reference model "
+            "from copy.deepcopy(config), not from the ring model's config)"
+        )
 
 
 def shard_batch(

@@ -34,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import ringflash
 from ringflash import kernels
 from ringflash.train.config import Config, ConfigError, ParallelConfig, kernel_backend, to_dict
+from ringflash.transport.groups import register_grid
 
 
 @dataclass
@@ -222,6 +223,8 @@ def distributed(cfg: ParallelConfig, device: str = "auto", timeout_s: float | No
         mesh = dims.build_mesh(dev.type, ring_options)
         pc = ParallelContext(dims, mesh, dev, dist.get_rank(), mesh["dp"].get_local_rank(), 0)
         pc.cp_rank = pc.cp_mesh.get_local_rank()
+        if pc.head_group is not None:  # a call over the ring or head group checks the whole cp group
+            register_grid(pc.cp_group, pc.ring_group, pc.head_group)
         yield pc
     finally:
         if started and dist.is_initialized():
@@ -391,6 +394,10 @@ def parallelize_hf(model: nn.Module, pc: ParallelContext, cfg: Config) -> nn.Mod
     backend = _kernel_backend(model, cfg)
     model.context = ringflash.hf.RingContext(pc.cp_group, cfg.parallel.layout, backend, cfg.parallel.transport)
     model.hf.set_attn_implementation(ringflash.hf.ATTN_IMPLEMENTATION)
+    try:  # a model whose attention would not route through the ring trains on its shard alone
+        ringflash.hf.check_model(model.hf.config)
+    except ValueError as e:
+        raise ConfigError(f"model.hf: {e}") from None
     if cfg.train.compile:  # the norms and MLPs of every decoder layer; attention stays eager, as above
         for layer in model.hf.base_model.layers:
             for name in ("input_layernorm", "post_attention_layernorm", "mlp"):

@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers", reason="model.kind = hf needs
 
 from ringflash.train.config import ConfigError, load_config  # noqa: E402
 from ringflash.train.data import IGNORE, DataLoader, build_source  # noqa: E402
-from tests.dist_utils import REPO, run_ranks, torchrun  # noqa: E402
+from tests.dist_utils import REPO, RankFailure, run_ranks, torchrun  # noqa: E402
 from tests.tiny_config import assert_matches_reference, tiny_config  # noqa: E402
 
 LLAMA = ["--model.kind=hf", "--model.hf.model_type=llama", "--model.hf.vocab_size=256", "--model.hf.hidden_size=32",
@@ -138,3 +138,20 @@ def subprocess_run(args):
     import sys
 
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120)
+
+
+def _parallelize(rank, world, cfg):
+    from ringflash.train.hf_model import build_model
+    from ringflash.train.parallel import distributed, parallelize_hf
+
+    with distributed(cfg.parallel, "cpu") as pc:
+        parallelize_hf(build_model(cfg), pc, cfg)
+
+
+def test_training_loop_refuses_a_model_the_ring_cannot_serve():
+    # Bloom's attention (ALiBi) does not go through transformers' AttentionInterface: in the loop
+    # it would attend within each rank's shard only. Set-up refuses it, naming the model type.
+    bloom = ["--model.kind=hf", "--model.hf.model_type=bloom", "--model.hf.vocab_size=256", "--model.hf.hidden_size=32",
+             "--model.hf.n_layer=2", "--model.hf.n_head=4"]  # fmt: skip
+    with pytest.raises(RankFailure, match=r"model.hf: .*bloom"):
+        run_ranks(_parallelize, 2, args=(tiny_hf(*bloom, "--parallel.cp=2"),), timeout_s=60)
