@@ -1,9 +1,27 @@
 """The backends' step API with the public functions' mask arguments, for tests that check both
-the kernels' results and their write / merge / accumulate modes on the same calls."""
+the kernels' results and their write / merge / accumulate modes on the same calls; and the
+(backend, device) pairs a kernel test runs on."""
 
 from __future__ import annotations
 
-from ringflash.kernels import AttnSpec, get_backend
+import pytest
+import torch
+
+from ringflash.kernels import AttnSpec, get_backend, interpreting
+
+_sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+# The CPU pairs run in the CPU suite (the Triton kernels under the interpreter), the CUDA ones under -m gpu.
+BACKEND_DEVICES = [
+    ("reference", "cpu"),
+    ("triton", "cpu"),
+    pytest.param("triton", "cuda", marks=pytest.mark.gpu),
+    pytest.param("hopper", "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not _sm90, reason="needs sm_90")]),
+]
+
+
+def skip_unless_runs(backend: str, device: str) -> None:
+    if device == "cpu" and backend == "triton" and not interpreting():
+        pytest.skip("the Triton kernels run on CPU only in the interpreter (the CPU suite)")
 
 
 def _spec(causal, window, visibility) -> AttnSpec:

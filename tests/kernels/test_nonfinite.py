@@ -7,15 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ringflash.kernels import attn_fwd, interpreting, ref_merge
-
-_sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-BACKENDS = [
-    ("reference", "cpu"),
-    ("triton", "cpu"),
-    pytest.param("triton", "cuda", marks=pytest.mark.gpu),
-    pytest.param("hopper", "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not _sm90, reason="needs sm_90")]),
-]
+from ringflash.kernels import attn_fwd, ref_merge
+from tests.kernels.steps import BACKEND_DEVICES, skip_unless_runs
 
 
 def _sdpa(q, k, v, causal):
@@ -23,12 +16,11 @@ def _sdpa(q, k, v, causal):
     return o.transpose(1, 2)
 
 
-@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("backend,device", BACKEND_DEVICES)
 @pytest.mark.parametrize("where", ["q", "k", "v", "q_inf", "k_inf"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_nonfinite_inputs_propagate_like_sdpa(backend, device, where, causal):
-    if backend == "triton" and device == "cpu" and not interpreting():
-        pytest.skip("the Triton kernels run on CPU only in the interpreter")
+    skip_unless_runs(backend, device)
     g = torch.Generator().manual_seed(3)
     # bf16 on the GPU (what the hopper kernels take), 200 rows there: several key blocks
     n, dtype = (16, torch.float32) if device == "cpu" else (200, torch.bfloat16)

@@ -15,21 +15,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ringflash.kernels import AttnSpec, attn_bwd, attn_fwd, attn_varlen_bwd, attn_varlen_fwd, interpreting, visibility
+from ringflash.kernels import AttnSpec, attn_bwd, attn_fwd, attn_varlen_bwd, attn_varlen_fwd, visibility
+from tests.kernels.steps import BACKEND_DEVICES, skip_unless_runs
 
 N, H, D = 200, 2, 64  # several key blocks (the interpreter's are 64 keys; the GPU's 64-128)
-_sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-DEVICES = [
-    ("cpu", "reference"),
-    ("cpu", "triton"),
-    pytest.param("cuda", "triton", marks=pytest.mark.gpu),
-    pytest.param("cuda", "hopper", marks=[pytest.mark.gpu, pytest.mark.skipif(not _sm90, reason="needs sm_90")]),
-]
-
-
-def skip_unless_runs(backend, device):
-    if device == "cpu" and backend == "triton" and not interpreting():
-        pytest.skip("the Triton kernels run on CPU only in the interpreter (the CPU suite)")
 
 
 def _inputs(dtype, device, seed=0):
@@ -59,7 +48,7 @@ def _check(o, dq, dk, dv, q, k, v, do):
     assert torch.equal(dv, do)
 
 
-@pytest.mark.parametrize("device,backend", DEVICES)
+@pytest.mark.parametrize("backend,device", BACKEND_DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("how", ["window1", "intervals"])
 def test_one_visible_key_returns_its_value(how, dtype, device, backend):
@@ -71,7 +60,7 @@ def test_one_visible_key_returns_its_value(how, dtype, device, backend):
     _check(o, dq, dk, dv, q, k, v, do)
 
 
-@pytest.mark.parametrize("device,backend", DEVICES)
+@pytest.mark.parametrize("backend,device", BACKEND_DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_one_token_documents_return_their_value(dtype, device, backend):
     skip_unless_runs(backend, device)
