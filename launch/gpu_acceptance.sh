@@ -47,6 +47,7 @@ COMMIT="${RINGFLASH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unk
 LOGDIR="${LOGDIR:-runs/gpu_acceptance/$(date -u +%Y%m%d-%H%M%S)}"
 mkdir -p "$LOGDIR"
 RECORDS="$LOGDIR/acceptance.jsonl"
+: >"$LOGDIR/steps.jsonl"
 SM90=$("$PY" -c 'import torch; print(int(torch.cuda.get_device_capability() == (9, 0)))')
 BACKEND=$([ "$SM90" = 1 ] && echo hopper || echo triton)
 FAILED=()
@@ -54,20 +55,33 @@ FAILED=()
 wanted() { [ -z "$ONLY" ] || [[ ",$ONLY," == *",$1,"* ]]; }
 copy_out() { [ -n "${OUT:-}" ] && cp -r "$LOGDIR"/. "$OUT"/ 2>/dev/null; return 0; }
 
-# record NAME STATUS SECONDS [JSON fields...]: one line of acceptance.jsonl
+# record NAME STATUS SECONDS [JSON fields...]: the step's row in $LOGDIR/steps.jsonl, and the run's
+# record (benchmarks/*.jsonl's format: one record, a row a step) rewritten in acceptance.jsonl
 record() {
-  "$PY" - "$RECORDS" "$@" "$W" "$COMMIT" <<'EOF'
+  "$PY" - "$LOGDIR" "$@" "$W" "$COMMIT" "$STEPS" <<'EOF'
 import datetime, json, sys, torch
-path, name, status, seconds, *extra = sys.argv[1:]
-*fields, world, commit = extra
-row = {"benchmark": "gpu_acceptance", "step": name, "status": status, "seconds": float(seconds),
-       "device": f"{world}x {torch.cuda.get_device_name(0)}", "commit": commit,
-       "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-       "versions": {"torch": torch.__version__, "cuda": torch.version.cuda}}
+from pathlib import Path
+logdir, name, status, seconds, *extra = sys.argv[1:]
+*fields, world, commit, steps = extra
+row = {"step": name, "status": status, "seconds": float(seconds)}
 for f in fields:
     row.update(json.loads(f))
-with open(path, "a") as fh:
+row.pop("status_line", None)
+if "losses" in row:
+    row["losses"] = " ".join(f"{x:.2f}" for x in row["losses"])
+with open(Path(logdir) / "steps.jsonl", "a") as fh:
     fh.write(json.dumps(row) + "\n")
+rows = [json.loads(line) for line in open(Path(logdir) / "steps.jsonl")]
+record = {
+    "benchmark": "gpu_acceptance", "title": f"GPU acceptance run on {world} GPU(s)",
+    "device": f"{world}x {torch.cuda.get_device_name(0)}", "commit": commit,
+    "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__, "cuda": torch.version.cuda},
+    "args": {"gpus": int(world), "steps": int(steps)}, "results": rows, "peers": [],
+    "notes": "launch/gpu_acceptance.sh; training rows: the last logged step's tok/s, model TFLOP/s, MFU and peak "
+             "memory per GPU, and every step's loss.",
+}
+(Path(logdir) / "acceptance.jsonl").write_text(json.dumps(record) + "\n")
 EOF
 }
 
