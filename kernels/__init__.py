@@ -25,8 +25,7 @@ from ringflash.kernels.spec import CAUSAL, FULL, AttnSpec
 
 __all__ = ["BACKENDS", "CAUSAL", "FULL", "AttnSpec", "Backend", "Visibility", "attn_bwd", "attn_fwd",
            "attn_varlen_bwd", "attn_varlen_fwd", "backend_named", "check_window", "dense_visibility", "device_guard",
-           "get_backend",
-           "interpreting", "ref_merge", "varlen_visibility", "visibility"]
+           "get_backend", "interpreting", "ref_merge", "varlen_visibility", "visibility"]
 
 
 def _spec(causal: bool, window: int | None, spec: AttnSpec | None) -> AttnSpec:
