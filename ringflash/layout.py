@@ -28,11 +28,16 @@ import torch
 from ringflash.kernels.spec import CAUSAL, FULL, AttnSpec
 
 LAYOUTS = ("contiguous", "zigzag", "stripe")  # append only: agree.py sends the index
+# How attention reaches the other ranks' keys: K/V passed around a ring (ringflash/ring.py), or
+# all-gathered in head chunks (ringflash/allgather.py). Append only, as LAYOUTS.
+SCHEMES = ("ring", "allgather")
 
 __all__ = [
     "LAYOUTS",
+    "SCHEMES",
     "Step",
     "check_layout",
+    "check_scheme",
     "check_splittable",
     "chunk_ids",
     "global_positions",
@@ -46,6 +51,11 @@ __all__ = [
 def check_layout(layout: str) -> None:
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def check_scheme(scheme: str) -> None:
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
 
 
 def _check_dim(x: torch.Tensor, dim: int) -> None:

@@ -1,0 +1,295 @@
+"""All-gather context parallelism (Llama 3's): every rank gathers all K/V, attends its own queries.
+
+    o = ring_flash_attn_func(q, k, v, causal=True, group=cp_group, scheme="allgather")
+    mask = gather_mask(doc_ids, group=cp_group, window=w, device=q.device)  # packed documents, once per batch
+    o = ring_flash_attn_func(q, k, v, causal=True, group=cp_group, scheme="allgather", mask=mask)
+
+q, k, v are this rank's shard in any layout (ringflash/layout.py). Forward, per chunk of
+`heads_k_stride` K/V heads: all-gather this chunk of K and V (packed, one collective), put the
+gathered keys back into global order (`unshard`), and run one kernel call of this rank's queries
+(their query heads of the chunk) against all N_global keys, with the exact per-row key intervals
+of their global positions (`kernels.visibility`: causal, window, documents). The next chunk's
+gather is posted before this chunk computes, so it travels meanwhile; only two chunks of gathered
+K/V are ever alive, which bounds memory for long sequences and many heads.
+Backward, per chunk: gather K/V again (nothing the size of the global K/V is saved), compute dQ
+and the global dK/dV of the chunk in float32, cut them back into each rank's shard and
+reduce-scatter them (summed in float32, then rounded once), overlapped with the next chunk.
+
+Against the ring: the same FLOPs, no merge, one kernel call per chunk whatever the mask (any
+document mask is balanced exactly as the layout balances tokens), communication of all K/V
+(cheap under GQA, where K/V are a fraction of Q) as two collectives instead of W − 1 hops.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ringflash.kernels import FULL, AttnSpec, Backend, Visibility, check_window, visibility
+from ringflash.layout import check_layout, check_splittable, global_positions, shard, unshard
+
+__all__ = ["GatherMask", "allgather_backward", "allgather_forward", "gather_mask", "gather_spec"]
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass(frozen=True, eq=False)
+class GatherMask:
+    """This rank's queries against the whole sequence under documents/window (`gather_mask`).
+
+    `spec`: the kernels' `AttnSpec` of local rows `(n_local,)` over N_global keys in global order;
+    `causal`, `window`, `layout`, `rank`, `world`, `n_local`; `fingerprint`: an int64 hash of the
+    mask's global definition, compared across ranks by the agreement check.
+    """
+
+    spec: AttnSpec
+    causal: bool
+    window: int | None
+    layout: str
+    rank: int
+    world: int
+    n_local: int
+    fingerprint: int
+
+
+def gather_spec(n_local: int, rank: int, world: int, layout: str, causal: bool, window: int | None, device,
+                doc: torch.Tensor | None = None) -> AttnSpec:  # fmt: skip
+    """The `AttnSpec` of rank `rank`'s `n_local` query rows over all `n_local · world` keys in
+    global order: FULL without causality, documents or window, else per-row key intervals.
+    `doc`: global document ids `(B, N_global)` int64 on the host, or None."""
+    if not causal and window is None and doc is None:
+        return FULL
+    if doc is None:
+        return _cached_spec(n_local, rank, world, layout, causal, window, torch.device(device))
+    q_pos = global_positions(n_local, rank, world, layout)
+    vis = visibility(q_pos, torch.arange(n_local * world), causal=causal, window=window,
+                     q_doc=shard(doc, 1, rank, world, layout), k_doc=doc)  # fmt: skip
+    return AttnSpec(intervals=Visibility(*(t.to(device) for t in vis)))
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_spec(n_local, rank, world, layout, causal, window, device) -> AttnSpec:
+    q_pos = global_positions(n_local, rank, world, layout)
+    vis = visibility(q_pos, torch.arange(n_local * world), causal=causal, window=window)
+    return AttnSpec(intervals=Visibility(*(t.to(device) for t in vis)))
+
+
+def gather_mask(
+    doc_ids: torch.Tensor | None,
+    *,
+    seqlen: int | None = None,
+    group: dist.ProcessGroup | None = None,
+    layout: str = "zigzag",
+    causal: bool = True,
+    window: int | None = None,
+    device: torch.device | str | None = None,
+) -> GatherMask:
+    """`ring_mask`'s arguments and checks (ringflash/masks.py), for `scheme="allgather"`.
+
+    doc_ids: global `(B, N_global)` or `(N_global,)` document ids, non-decreasing along each row
+    (None: one document of `seqlen` tokens); window: causal sliding window of w keys counting
+    the diagonal; device: where the intervals live (q's device; default doc_ids').
+    """
+    from ringflash import masks  # its checks and fingerprint; masks imports nothing of ours
+
+    check_layout(layout)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    check_window(window, causal)
+    rank, world = masks._group_rank_world(group)
+    doc = None if doc_ids is None else masks._check_doc_ids(doc_ids)
+    if doc is None and seqlen is None:
+        raise ValueError("seqlen: give N_global when doc_ids is None (one document)")
+    n_global = seqlen if doc is None else doc.shape[1]
+    if doc is not None and seqlen is not None and seqlen != n_global:
+        raise ValueError(f"seqlen={seqlen} disagrees with doc_ids.shape[-1] = {n_global}")
+    check_splittable(n_global, world, layout)
+    device = masks._device(device if device is not None or doc_ids is None else doc_ids.device)
+    _, fp = masks._fingerprint(causal, window, layout, world, n_global, doc)
+    spec = gather_spec(n_global // world, rank, world, layout, causal, window, device, doc)
+    return GatherMask(spec, causal, window, layout, rank, world, n_global // world, fp)
+
+
+# ---- the loops (no autograd) --------------------------------------------------------------------
+
+
+def _chunks(hkv: int, stride: int) -> list[slice]:
+    return [slice(h, min(h + stride, hkv)) for h in range(0, hkv, stride)]
+
+
+def _gather(k, v, heads: slice, group, world):
+    """Post the all-gather of K/V heads `heads`: returns `(buffer (W, 2, B, n, s, D), work)`."""
+    kv = torch.stack((k[:, :, heads], v[:, :, heads]))  # one collective for K and V
+    if world == 1:
+        return kv[None], None
+    buf = kv.new_empty((world, *kv.shape))
+    return buf, _all_gather(buf.view(-1, *kv.shape[1:]), kv, group=group, async_op=True)
+
+
+def _global(buf, layout) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gathered shards as global-order K, V `(B, N_global, s, D)`."""
+    if buf.shape[0] == 1:
+        return buf[0, 0], buf[0, 1]
+    kv = unshard(list(buf.unbind(0)), 2, layout)  # (2, B, N, s, D): dim 2 is the sequence
+    return kv[0], kv[1]
+
+
+def _pipeline(k, v, stride, group, world):
+    """Yield `(heads, gathered buffer)` per chunk, the next chunk's gather already posted."""
+    chunks = _chunks(k.shape[2], stride)
+    pending = _gather(k, v, chunks[0], group, world)
+    for i, heads in enumerate(chunks):
+        buf, work = pending
+        if work is not None:
+            work.wait()
+        if i + 1 < len(chunks):
+            pending = _gather(k, v, chunks[i + 1], group, world)
+        yield heads, buf
+
+
+def allgather_forward(q, k, v, spec: AttnSpec, *, scale: float, kernels: Backend, group, world: int, layout: str,
+                      heads_k_stride: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """q `(B, n, H, D)`, k, v `(B, n, Hkv, D)`: this rank's shard. Returns `o (B, n, H, D)` in q's
+    dtype and `lse (B, H, n)` float32, natural log, over the whole sequence. `spec`: `gather_spec`."""
+    g = q.shape[2] // k.shape[2]
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
+    for heads, buf in _pipeline(k, v, heads_k_stride, group, world):
+        qh = slice(heads.start * g, heads.stop * g)  # query head h uses K/V head h // g
+        kg, vg = _global(buf, layout)
+        o_c, lse_c = kernels.fwd_step(q[:, :, qh], kg, vg, spec, scale)
+        o[:, :, qh] = o_c
+        lse[:, qh] = lse_c
+    return o, lse
+
+
+def allgather_backward(do, q, k, v, o, lse, spec: AttnSpec, *, scale: float, kernels: Backend, group, world: int,
+                       layout: str, heads_k_stride: int) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """Gradients `(dq, dk, dv)` like q, k, v, for the global `o`, `lse` of `allgather_forward`."""
+    g = q.shape[2] // k.shape[2]
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dkv = torch.empty((2, *k.shape), dtype=k.dtype, device=k.device)
+    scattered = None  # (heads, float32 sums, work): the previous chunk's reduce-scatter in flight
+
+    def land(item):
+        heads, sums, work = item
+        if work is not None:
+            work.wait()
+        dkv[:, :, :, heads] = sums  # rounded once, after the float32 sum over ranks
+
+    for heads, buf in _pipeline(k, v, heads_k_stride, group, world):
+        qh = slice(heads.start * g, heads.stop * g)
+        kg, vg = _global(buf, layout)
+        dq_c, dk_g, dv_g = kernels.bwd_step(do[:, :, qh], q[:, :, qh], kg, vg, o[:, :, qh], lse[:, qh], spec, scale,
+                                            grad_dtype=torch.float32)  # fmt: skip
+        dq[:, :, qh] = dq_c
+        grads = torch.stack((dk_g, dv_g))  # (2, B, N, s, D), global order
+        if world == 1:
+            item = (heads, grads, None)
+        else:  # each rank's rows, rank-major, as reduce_scatter hands out
+            parts = torch.stack([shard(grads, 2, j, world, layout) for j in range(world)])
+            sums = grads.new_empty(parts.shape[1:])
+            item = (heads, sums, _reduce_scatter(sums, parts.view(-1, *parts.shape[2:]), group=group, async_op=True))
+        if scattered is not None:
+            land(scattered)
+        scattered = item
+    land(scattered)
+    return dq, dkv[0], dkv[1]
+
+
+class AllGatherAttn(torch.autograd.Function):
+    """`allgather_forward` / `allgather_backward` under autograd; saves q, k, v (local), o, lse."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, spec, kwargs):
+        o, lse = allgather_forward(q, k, v, spec, **kwargs)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.spec, ctx.kwargs = spec, kwargs
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = allgather_backward(do.contiguous(), q, k, v, o, lse, ctx.spec, **ctx.kwargs)
+        return dq, dk, dv, None, None
+
+
+# ---- the call (ring_flash_attn_func(..., scheme="allgather")) --------------------------------
+
+
+def check_stride(heads_k_stride) -> int:
+    if isinstance(heads_k_stride, bool) or not isinstance(heads_k_stride, int) or heads_k_stride < 1:
+        raise ValueError(f"heads_k_stride must be a positive int (K/V heads per gather), got {heads_k_stride!r}")
+    return heads_k_stride
+
+
+def attend(q, k, v, flash: tuple, softmax_scale, causal, group, *, layout, backend, check_ranks, window, mask,
+           heads_k_stride, prepare=None):  # fmt: skip
+    """`ring_flash_attn_func`'s body for `scheme="allgather"`: returns `(o, lse)`. `flash`: its
+    `(dropout_p, window_size, alibi_slopes, deterministic, return_attn_probs)`. `prepare(window, causal, rank, world)
+    -> (q, k, v, spec)`, if given, makes the inputs and the mask's spec inside the checks (the
+    llama3 varlen forms of ringflash/ring_flash_attn.py), so its errors too raise on every rank.
+    Every check raises on every rank of the group: a rank that rejects its inputs tells the
+    others, who wait in the agreement check."""
+    from ringflash import agree, api  # api's checks; api imports this module
+    from ringflash.kernels import get_backend
+    from ringflash.kernels.checks import resolve_scale
+    from ringflash.transport import ring_comm
+
+    comm = ring_comm(group, "nccl")  # checks group; rank and world
+    checker = agree.check_comm(group) if check_ranks else None
+    spec = None
+    try:
+        check_stride(heads_k_stride)
+        window = api._flash_options(*flash, causal, window)
+        if prepare is not None:
+            q, k, v, spec = prepare(window, causal, comm.rank, comm.world)
+        scale, kern = api._check_local(q, k, v, causal, softmax_scale, layout, backend, comm.world)
+        if flash[3] and not kern.deterministic:
+            raise ValueError(f"deterministic=True: backend {kern.name!r} is not deterministic; use 'triton' or 'auto'")
+        check_window(window, causal)
+        if mask is not None:
+            _check_gather_mask(mask, q, causal, window, layout, comm)
+            spec, window = mask.spec, mask.window
+        elif spec is None:
+            spec = gather_spec(q.shape[1], comm.rank, comm.world, layout, causal, window, q.device)
+        kern.check(q, k, spec)
+        error = None
+    except (TypeError, ValueError) as e:
+        error = e
+    if error is not None:
+        if checker is not None:
+            agree.announce(checker, "ring attention", comm.world, q=q, k=k, causal=causal, layout=layout)
+        raise error
+    if checker is not None and checker.world > 1:
+        mine = agree.row(True, "ring attention", comm.world, q=q, k=k, causal=causal, softmax_scale=scale,
+                         layout=layout, window=window, mask_key=0 if mask is None else mask.fingerprint,
+                         scheme="allgather")  # fmt: skip
+        agree.check(checker, mine)
+    kwargs = dict(scale=resolve_scale(softmax_scale, q.shape[-1]), kernels=get_backend(backend, q.device),
+                  group=group, world=comm.world, layout=layout, heads_k_stride=heads_k_stride)  # fmt: skip
+    with torch.autocast(q.device.type, enabled=False):  # float32 sums by design, as in the ring
+        return AllGatherAttn.apply(q, k, v, spec, kwargs)
+
+
+def _check_gather_mask(mask, q, causal, window, layout, comm) -> None:
+    """A GatherMask must describe this call: raises TypeError/ValueError naming `mask`."""
+    if not isinstance(mask, GatherMask):
+        raise TypeError(
+            f"mask: scheme='allgather' takes a ringflash.GatherMask (gather_mask) or None, got {type(mask).__name__}"
+        )
+    mine = dict(causal=mask.causal, layout=mask.layout, world=mask.world, rank=mask.rank, n_local=mask.n_local)
+    call = dict(causal=causal, layout=layout, world=comm.world, rank=comm.rank, n_local=q.shape[1])
+    wrong = [f"mask's {n} is {mine[n]!r}, the call's {call[n]!r}" for n in mine if mine[n] != call[n]]
+    if window is not None and window != mask.window:
+        wrong.append(f"mask's window is {mask.window!r}, the call's {window!r}")
+    lo = mask.spec.intervals.kv_lo if mask.spec.intervals is not None else None
+    if lo is not None and (lo.device != q.device or lo.shape[0] not in (1, q.shape[0])):
+        wrong.append(f"mask's intervals are {tuple(lo.shape)} on {lo.device}, q is {tuple(q.shape)} on {q.device}")
+    if wrong:
+        raise ValueError("mask disagrees with the call: " + "; ".join(wrong))
