@@ -23,6 +23,7 @@ document mask is balanced exactly as the layout balances tokens), communication 
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -112,6 +113,54 @@ def gather_mask(
     _, fp = masks._fingerprint(causal, window, layout, world, n_global, doc)
     spec = gather_spec(n_global // world, rank, world, layout, causal, window, device, doc)
     return GatherMask(spec, causal, window, layout, rank, world, n_global // world, fp)
+
+
+def varlen_spec(cu_q: list[int], cu_k: list[int], k_slice: slice, n_global: int, causal: bool, window: int | None,
+                device) -> AttnSpec:  # fmt: skip
+    """Documents in flash_attn's varlen convention over all-gathered keys (ring-flash-attention's
+    llama3 functions): query document d (local rows `cu_q[d]:cu_q[d+1]`) sees key document d
+    (global keys `k_slice.start + cu_k[d]` to `k_slice.start + cu_k[d+1]`), causal aligned at the
+    documents' ends (a query document's last row sees its key document's last key). Host ints in;
+    raises ValueError naming cu_seqlens_q / cu_seqlens_k / local_k_slice."""
+    lq = [b - a for a, b in itertools.pairwise(cu_q)]
+    lk = [b - a for a, b in itertools.pairwise(cu_k)]
+    if len(lq) != len(lk):
+        raise ValueError(f"cu_seqlens_k must hold as many documents as cu_seqlens_q ({len(lq)}), got {len(lk)}")
+    if min(lk, default=0) < 0 or cu_k[0] != 0:
+        raise ValueError(f"cu_seqlens_k must rise from 0, got {cu_k}")
+    if cu_k[-1] != k_slice.stop - k_slice.start:
+        raise ValueError(f"cu_seqlens_k must end at the length of local_k_slice ({k_slice}), got {cu_k[-1]}")
+    if causal and any(q > k for q, k in zip(lq, lk)):
+        raise ValueError(f"cu_seqlens_k: with causal=True each key document must be at least as long as its query "
+                         f"document, got query lengths {lq} and key lengths {lk}")  # fmt: skip
+    d_q = torch.repeat_interleave(torch.arange(len(lq)), torch.tensor(lq))
+    k_doc = torch.full((n_global,), len(lk))  # after the slice: no document of ours (ids stay non-decreasing)
+    k_doc[: k_slice.start] = -1
+    k_doc[k_slice] = torch.repeat_interleave(torch.arange(len(lk)), torch.tensor(lk))
+    if causal:  # each query's position is its key document's end minus its distance from its own end
+        ends = torch.tensor(cu_k[1:]) + k_slice.start
+        q_pos = ends[d_q] - (torch.tensor(cu_q[1:])[d_q] - torch.arange(cu_q[-1]))
+    else:
+        q_pos = torch.arange(cu_q[-1])
+    vis = visibility(q_pos, torch.arange(n_global), causal=causal, window=window, q_doc=d_q, k_doc=k_doc)
+    return AttnSpec(intervals=Visibility(*(t.to(device) for t in vis)))
+
+
+def prepare_cu_seqlens(cu: list[int], causal: bool, rank: int, world: int):
+    """ring-flash-attention's `llama3_flash_attn_prepare_cu_seqlens` on host ints (its docstring)."""
+    total = cu[-1]
+    if len(cu) < 2 or cu[0] != 0 or any(b < a for a, b in itertools.pairwise(cu)) or total % world:
+        raise ValueError(f"cu_seqlens must rise from 0 to a total divisible by world_size={world}, got {cu}")
+    n = total // world
+    lo, hi = rank * n, (rank + 1) * n
+    first = max(i for i, c in enumerate(cu) if c <= lo)  # the document holding token lo starts at cu[first]
+    last = min(i for i, c in enumerate(cu) if c >= hi)  # and the one holding token hi - 1 ends at cu[last]
+    bounds = cu[first : last + 1]
+    cu_q = [0] + [c - lo for c in bounds[1:-1]] + [n]
+    k_stop = hi if causal else cu[last]
+    cu_k = [c - bounds[0] for c in bounds[:-1]] + [k_stop - bounds[0]]
+    widths = lambda c: max(b - a for a, b in itertools.pairwise(c))
+    return cu_q, cu_k, widths(cu_q), widths(cu_k), slice(bounds[0], k_stop)
 
 
 # ---- the loops (no autograd) --------------------------------------------------------------------
