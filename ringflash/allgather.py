@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from ringflash.kernels import FULL, AttnSpec, Backend, Visibility, check_window, visibility
 from ringflash.layout import check_layout, check_splittable, global_positions, shard, unshard
+from ringflash.transport.p2p import _Transfer
 
 __all__ = ["GatherMask", "allgather_backward", "allgather_forward", "gather_mask", "gather_spec"]
 
@@ -170,13 +171,20 @@ def _chunks(hkv: int, stride: int) -> list[slice]:
     return [slice(h, min(h + stride, hkv)) for h in range(0, hkv, stride)]
 
 
-def _gather(k, v, heads: slice, group, world):
-    """Post the all-gather of K/V heads `heads`: returns `(buffer (W, 2, B, n, s, D), work)`."""
+def _post(comm, collective, out: torch.Tensor, inp: torch.Tensor) -> _Transfer:
+    """Post `collective(out, inp)` over comm's group; CUDA tensors on a gloo group go through pinned
+    host memory, as the ring's transfers do (transport/p2p.py). `wait()` lands the result in out."""
+    src, dst, host_out = comm._stage(inp, out)
+    return _Transfer([collective(dst, src, group=comm.group, async_op=True)], out, src, host_out)
+
+
+def _gather(k, v, heads: slice, comm):
+    """Post the all-gather of K/V heads `heads`: returns `(buffer (W, 2, B, n, s, D), transfer)`."""
     kv = torch.stack((k[:, :, heads], v[:, :, heads]))  # one collective for K and V
-    if world == 1:
+    if comm.world == 1:
         return kv[None], None
-    buf = kv.new_empty((world, *kv.shape))
-    return buf, _all_gather(buf.view(-1, *kv.shape[1:]), kv, group=group, async_op=True)
+    buf = kv.new_empty((comm.world, *kv.shape))
+    return buf, _post(comm, _all_gather, buf.view(-1, *kv.shape[1:]), kv)
 
 
 def _global(buf, layout) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,27 +195,28 @@ def _global(buf, layout) -> tuple[torch.Tensor, torch.Tensor]:
     return kv[0], kv[1]
 
 
-def _pipeline(k, v, stride, group, world):
+def _pipeline(k, v, stride, comm):
     """Yield `(heads, gathered buffer)` per chunk, the next chunk's gather already posted."""
     chunks = _chunks(k.shape[2], stride)
-    pending = _gather(k, v, chunks[0], group, world)
+    pending = _gather(k, v, chunks[0], comm)
     for i, heads in enumerate(chunks):
         buf, work = pending
         if work is not None:
             work.wait()
         if i + 1 < len(chunks):
-            pending = _gather(k, v, chunks[i + 1], group, world)
+            pending = _gather(k, v, chunks[i + 1], comm)
         yield heads, buf
 
 
-def allgather_forward(q, k, v, spec: AttnSpec, *, scale: float, kernels: Backend, group, world: int, layout: str,
+def allgather_forward(q, k, v, spec: AttnSpec, *, scale: float, kernels: Backend, comm, layout: str,
                       heads_k_stride: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """q `(B, n, H, D)`, k, v `(B, n, Hkv, D)`: this rank's shard. Returns `o (B, n, H, D)` in q's
-    dtype and `lse (B, H, n)` float32, natural log, over the whole sequence. `spec`: `gather_spec`."""
+    dtype and `lse (B, H, n)` float32, natural log, over the whole sequence. `spec`: `gather_spec`;
+    `comm`: the group's `RingComm` (ringflash.transport.ring_comm)."""
     g = q.shape[2] // k.shape[2]
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
-    for heads, buf in _pipeline(k, v, heads_k_stride, group, world):
+    for heads, buf in _pipeline(k, v, heads_k_stride, comm):
         qh = slice(heads.start * g, heads.stop * g)  # query head h uses K/V head h // g
         kg, vg = _global(buf, layout)
         o_c, lse_c = kernels.fwd_step(q[:, :, qh], kg, vg, spec, scale)
@@ -216,8 +225,8 @@ def allgather_forward(q, k, v, spec: AttnSpec, *, scale: float, kernels: Backend
     return o, lse
 
 
-def allgather_backward(do, q, k, v, o, lse, spec: AttnSpec, *, scale: float, kernels: Backend, group, world: int,
-                       layout: str, heads_k_stride: int) -> tuple[torch.Tensor, ...]:  # fmt: skip
+def allgather_backward(do, q, k, v, o, lse, spec: AttnSpec, *, scale: float, kernels: Backend, comm, layout: str,
+                       heads_k_stride: int) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """Gradients `(dq, dk, dv)` like q, k, v, for the global `o`, `lse` of `allgather_forward`."""
     g = q.shape[2] // k.shape[2]
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -230,7 +239,8 @@ def allgather_backward(do, q, k, v, o, lse, spec: AttnSpec, *, scale: float, ker
             work.wait()
         dkv[:, :, :, heads] = sums  # rounded once, after the float32 sum over ranks
 
-    for heads, buf in _pipeline(k, v, heads_k_stride, group, world):
+    world = comm.world
+    for heads, buf in _pipeline(k, v, heads_k_stride, comm):
         qh = slice(heads.start * g, heads.stop * g)
         kg, vg = _global(buf, layout)
         dq_c, dk_g, dv_g = kernels.bwd_step(do[:, :, qh], q[:, :, qh], kg, vg, o[:, :, qh], lse[:, qh], spec, scale,
@@ -242,7 +252,7 @@ def allgather_backward(do, q, k, v, o, lse, spec: AttnSpec, *, scale: float, ker
         else:  # each rank's rows, rank-major, as reduce_scatter hands out
             parts = torch.stack([shard(grads, 2, j, world, layout) for j in range(world)])
             sums = grads.new_empty(parts.shape[1:])
-            item = (heads, sums, _reduce_scatter(sums, parts.view(-1, *parts.shape[2:]), group=group, async_op=True))
+            item = (heads, sums, _post(comm, _reduce_scatter, sums, parts.view(-1, *parts.shape[2:])))
         if scattered is not None:
             land(scattered)
         scattered = item
@@ -321,7 +331,7 @@ def attend(q, k, v, flash: tuple, softmax_scale, causal, group, *, layout, backe
                          scheme="allgather")  # fmt: skip
         agree.check(checker, mine)
     kwargs = dict(scale=resolve_scale(softmax_scale, q.shape[-1]), kernels=get_backend(backend, q.device),
-                  group=group, world=comm.world, layout=layout, heads_k_stride=heads_k_stride)  # fmt: skip
+                  comm=comm, layout=layout, heads_k_stride=heads_k_stride)  # fmt: skip
     with torch.autocast(q.device.type, enabled=False):  # float32 sums by design, as in the ring
         return AllGatherAttn.apply(q, k, v, spec, kwargs)
 
