@@ -230,14 +230,17 @@ def allgather_backward(do, q, k, v, o, lse, spec: AttnSpec, *, scale: float, ker
     """Gradients `(dq, dk, dv)` like q, k, v, for the global `o`, `lse` of `allgather_forward`."""
     g = q.shape[2] // k.shape[2]
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dkv = torch.empty((2, *k.shape), dtype=k.dtype, device=k.device)
+    dk, dv = (
+        torch.empty_like(k, memory_format=torch.contiguous_format),
+        torch.empty_like(v, memory_format=torch.contiguous_format),
+    )
     scattered = None  # (heads, float32 sums, work): the previous chunk's reduce-scatter in flight
 
     def land(item):
         heads, sums, work = item
         if work is not None:
             work.wait()
-        dkv[:, :, :, heads] = sums  # rounded once, after the float32 sum over ranks
+        dk[:, :, heads], dv[:, :, heads] = sums  # rounded once, after the float32 sum over ranks
 
     world = comm.world
     for heads, buf in _pipeline(k, v, heads_k_stride, comm):
@@ -257,98 +260,4 @@ def allgather_backward(do, q, k, v, o, lse, spec: AttnSpec, *, scale: float, ker
             land(scattered)
         scattered = item
     land(scattered)
-    return dq, dkv[0], dkv[1]
-
-
-class AllGatherAttn(torch.autograd.Function):
-    """`allgather_forward` / `allgather_backward` under autograd; saves q, k, v (local), o, lse."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, spec, kwargs):
-        o, lse = allgather_forward(q, k, v, spec, **kwargs)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.spec, ctx.kwargs = spec, kwargs
-        ctx.mark_non_differentiable(lse)
-        return o, lse
-
-    @staticmethod
-    def backward(ctx, do, _dlse):
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = allgather_backward(do.contiguous(), q, k, v, o, lse, ctx.spec, **ctx.kwargs)
-        return dq, dk, dv, None, None
-
-
-# ---- the call (ring_flash_attn_func(..., scheme="allgather")) --------------------------------
-
-
-def check_stride(heads_k_stride) -> int:
-    if isinstance(heads_k_stride, bool) or not isinstance(heads_k_stride, int) or heads_k_stride < 1:
-        raise ValueError(f"heads_k_stride must be a positive int (K/V heads per gather), got {heads_k_stride!r}")
-    return heads_k_stride
-
-
-def attend(q, k, v, flash: tuple, softmax_scale, causal, group, *, layout, backend, check_ranks, window, mask,
-           heads_k_stride, prepare=None):  # fmt: skip
-    """`ring_flash_attn_func`'s body for `scheme="allgather"`: returns `(o, lse)`. `flash`: its
-    `(dropout_p, window_size, alibi_slopes, deterministic, return_attn_probs)`. `prepare(window, causal, rank, world)
-    -> (q, k, v, spec)`, if given, makes the inputs and the mask's spec inside the checks (the
-    llama3 varlen forms of ringflash/ring_flash_attn.py), so its errors too raise on every rank.
-    Every check raises on every rank of the group: a rank that rejects its inputs tells the
-    others, who wait in the agreement check."""
-    from ringflash import agree, api  # api's checks; api imports this module
-    from ringflash.kernels import get_backend
-    from ringflash.kernels.checks import resolve_scale
-    from ringflash.transport import ring_comm
-
-    comm = ring_comm(group, "nccl")  # checks group; rank and world
-    checker = agree.check_comm(group) if check_ranks else None
-    spec = None
-    try:
-        check_stride(heads_k_stride)
-        window = api._flash_options(*flash, causal, window)
-        if prepare is not None:
-            q, k, v, spec = prepare(window, causal, comm.rank, comm.world)
-        scale, kern = api._check_local(q, k, v, causal, softmax_scale, layout, backend, comm.world)
-        if flash[3] and not kern.deterministic:
-            raise ValueError(f"deterministic=True: backend {kern.name!r} is not deterministic; use 'triton' or 'auto'")
-        check_window(window, causal)
-        if mask is not None:
-            _check_gather_mask(mask, q, causal, window, layout, comm)
-            spec, window = mask.spec, mask.window
-        elif spec is None:
-            spec = gather_spec(q.shape[1], comm.rank, comm.world, layout, causal, window, q.device)
-        kern.check(q, k, spec)
-        error = None
-    except (TypeError, ValueError) as e:
-        error = e
-    if error is not None:
-        if checker is not None:
-            agree.announce(checker, "ring attention", comm.world, q=q, k=k, causal=causal, layout=layout)
-        raise error
-    if checker is not None and checker.world > 1:
-        mine = agree.row(True, "ring attention", comm.world, q=q, k=k, causal=causal, softmax_scale=scale,
-                         layout=layout, window=window, mask_key=0 if mask is None else mask.fingerprint,
-                         scheme="allgather")  # fmt: skip
-        agree.check(checker, mine)
-    kwargs = dict(scale=resolve_scale(softmax_scale, q.shape[-1]), kernels=get_backend(backend, q.device),
-                  comm=comm, layout=layout, heads_k_stride=heads_k_stride)  # fmt: skip
-    with torch.autocast(q.device.type, enabled=False):  # float32 sums by design, as in the ring
-        return AllGatherAttn.apply(q, k, v, spec, kwargs)
-
-
-def _check_gather_mask(mask, q, causal, window, layout, comm) -> None:
-    """A GatherMask must describe this call: raises TypeError/ValueError naming `mask`."""
-    if not isinstance(mask, GatherMask):
-        raise TypeError(
-            f"mask: scheme='allgather' takes a ringflash.GatherMask (gather_mask) or None, got {type(mask).__name__}"
-        )
-    mine = dict(causal=mask.causal, layout=mask.layout, world=mask.world, rank=mask.rank, n_local=mask.n_local)
-    call = dict(causal=causal, layout=layout, world=comm.world, rank=comm.rank, n_local=q.shape[1])
-    wrong = [f"mask's {n} is {mine[n]!r}, the call's {call[n]!r}" for n in mine if mine[n] != call[n]]
-    if window is not None and window != mask.window:
-        wrong.append(f"mask's window is {mask.window!r}, the call's {window!r}")
-    lo = mask.spec.intervals.kv_lo if mask.spec.intervals is not None else None
-    if lo is not None and (lo.device != q.device or lo.shape[0] not in (1, q.shape[0])):
-        wrong.append(f"mask's intervals are {tuple(lo.shape)} on {lo.device}, q is {tuple(q.shape)} on {q.device}")
-    if wrong:
-        raise ValueError("mask disagrees with the call: " + "; ".join(wrong))
+    return dq, dk, dv  # apart, not views of one block: a custom op's outputs may not alias

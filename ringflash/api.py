@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ringflash import allgather, kernels, ops
+from ringflash import allgather_ops, kernels, ops
 from ringflash.hybrid import hybrid_attention
 from ringflash.kernels.checks import check_qkv, resolve_scale
 from ringflash.layout import check_layout, check_scheme, check_splittable
@@ -178,7 +178,7 @@ def _allgather(q, k, v, flash, softmax_scale, causal, group, scheme, head_group,
         causal = getattr(options["mask"], "causal", False)
     options = {key: val for key, val in options.items() if key != "transport"}  # no ring transfers
     with kernels.device_guard(q):
-        o, lse = allgather.attend(q, k, v, flash, softmax_scale, causal, group, heads_k_stride=heads_k_stride,
+        o, lse = allgather_ops.attend(q, k, v, flash, softmax_scale, causal, group, heads_k_stride=heads_k_stride,
                                   **options)  # fmt: skip
     return (o, lse, None) if flash[-1] else o
 
@@ -398,7 +398,7 @@ class RingFlashAttention(nn.Module):
         super().__init__()
         check_layout(layout)
         check_scheme(scheme)
-        allgather.check_stride(heads_k_stride)
+        allgather_ops.check_stride(heads_k_stride)
         kernels.check_window(window, causal)
         if transport is not None:
             resolve_transport(transport)

@@ -42,7 +42,7 @@ import itertools
 
 import torch
 
-from ringflash import allgather, api
+from ringflash import allgather, allgather_ops, api
 from ringflash.kernels import device_guard
 from ringflash.masks import varlen_mask
 
@@ -331,7 +331,7 @@ def _llama3(
     first = tensors[0]
     flash = (dropout_p, window_size, alibi_slopes, deterministic, return_attn_probs)
     with device_guard(first):
-        o, lse = allgather.attend(
+        o, lse = allgather_ops.attend(
             first, None, None, flash, softmax_scale, causal, group, layout="contiguous", backend=None,
             check_ranks=True, window=None, mask=None, heads_k_stride=heads_k_stride, prepare=prepare,
         )  # fmt: skip

@@ -148,3 +148,64 @@ def test_errors_raise_on_every_rank(what, first, mine, others):
     msgs = run_ranks(_errors_worker, 2, (what,))
     assert re.search(mine, msgs[first] or ""), msgs
     assert re.search(others, msgs[1 - first] or ""), msgs
+
+
+# ---- torch.compile: one custom op, no graph break ---------------------------------------------
+
+
+def _compiled_worker(rank, world, masked):
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from ringflash.train.config import ModelConfig
+    from ringflash.train.model import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64))
+    for block in model.blocks:
+        block.attn.core = ringflash.RingFlashAttention(layout="stripe", causal=True, scheme="allgather")
+    idx = torch.randint(0, 64, (2, 8 * world))
+    x = shard(idx, 1, rank, world, "stripe")
+    pos = ringflash.global_positions(x.shape[1], rank, world, "stripe")
+    mask = None
+    if masked:  # documents and a window: the intervals are op inputs
+        doc = (torch.arange(8 * world) >= 5).long() + (torch.arange(8 * world) >= 11).long()
+        mask = gather_mask(doc, layout="stripe", window=6)
+
+    def step(m):
+        m.zero_grad(set_to_none=True)
+        loss = m(x, pos, mask=mask).float().square().mean()
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in m.parameters()]
+
+    loss, grads = step(model)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)  # a graph break raises
+    for _ in range(2):
+        c_loss, c_grads = step(compiled)
+        torch.testing.assert_close(c_loss, loss)
+        for a, b in zip(c_grads, grads):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert counter.frame_count == 1
+    return True
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_compiled_transformer_matches_eager(masked):
+    assert run_ranks(_compiled_worker, 2, args=(masked,), timeout_s=120) == [True, True]
+
+
+def _opcheck_worker(rank, world):
+    import ringflash.allgather_ops  # noqa: F401  (registers the ops)
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 8, 4, 16, generator=g, requires_grad=True)
+    k, v = (torch.randn(1, 8, 2, 16, generator=g, requires_grad=True) for _ in range(2))
+    opts = dict(causal=True, softmax_scale=0.25, layout="zigzag", group_name="", backend=None, heads_k_stride=1,
+                check_ranks=False)  # fmt: skip
+    torch.library.opcheck(torch.ops.ringflash.allgather_attn.default, (q, k, v, []), opts)
+
+
+def test_allgather_op_opcheck_one_rank():
+    run_ranks(_opcheck_worker, 1, timeout_s=120)
