@@ -77,8 +77,9 @@ def _cp_vs_single(rank, world, cfg):
         ["--model.window=40", "--parallel.layout=contiguous"],
         ["--data.pack_documents=true", "--model.window=40", "--train.grad_accum=2"],
         ["--data.pack_documents=true", "--model.window=40", "--parallel.cp_scheme=allgather"],
+        ["--data.pack_documents=true", "--parallel.layout=stripe"],
     ],
-    ids=["docs-zigzag", "window-contiguous", "docs-window-zigzag-accum", "docs-window-allgather"],
+    ids=["docs-zigzag", "window-contiguous", "docs-window-zigzag-accum", "docs-window-allgather", "docs-stripe"],
 )
 def test_cp2_matches_cp1(tmp_path, overrides):
     path = write_docs(tmp_path / "docs.txt")
