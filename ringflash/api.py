@@ -166,20 +166,34 @@ def ring_flash_attn_func(
 
 
 def _allgather(q, k, v, flash, softmax_scale, causal, group, scheme, head_group, heads_k_stride, options):
-    """`scheme="allgather"` (ringflash/allgather.py); an unknown scheme raises on every rank."""
+    """`scheme="allgather"` (ringflash/allgather_ops.py), alone or inside the head-parallel hybrid
+    (`head_group`: all-to-all heads, then the all-gather over `group`); an unknown scheme raises on
+    every rank."""
     try:
         check_scheme(scheme)
-        if head_group is not None:
-            raise ValueError("head_group: head parallelism runs around the ring only (scheme='ring'), not 'allgather'")
     except ValueError as e:
         comm = None if torch.compiler.is_compiling() else ring_comm(group)
         _refuse(e, comm, options["check_ranks"], q, k, causal, options["layout"])
-    if causal is None:
-        causal = getattr(options["mask"], "causal", False)
+    mask = options["mask"]
+    causal = getattr(mask, "causal", False) if causal is None else causal
     options = {key: val for key, val in options.items() if key != "transport"}  # no ring transfers
+
+    def gather(q, k, v):
+        return allgather_ops.attend(q, k, v, flash, softmax_scale, causal, group, heads_k_stride=heads_k_stride,
+                                    **options)  # fmt: skip
+
+    def settings():  # the hybrid's grid check: the all-gather's settings, its mask's digest
+        fields = _agreed(q, flash, causal, softmax_scale, options["window"], None, "nccl", options["backend"])
+        return dict(fields, scheme="allgather", mask_key=getattr(mask, "fingerprint", 0),
+                    window=getattr(mask, "window", fields["window"]))  # fmt: skip
+
     with kernels.device_guard(q):
-        o, lse = allgather_ops.attend(q, k, v, flash, softmax_scale, causal, group, heads_k_stride=heads_k_stride,
-                                  **options)  # fmt: skip
+        if head_group is None:
+            o, lse = gather(q, k, v)
+        else:
+            o, lse = hybrid_attention(q, k, v, head_group=head_group, group=group, layout=options["layout"],
+                                      check_ranks=options["check_ranks"], causal=causal, settings=settings,
+                                      ring=gather)  # fmt: skip
     return (o, lse, None) if flash[-1] else o
 
 

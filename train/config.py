@@ -159,7 +159,8 @@ class ParallelConfig:
         "ring",
         "How attention reaches the other cp ranks' keys: ring passes K/V blocks around the ring, overlapped "
         "with compute; allgather gathers all K/V in head chunks (Llama 3's; cheap under GQA, any document "
-        "mask balanced). allgather needs parallel.cp_heads = 1 and model.kind = small.",
+        "mask balanced; with cp_heads > 1 the head all-to-all wraps it as it wraps the ring). allgather needs "
+        "model.kind = small.",
         ("ring", "allgather"),
     )
     dist_backend: str = opt(
@@ -511,11 +512,8 @@ def validate(cfg: Config) -> None:
                               "model.dim / model.n_heads)")
         if name == "cudnn" and t.device == "cpu":
             raise ConfigError(f"{source} = cudnn needs train.device = cuda")
-    if p.cp_scheme == "allgather" and (p.cp_heads > 1 or m.kind == "hf"):
-        raise ConfigError(
-            f"parallel.cp_scheme = allgather runs with parallel.cp_heads = 1 and model.kind = small, got "
-            f"cp_heads = {p.cp_heads}, kind = {m.kind} (head parallelism and the transformers path use the ring)"
-        )
+    if p.cp_scheme == "allgather" and m.kind == "hf":
+        raise ConfigError("parallel.cp_scheme = allgather needs model.kind = small (transformers models use the ring)")
     if p.transport == "copy-engine" and p.dist_backend == "gloo":
         raise ConfigError("parallel.transport: copy-engine needs GPUs and NCCL, not parallel.dist_backend = gloo")
 

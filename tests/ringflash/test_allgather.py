@@ -105,6 +105,38 @@ def test_allgather_equals_the_ring():
     run_ranks(fn, 3)
 
 
+def _hybrid_worker(rank, world, u):
+    # Head parallelism around the all-gather: u head ranks × world / u gather ranks.
+    ring_g, head_g = ringflash.hybrid_groups(u)
+    ring_rank, head_rank = ringflash.grid_coords(rank, u)
+    r = world // u
+    for i, (layout, causal, docs, window, hkv) in enumerate(
+        [("zigzag", True, "odd", None, 2), ("stripe", True, None, 7, 1), ("contiguous", False, "many", None, 4)]
+    ):
+        g = torch.Generator().manual_seed(i)
+        q, do = (torch.randn(2, N, 4, 16, generator=g) for _ in range(2))
+        k, v = (torch.randn(2, N, hkv, 16, generator=g) for _ in range(2))
+        doc = doc_ids(docs, 2)
+        truth = masked_attention_f64(q, k, v, do, allowed(doc, N, causal, window))
+
+        def sh(x, dim=1, layout=layout):
+            return shard(x, dim, ring_rank, r, layout, head_rank=head_rank, head_world=u)
+
+        ql, kl, vl = (sh(t).clone().requires_grad_() for t in (q, k, v))
+        mask = None if doc is None else gather_mask(doc, group=ring_g, layout=layout, causal=causal)
+        opts = dict(group=ring_g, head_group=head_g, layout=layout, window=window, mask=mask, scheme="allgather")
+        o, lse, _ = ring_flash_attn_func(ql, kl, vl, causal=causal, return_attn_probs=True, **opts)
+        o.backward(sh(do))
+        got = {"o": o, "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}
+        errs = {name: rel_err(x, sh(truth[name])) for name, x in got.items()}
+        errs["lse"] = lse_err(lse, sh(truth["lse"], 2)) / 10
+        assert all(e < TOL[torch.float32] for e in errs.values()), f"rank {rank} {layout}: {errs}"
+
+
+def test_hybrid_head_parallel_allgather():
+    run_ranks(_hybrid_worker, 4, (2,))
+
+
 # ---- errors: raised on every rank, nothing hangs --------------------------------------------------
 
 
@@ -140,7 +172,7 @@ REJECTED = "rejected their inputs"
         ("bad_stride", 1, "heads_k_stride must be a positive int", REJECTED),
         ("unknown_scheme", 0, r"scheme must be one of \('ring', 'allgather'\), got 'tree'", REJECTED),
         ("ring_mask", 0, "mask: scheme='allgather' takes a ringflash.GatherMask", "takes a ringflash.GatherMask"),
-        ("head_group", 0, "head_group: head parallelism runs around the ring only", REJECTED),
+        ("head_group", 0, "group: with head_group= give the ring group explicitly", REJECTED),  # one rank's hybrid
         ("mask_layout", 1, "mask's layout is 'contiguous', the call's 'zigzag'", REJECTED),
     ],
 )
