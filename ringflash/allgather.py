@@ -9,8 +9,9 @@ q, k, v are this rank's shard in any layout (ringflash/layout.py). Forward, per 
 gathered keys back into global order (`unshard`), and run one kernel call of this rank's queries
 (their query heads of the chunk) against all N_global keys, with the exact per-row key intervals
 of their global positions (`kernels.visibility`: causal, window, documents). The next chunk's
-gather is posted before this chunk computes, so it travels meanwhile; only two chunks of gathered
-K/V are ever alive, which bounds memory for long sequences and many heads.
+gather is posted before this chunk computes, so it travels meanwhile; the gathered K/V of at most
+two chunks (and the global-order copy of one) are alive at a time, which bounds memory by
+`heads_k_stride`, not by the number of heads.
 Backward, per chunk: gather K/V again (nothing the size of the global K/V is saved), compute dQ
 and the global dK/dV of the chunk in float32, cut them back into each rank's shard and
 reduce-scatter them (summed in float32, then rounded once), overlapped with the next chunk.
