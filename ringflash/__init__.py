@@ -8,6 +8,9 @@
 deterministic, return_attn_probs, group, *, layout, ...)`: flash_attn's positional order.
 ring-flash-attention's functions, same names and arguments: `ringflash.ring_flash_attn`.
 
+All-gather context parallelism (ringflash/allgather.py): `scheme="allgather"`, with
+`gather_mask(doc_ids, ...)` for documents. Layouts: zigzag, contiguous, stripe (token t on rank t mod W).
+
 Packed documents and sliding windows: `mask = ring_mask(doc_ids, group=g, window=w, device=...)`
 once per batch (doc_ids global, unsharded), then `ring_flash_attn_func(..., mask=mask)`.
 
@@ -20,6 +23,7 @@ LSE convention everywhere: float32, natural log, shape `(B, H, N)`.
 """
 
 from ringflash import layout, ops
+from ringflash.allgather import GatherMask, gather_mask
 from ringflash.api import (
     RingFlashAttention,
     ring_flash_attn_func,
@@ -27,18 +31,21 @@ from ringflash.api import (
     ring_flash_attn_qkvpacked_func,
 )
 from ringflash.hybrid import grid_coords, hybrid_groups
-from ringflash.layout import LAYOUTS, check_splittable, global_positions, shard, unshard
+from ringflash.layout import LAYOUTS, SCHEMES, check_splittable, global_positions, shard, unshard
 from ringflash.masks import RingMask, ring_mask
 from ringflash.merge import merge
 from ringflash.transport import NullComm, RingComm, nccl_options
 
 __all__ = [
     "LAYOUTS",
+    "SCHEMES",
+    "GatherMask",
     "NullComm",
     "RingComm",
     "RingFlashAttention",
     "RingMask",
     "check_splittable",
+    "gather_mask",
     "global_positions",
     "grid_coords",
     "hybrid_groups",

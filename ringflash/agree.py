@@ -1,7 +1,8 @@
 """The cross-rank agreement check every path starts with: ring, hybrid, one rank, `shard_batch`.
 
 Each rank all-gathers one fixed-length int64 row (`row`) describing its call: which call (ring
-attention, hybrid attention, shard_batch) over how many ranks, q/k shapes, dtype, device,
+attention, hybrid attention, shard_batch) over how many ranks and by which scheme (ring,
+all-gather), q/k shapes, dtype, device,
 layout, causal, softmax_scale (its exact bits), window, the mask's digest, transport, and for a
 batch its shape and a digest of each field. Not the kernel backend: ranks on different kernels
 compute the same attention, to rounding, with the same transfers. Every rank then compares
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ringflash.kernels.checks import SUPPORTED_DTYPES
-from ringflash.layout import LAYOUTS
+from ringflash.layout import LAYOUTS, SCHEMES
 from ringflash.transport import TRANSPORTS, Transport, ring_comm
 from ringflash.transport.groups import grid_of
 
@@ -38,8 +39,8 @@ _DEVICES = ("cpu", "cuda")
 
 # (field, width): the row after its leading ok flag. Unused fields hold -1 (or 0 for digests).
 _FIELDS = (
-    ("call", 3), ("q.shape", 4), ("k.shape", 4), ("dtype", 1), ("device", 1), ("layout", 1), ("causal", 1),
-    ("softmax_scale", 1), ("window", 1), ("mask", 1), ("transport", 1), ("input_ids shape", 2),
+    ("call", 3), ("scheme", 1), ("q.shape", 4), ("k.shape", 4), ("dtype", 1), ("device", 1), ("layout", 1),
+    ("causal", 1), ("softmax_scale", 1), ("window", 1), ("mask", 1), ("transport", 1), ("input_ids shape", 2),
     *((name, 1) for name in BATCH_FIELDS),
 )  # fmt: skip
 WIDTH = 1 + sum(w for _, w in _FIELDS)
@@ -78,9 +79,11 @@ def row(
     mask_key: int = 0,
     transport=None,
     batch: dict | None = None,
+    scheme: str = "ring",
 ) -> list[int]:
     """This rank's row: `call` (one of `CALLS`) over `world` ranks (`heads`: the hybrid's u), and
-    the call's settings; `batch`: shard_batch's fields (BATCH_FIELDS), each `(B, N)` or None."""
+    the call's settings; `batch`: shard_batch's fields (BATCH_FIELDS), each `(B, N)` or None;
+    `scheme`: how attention reaches the other ranks' keys (`layout.SCHEMES`)."""
     dtype, device = getattr(q, "dtype", None), getattr(q, "device", None)
     real = isinstance(softmax_scale, (int, float)) and not isinstance(softmax_scale, bool)
     scale = float(softmax_scale) if real else -1
@@ -88,6 +91,7 @@ def row(
     return [
         int(ok),
         CALLS.index(call), world, heads,
+        _index(SCHEMES, scheme),
         *_shape(q, 4), *_shape(k, 4),
         _index(SUPPORTED_DTYPES, dtype),
         _index(_DEVICES, getattr(device, "type", None)) if device is not None else -1,
@@ -120,6 +124,8 @@ def _show(name: str, v: tuple[int, ...]):
         return _DEVICES[x]
     if name == "layout":
         return LAYOUTS[x]
+    if name == "scheme":
+        return SCHEMES[x]
     if name == "causal":
         return bool(x)
     if name == "softmax_scale":

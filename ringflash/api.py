@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ringflash import kernels, ops
+from ringflash import allgather_ops, kernels, ops
 from ringflash.hybrid import hybrid_attention
 from ringflash.kernels.checks import check_qkv, resolve_scale
-from ringflash.layout import check_layout, check_splittable
+from ringflash.layout import check_layout, check_scheme, check_splittable
 from ringflash.masks import RingMask, window_mask
 from ringflash.transport import resolve_transport, ring_comm
 
@@ -108,6 +108,8 @@ def ring_flash_attn_func(
     mask: RingMask | None = None,
     transport: str | None = None,
     head_group: dist.ProcessGroup | None = None,
+    scheme: str = "ring",
+    heads_k_stride: int = 1,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, None]:
     """Exact attention over a sequence sharded across the ranks of `group` (docs/api.md).
 
@@ -133,12 +135,17 @@ def ring_flash_attn_func(
         head_group: head parallelism × ring (ringflash/hybrid.py): `u` ranks that all-to-all heads
             around the ring over `group` (`hybrid_groups`); inputs sharded by `shard(..., head_rank=,
             head_world=)`, `mask` built over `group`. None: the ring alone.
+        scheme: `"ring"` (K/V passed around the ring) or `"allgather"` (K/V all-gathered in chunks of
+            `heads_k_stride` heads, ringflash/allgather.py; `mask` then from `gather_mask`).
     Returns:
         o: `(B, N_local, H, D)` in q's dtype, or `(o, lse, None)`. Gradients flow to q, k, v.
     """
     options = dict(layout=layout, backend=backend, check_ranks=check_ranks, window=window, mask=mask,
                    transport=transport)  # fmt: skip
     q, k, v = autocast_inputs(q, k, v)
+    if scheme != "ring":
+        return _allgather(q, k, v, (dropout_p, window_size, alibi_slopes, deterministic, return_attn_probs),
+                          softmax_scale, causal, group, scheme, head_group, heads_k_stride, options)  # fmt: skip
     with kernels.device_guard(q):
         if head_group is not None:  # all-to-all heads, then the ring over `group` on (B, u·n, H/u, D) blocks
             o, lse = hybrid_attention(
@@ -156,6 +163,38 @@ def ring_flash_attn_func(
             q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs,
             group, **options,
         )  # fmt: skip
+
+
+def _allgather(q, k, v, flash, softmax_scale, causal, group, scheme, head_group, heads_k_stride, options):
+    """`scheme="allgather"` (ringflash/allgather_ops.py), alone or inside the head-parallel hybrid
+    (`head_group`: all-to-all heads, then the all-gather over `group`); an unknown scheme raises on
+    every rank."""
+    try:
+        check_scheme(scheme)
+    except ValueError as e:
+        comm = None if torch.compiler.is_compiling() else ring_comm(group)
+        _refuse(e, comm, options["check_ranks"], q, k, causal, options["layout"])
+    mask = options["mask"]
+    causal = getattr(mask, "causal", False) if causal is None else causal
+    options = {key: val for key, val in options.items() if key != "transport"}  # no ring transfers
+
+    def gather(q, k, v):
+        return allgather_ops.attend(q, k, v, flash, softmax_scale, causal, group, heads_k_stride=heads_k_stride,
+                                    **options)  # fmt: skip
+
+    def settings():  # the hybrid's grid check: the all-gather's settings, its mask's digest
+        fields = _agreed(q, flash, causal, softmax_scale, options["window"], None, "nccl", options["backend"])
+        return dict(fields, scheme="allgather", mask_key=getattr(mask, "fingerprint", 0),
+                    window=getattr(mask, "window", fields["window"]))  # fmt: skip
+
+    with kernels.device_guard(q):
+        if head_group is None:
+            o, lse = gather(q, k, v)
+        else:
+            o, lse = hybrid_attention(q, k, v, head_group=head_group, group=group, layout=options["layout"],
+                                      check_ranks=options["check_ranks"], causal=causal, settings=settings,
+                                      ring=gather)  # fmt: skip
+    return (o, lse, None) if flash[-1] else o
 
 
 def autocast_inputs(q, k, v) -> tuple:
@@ -352,6 +391,7 @@ class RingFlashAttention(nn.Module):
     `transport`: as in `ring_flash_attn_func` (None: `RINGFLASH_TRANSPORT`, read at each call);
     `backend`: the kernels, as in `ring_flash_attn_func` (None: `RINGFLASH_KERNEL_BACKEND`).
     `head_group`: head parallelism around the ring over `group` (`ring_flash_attn_func`'s).
+    `scheme`, `heads_k_stride`: ring or all-gather attention (`ring_flash_attn_func`'s).
     """
 
     def __init__(
@@ -366,9 +406,13 @@ class RingFlashAttention(nn.Module):
         transport: str | None = None,
         *,
         head_group: dist.ProcessGroup | None = None,
+        scheme: str = "ring",
+        heads_k_stride: int = 1,
     ):
         super().__init__()
         check_layout(layout)
+        check_scheme(scheme)
+        allgather_ops.check_stride(heads_k_stride)
         kernels.check_window(window, causal)
         if transport is not None:
             resolve_transport(transport)
@@ -380,6 +424,7 @@ class RingFlashAttention(nn.Module):
         self.group, self.layout, self.causal = group, layout, causal
         self.softmax_scale, self.backend, self.check_ranks = softmax_scale, backend, check_ranks
         self.window, self.transport, self.head_group = window, transport, head_group
+        self.scheme, self.heads_k_stride = scheme, heads_k_stride
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: RingMask | None = None) -> torch.Tensor:
         return ring_flash_attn_func(
@@ -396,9 +441,12 @@ class RingFlashAttention(nn.Module):
             mask=mask,
             transport=self.transport,
             head_group=self.head_group,
+            scheme=self.scheme,
+            heads_k_stride=self.heads_k_stride,
         )
 
     def extra_repr(self) -> str:
         window = f", window={self.window}" if self.window is not None else ""
         transport = f", transport={self.transport!r}" if self.transport is not None else ""
-        return f"layout={self.layout!r}, causal={self.causal}{window}, backend={self.backend!r}{transport}"
+        scheme = f", scheme={self.scheme!r}" if self.scheme != "ring" else ""
+        return f"layout={self.layout!r}, causal={self.causal}{window}, backend={self.backend!r}{transport}{scheme}"

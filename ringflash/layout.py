@@ -5,6 +5,8 @@ increasing order:
 - `contiguous`: W chunks, rank r holds chunk r.
 - `zigzag`: 2W chunks, rank r holds chunks r and 2W−1−r. Under causal attention every rank
   then does the same work (an early chunk that sees little, a late chunk that sees a lot).
+- `stripe`: chunks of one token, token t on rank t mod W (ring-flash-attention's stripe layout,
+  Striped Attention): balanced under causality at every step, not only on average.
 With one rank every layout is the identity (any length is accepted).
 
 Because each rank's chunks are in increasing global order, local position i < j implies global
@@ -13,7 +15,8 @@ position i < j, so a causal mask on local indices is exact on the diagonal block
 `ring_schedule` derives, for every ring step, which rows of the local queries attend to which
 rows of the visiting key/value block and whether a causal mask applies, from the chunk ids
 alone. The ring loop (ring.py) is written once against that schedule; a new layout only has to
-say which chunks a rank holds.
+say which chunks a rank holds. Stripe's chunks are single tokens, so its schedule is written out
+(`_stripe_schedule`): every step is the whole block pair, causal with or without the diagonal.
 """
 
 from __future__ import annotations
@@ -24,15 +27,21 @@ import torch
 
 from ringflash.kernels.spec import CAUSAL, FULL, AttnSpec
 
-LAYOUTS = ("contiguous", "zigzag")
+LAYOUTS = ("contiguous", "zigzag", "stripe")  # append only: agree.py sends the index
+# How attention reaches the other ranks' keys: K/V passed around a ring (ringflash/ring.py), or
+# all-gathered in head chunks (ringflash/allgather.py). Append only, as LAYOUTS.
+SCHEMES = ("ring", "allgather")
 
 __all__ = [
     "LAYOUTS",
+    "SCHEMES",
     "Step",
     "check_layout",
+    "check_scheme",
     "check_splittable",
     "chunk_ids",
     "global_positions",
+    "local_chunks",
     "ring_schedule",
     "shard",
     "unshard",
@@ -42,6 +51,11 @@ __all__ = [
 def check_layout(layout: str) -> None:
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def check_scheme(scheme: str) -> None:
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
 
 
 def _check_dim(x: torch.Tensor, dim: int) -> None:
@@ -57,16 +71,26 @@ def _check_rank(rank: int, world: int) -> None:
 
 
 def chunk_ids(rank: int, world: int, layout: str = "zigzag") -> tuple[int, ...]:
-    """The global chunks rank `rank` holds, in increasing order (one chunk when world == 1)."""
+    """The global chunks rank `rank` holds, in increasing order (one chunk when world == 1).
+
+    Not for `stripe`, whose chunks are single tokens: `local_chunks` counts them for any layout."""
     check_layout(layout)
     _check_rank(rank, world)
+    if layout == "stripe" and world > 1:
+        raise ValueError("chunk_ids: the stripe layout holds single tokens, not chunks (use global_positions)")
     if world == 1 or layout == "contiguous":
         return (rank,)
     return (rank, 2 * world - 1 - rank)
 
 
 def _num_chunks(world: int, layout: str) -> int:
-    return world if world == 1 or layout == "contiguous" else 2 * world
+    return world if world == 1 or layout in ("contiguous", "stripe") else 2 * world
+
+
+def local_chunks(world: int, layout: str) -> int:
+    """How many equal runs of consecutive global positions a rank's shard is made of, at least
+    (masks decide which steps run per run): 1 for stripe, whose rows interleave with every rank's."""
+    return 1 if world == 1 or layout != "zigzag" else 2
 
 
 def check_splittable(seqlen: int, world: int, layout: str = "zigzag") -> None:
@@ -100,6 +124,9 @@ def shard(
     _check_rank(head_rank, head_world)
     _check_dim(x, dim)
     check_splittable(x.shape[dim], world, layout)
+    if layout == "stripe" and world > 1:  # token t on rank t mod W; a copy, not a strided view
+        out = x.unflatten(dim, (-1, world)).select(dim + 1 if dim >= 0 else dim, rank).contiguous()
+        return out if head_world == 1 else _head_piece(out, dim, head_rank, head_world)
     chunks = x.chunk(_num_chunks(world, layout), dim)
     ids = chunk_ids(rank, world, layout)
     out = chunks[ids[0]] if len(ids) == 1 else torch.cat([chunks[i] for i in ids], dim)
@@ -133,6 +160,9 @@ def unshard(shards: list[torch.Tensor], dim: int, layout: str = "zigzag", *, hea
     sizes = {s.shape[dim] for s in shards}
     if len(sizes) != 1:
         raise ValueError(f"every shard must have the same size along dim {dim}, got {sorted(sizes)}")
+    if layout == "stripe" and world > 1:
+        dim = dim % shards[0].dim()
+        return torch.stack(shards, dim + 1).flatten(dim, dim + 1)
     pieces: dict[int, torch.Tensor] = {}
     for rank, s in enumerate(shards):
         ids = chunk_ids(rank, world, layout)
@@ -164,6 +194,8 @@ def global_positions(
         ring = global_positions(n_local * head_world, rank, world, layout, device)
         return ring[head_rank * n_local : (head_rank + 1) * n_local]
     check_splittable(n_local * world, world, layout)
+    if layout == "stripe":
+        return torch.arange(n_local, device=device) * world + rank
     ids = chunk_ids(rank, world, layout)
     c = n_local // len(ids)
     return torch.cat([torch.arange(i * c, (i + 1) * c, device=device) for i in ids])
@@ -207,6 +239,8 @@ def ring_schedule(rank: int, world: int, n_local: int, causal: bool, layout: str
     chunk vs all keys; half a block pair at every step after the first.
     """
     check_splittable(n_local * world, world, layout)
+    if layout == "stripe" and world > 1:
+        return _stripe_schedule(rank, world, n_local, causal)
     mine = chunk_ids(rank, world, layout)
     c = n_local // len(mine)
     full = slice(0, n_local)
@@ -228,4 +262,21 @@ def ring_schedule(rank: int, world: int, n_local: int, causal: bool, layout: str
         if len(pairs) != len(qs) * len(ks):  # visible pairs must form one rectangle
             raise NotImplementedError(f"layout {layout!r} gives a non-rectangular step {pairs}")
         steps.append(Step(_rows(qs, mine, c), _rows(ks, theirs, c), FULL))
+    return steps
+
+
+def _stripe_schedule(rank: int, world: int, n_local: int, causal: bool) -> list[Step | None]:
+    """Stripe: local row i of rank r is global position i·W + r. Key row m of rank j is visible
+    iff m·W + j <= i·W + r, i.e. m <= i when j <= r (the causal diagonal) and m < i when j > r:
+    causal shifted by one, which is the causal diagonal of queries 1.. against keys ..n−1 (row 0
+    sees none of that block). Every step but that one row is a whole block pair."""
+    full = slice(0, n_local)
+    if not causal:
+        return [Step(full, full, FULL)] * world
+    steps: list[Step | None] = []
+    for s in range(world):
+        if (rank - s) % world <= rank:
+            steps.append(Step(full, full, CAUSAL))
+        else:
+            steps.append(Step(slice(1, n_local), slice(0, n_local - 1), CAUSAL) if n_local > 1 else None)
     return steps

@@ -64,8 +64,8 @@ from ringflash.layout import (
     Step,
     check_layout,
     check_splittable,
-    chunk_ids,
     global_positions,
+    local_chunks,
     ring_schedule,
     shard,
 )
@@ -224,6 +224,11 @@ def _dense(vis: Visibility, causal_diag: bool) -> bool:
     return bool((vis.kv_lo == 0).all()) and bool((vis.kv_hi == hi.to(vis.kv_hi.dtype)).all())
 
 
+def _same(a: Visibility, b: Visibility) -> bool:
+    """The same key intervals for every row (batch rows of b, broadcast)."""
+    return all(torch.equal(x, y.expand_as(x)) for x, y in zip(a, b))
+
+
 def ring_mask(
     doc_ids: torch.Tensor | None,
     *,
@@ -242,7 +247,8 @@ def ring_mask(
             document, then `seqlen` gives N_global.
         seqlen: N_global when doc_ids is None (if both are given they must agree).
         group: the context-parallel group (None: the default group, or this process alone).
-        layout: how the inputs are sharded (`"zigzag"` or `"contiguous"`); N_global must split.
+        layout: how the inputs are sharded (`"zigzag"`, `"contiguous"` or `"stripe"`); N_global
+            must split.
         causal: key position <= query position (global order).
         window: causal sliding window, w keys counting the diagonal (query i sees
             i − w < j <= i); needs causal=True.
@@ -288,7 +294,7 @@ def _build(doc, n_global, rank, world, layout, causal, window, device, per_docum
         rows, n_chunks = functools.partial(_document_rows, doc[0], world, layout), (lambda j: 1)
     else:
         rows = functools.partial(_layout_rows, doc, n_local, world, layout)
-        n_chunks = lambda j: len(chunk_ids(j, world, layout))
+        n_chunks = lambda j: local_chunks(world, layout)
     steps: list[Step | None] = []
     if doc is None and window_eff is None:
         steps = ring_schedule(rank, world, n_local, causal, layout)
@@ -313,6 +319,13 @@ def _build(doc, n_global, rank, world, layout, causal, window, device, per_docum
                 ks = _bounds((whole.q_hi > whole.q_lo).any(0), n_chunks(j))
                 if qs is None:
                     steps.append(None)
+                    continue
+            if layout == "stripe" and causal and s > 0:
+                # Stripe's off-diagonal steps are shifted diagonals: the dense causal kernel when
+                # the mask leaves the plain schedule's step as it is (one document, no window).
+                plain = ring_schedule(rank, world, n_local, True, layout)[s]
+                if plain is not None and _same(whole, visibility(pos_r, pos_j, causal=True)):
+                    steps.append(plain)
                     continue
             vis = whole if (qs, ks) == (full, full) else vis_of(qs, ks)
             diag = s == 0 and causal
@@ -372,7 +385,7 @@ def _varlen_mask(cu, rank, world, layout, causal, window, device) -> RingMask:
     lengths = [b - a for a, b in itertools.pairwise(cu)]
     if len(cu) < 2 or cu[0] != 0 or min(lengths) < 0:
         raise ValueError(f"cu_seqlens must start at 0 and never decrease, got {list(cu)}")
-    chunks = 1 if world == 1 else len(chunk_ids(0, world, layout)) * world
+    chunks = local_chunks(world, layout) * world
     if any(n % chunks for n in lengths) or cu[-1] == 0:
         raise ValueError(
             f"cu_seqlens: with {world} ranks and the {layout} layout every document must have a multiple of "

@@ -21,10 +21,19 @@ back as `(H, total_local)`. The mask is built on the host from `cu_seqlens` (a d
 copy per call; cached per offsets), so these run eagerly, not under torch.compile; `max_seqlen`
 is not needed and only accepted.
 
-Not provided: `stripe_*` (ringflash has no stripe layout), `llama3_flash_attn_*` (an all-gather
-of K/V with its own `heads_k_stride` / `local_k_slice` arguments, not a ring; its per-rank
-`cu_seqlens` do not give the global document boundaries every rank's mask needs), and
-`substitute_hf_flash_attn` / `update_ring_flash_attn_params` (Hugging Face glue).
+`stripe_*`: the stripe layout (token t on rank t mod W, stripes of one token as the peer's);
+unlike the peer's they also accept `causal=False`.
+
+`llama3_flash_attn_varlen_*`: all-gather attention (`scheme="allgather"`, ringflash/allgather.py)
+on the peer's varlen arguments. The packed sequence is split contiguously (rank r holds tokens
+[r·L, (r+1)·L)); `llama3_flash_attn_prepare_cu_seqlens(cu_seqlens, causal, rank, world_size)`
+turns the global documents' offsets into this rank's `cu_seqlens_q`, `cu_seqlens_k`,
+`max_seqlen_q`, `max_seqlen_k` and `local_k_slice` (the gathered keys its queries need); the
+functions gather K/V in chunks of `heads_k_stride` heads and attend query document d to key
+document d of that slice, causal aligned at the documents' ends. The mask is built on the host
+per call, so these run eagerly.
+
+Not provided: `substitute_hf_flash_attn` / `update_ring_flash_attn_params` (Hugging Face glue).
 """
 
 from __future__ import annotations
@@ -33,17 +42,24 @@ import itertools
 
 import torch
 
-from ringflash import api
+from ringflash import allgather, allgather_ops, api
 from ringflash.kernels import device_guard
 from ringflash.masks import varlen_mask
 
 __all__ = [
+    "llama3_flash_attn_prepare_cu_seqlens",
+    "llama3_flash_attn_varlen_func",
+    "llama3_flash_attn_varlen_kvpacked_func",
+    "llama3_flash_attn_varlen_qkvpacked_func",
     "ring_flash_attn_func",
     "ring_flash_attn_kvpacked_func",
     "ring_flash_attn_qkvpacked_func",
     "ring_flash_attn_varlen_func",
     "ring_flash_attn_varlen_kvpacked_func",
     "ring_flash_attn_varlen_qkvpacked_func",
+    "stripe_flash_attn_func",
+    "stripe_flash_attn_kvpacked_func",
+    "stripe_flash_attn_qkvpacked_func",
     "zigzag_ring_flash_attn_func",
     "zigzag_ring_flash_attn_kvpacked_func",
     "zigzag_ring_flash_attn_qkvpacked_func",
@@ -129,6 +145,42 @@ def zigzag_ring_flash_attn_qkvpacked_func(
     )
 
 
+def stripe_flash_attn_func(
+        q, k, v,
+        dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), alibi_slopes=None,
+        deterministic=False, return_attn_probs=False, group=None,
+):
+    """`ringflash.ring_flash_attn_func` on the stripe layout (module docstring)."""
+    return api.ring_flash_attn_func(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs,
+        group, layout="stripe",
+    )
+
+
+def stripe_flash_attn_kvpacked_func(
+        q, kv,
+        dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), alibi_slopes=None,
+        deterministic=False, return_attn_probs=False, group=None,
+):
+    """`ringflash.ring_flash_attn_kvpacked_func` (kv `(B, N_local, 2, Hkv, D)`), stripe layout."""
+    return api.ring_flash_attn_kvpacked_func(
+        q, kv, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs,
+        group, layout="stripe",
+    )
+
+
+def stripe_flash_attn_qkvpacked_func(
+        qkv,
+        dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), alibi_slopes=None,
+        deterministic=False, return_attn_probs=False, group=None,
+):
+    """`ringflash.ring_flash_attn_qkvpacked_func` (qkv `(B, N_local, 3, H, D)`), stripe layout."""
+    return api.ring_flash_attn_qkvpacked_func(
+        qkv, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs,
+        group, layout="stripe",
+    )
+
+
 # ---- varlen: (total_local, H, D), documents sharded one by one ---------------------------------
 
 
@@ -204,7 +256,86 @@ def zigzag_ring_flash_attn_varlen_qkvpacked_func(
     )
 
 
+# ---- llama3: all-gather of K/V, the packed sequence split contiguously --------------------------
+
+
+def llama3_flash_attn_prepare_cu_seqlens(cu_seqlens, causal, rank, world_size):
+    """This rank's `(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, local_k_slice)` from the
+    global documents' offsets `cu_seqlens` (1-d int tensor, total divisible by world_size); the
+    offsets come back as tensors like cu_seqlens (module docstring)."""
+    cu = _offsets(cu_seqlens, None)
+    cu_q, cu_k, max_q, max_k, k_slice = allgather.prepare_cu_seqlens(cu, causal, rank, world_size)
+    like = (lambda c: torch.tensor(c, dtype=cu_seqlens.dtype, device=cu_seqlens.device)) if isinstance(
+        cu_seqlens, torch.Tensor) else list
+    return like(cu_q), like(cu_k), max_q, max_k, k_slice
+
+
+def llama3_flash_attn_varlen_func(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, heads_k_stride, local_k_slice,
+        dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), alibi_slopes=None,
+        deterministic=False, return_attn_probs=False, group=None,
+):
+    """q `(total_local, H, D)`, k, v `(total_local, Hkv, D)`; all-gather attention (module docstring)."""
+    return _llama3(
+        (q, k, v), cu_seqlens_q, cu_seqlens_k, heads_k_stride, local_k_slice,
+        dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs, group,
+    )
+
+
+def llama3_flash_attn_varlen_kvpacked_func(
+        q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, heads_k_stride, local_k_slice,
+        dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), alibi_slopes=None,
+        deterministic=False, return_attn_probs=False, group=None,
+):
+    """q `(total_local, H, D)`, kv `(total_local, 2, Hkv, D)`; all-gather attention."""
+    return _llama3(
+        (q, kv), cu_seqlens_q, cu_seqlens_k, heads_k_stride, local_k_slice,
+        dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs, group,
+    )
+
+
+def llama3_flash_attn_varlen_qkvpacked_func(
+        qkv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, heads_k_stride, local_k_slice,
+        dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), alibi_slopes=None,
+        deterministic=False, return_attn_probs=False, group=None,
+):
+    """qkv `(total_local, 3, H, D)`; all-gather attention."""
+    return _llama3(
+        (qkv,), cu_seqlens_q, cu_seqlens_k, heads_k_stride, local_k_slice,
+        dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs, group,
+    )
+
+
 # fmt: on
+
+
+def _llama3(
+    tensors, cu_seqlens_q, cu_seqlens_k, heads_k_stride, local_k_slice, dropout_p, softmax_scale, causal,
+    window_size, alibi_slopes, deterministic, return_attn_probs, group,
+):  # fmt: skip
+    """`scheme="allgather"` on batch 1 with the documents' intervals, checked inside the call (every
+    rank raises, none waits)."""
+
+    def prepare(window, causal, rank, world):
+        q, k, v = _unpack(tensors)
+        cu_q = _offsets(cu_seqlens_q, q.shape[0], "cu_seqlens_q")
+        cu_k = _offsets(cu_seqlens_k, None, "cu_seqlens_k")
+        n_global = q.shape[0] * world
+        s = local_k_slice
+        if not (isinstance(s, slice) and isinstance(s.start, int) and isinstance(s.stop, int)
+                and s.step in (None, 1) and 0 <= s.start <= s.stop <= n_global):  # fmt: skip
+            raise ValueError(f"local_k_slice must be a slice(start, stop) in the {n_global} gathered keys, got {s!r}")
+        spec = allgather.varlen_spec(cu_q, cu_k, s, n_global, causal, window, q.device)
+        return q[None], k[None], v[None], spec
+
+    first = tensors[0]
+    flash = (dropout_p, window_size, alibi_slopes, deterministic, return_attn_probs)
+    with device_guard(first):
+        o, lse = allgather_ops.attend(
+            first, None, None, flash, softmax_scale, causal, group, layout="contiguous", backend=None,
+            check_ranks=True, window=None, mask=None, heads_k_stride=heads_k_stride, prepare=prepare,
+        )  # fmt: skip
+    return (o[0], lse[0], None) if return_attn_probs else o[0]
 
 
 def _varlen(
@@ -272,17 +403,19 @@ def _unpack(tensors) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return tensors
 
 
-def _offsets(cu_seqlens, total: int) -> list[int]:
-    """cu_seqlens as host ints, checked against this rank's `total` tokens."""
+def _offsets(cu_seqlens, total: int | None, name: str = "cu_seqlens") -> list[int]:
+    """cu_seqlens as host ints, checked against this rank's `total` tokens (None: any); errors name `name`."""
     if isinstance(cu_seqlens, torch.Tensor):
         if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
             got = f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
-            raise TypeError(f"cu_seqlens must be a 1-d integer tensor, got {got}")
+            raise TypeError(f"{name} must be a 1-d integer tensor, got {got}")
         cu = cu_seqlens.tolist()
     elif isinstance(cu_seqlens, (list, tuple)) and all(isinstance(c, int) for c in cu_seqlens):
         cu = list(cu_seqlens)
     else:
-        raise TypeError(f"cu_seqlens must be a 1-d integer tensor, got {type(cu_seqlens).__name__}")
-    if len(cu) < 2 or cu[0] != 0 or cu[-1] != total or any(b < a for a, b in itertools.pairwise(cu)):
-        raise ValueError(f"cu_seqlens must rise from 0 to the local token count {total}, got {cu}")
+        raise TypeError(f"{name} must be a 1-d integer tensor, got {type(cu_seqlens).__name__}")
+    if len(cu) < 2 or cu[0] != 0 or cu[-1] != (cu[-1] if total is None else total) or any(
+            b < a for a, b in itertools.pairwise(cu)):  # fmt: skip
+        to = "" if total is None else f" to the local token count {total}"
+        raise ValueError(f"{name} must rise from 0{to}, got {cu}")
     return cu

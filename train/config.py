@@ -151,8 +151,17 @@ class ParallelConfig:
     )
     layout: str = opt(
         "zigzag",
-        "How a sequence is cut over the cp ranks: zigzag balances causal work, contiguous is the plain split.",
-        ("zigzag", "contiguous"),
+        "How a sequence is cut over the cp ranks: zigzag balances causal work, contiguous is the plain split, "
+        "stripe puts token t on cp rank t mod cp (balanced at every ring step).",
+        ("zigzag", "contiguous", "stripe"),
+    )
+    cp_scheme: str = opt(
+        "ring",
+        "How attention reaches the other cp ranks' keys: ring passes K/V blocks around the ring, overlapped "
+        "with compute; allgather gathers all K/V in head chunks (Llama 3's; cheap under GQA, any document "
+        "mask balanced; with cp_heads > 1 the head all-to-all wraps it as it wraps the ring). allgather needs "
+        "model.kind = small.",
+        ("ring", "allgather"),
     )
     dist_backend: str = opt(
         "auto", "Process-group backend; auto means nccl on CUDA, gloo on CPU.", ("auto", "nccl", "gloo")
@@ -467,6 +476,11 @@ def validate(cfg: Config) -> None:
             f"data.seq_len ({d.seq_len}) must be divisible by {chunks} "
             f"({'2·cp' if p.layout == 'zigzag' else 'cp'} for the {p.layout} layout, cp={p.cp})"
         )
+    if d.kind in ("passkey", "recall") and d.eval_samples and p.cp > 1 and p.layout == "stripe":
+        raise ConfigError(
+            "parallel.layout = stripe spreads every evaluation depth bucket over all cp ranks: set "
+            "data.eval_samples = 0 (no evaluation) or use the zigzag or contiguous layout"
+        )
     if d.kind in ("passkey", "recall") and d.eval_samples and p.cp > 1 and d.eval_buckets % chunks:
         # A bucket across a chunk boundary has keys on two ranks: its "held by rank" label would be wrong.
         raise ConfigError(
@@ -498,6 +512,8 @@ def validate(cfg: Config) -> None:
                               "model.dim / model.n_heads)")
         if name == "cudnn" and t.device == "cpu":
             raise ConfigError(f"{source} = cudnn needs train.device = cuda")
+    if p.cp_scheme == "allgather" and m.kind == "hf":
+        raise ConfigError("parallel.cp_scheme = allgather needs model.kind = small (transformers models use the ring)")
     if p.transport == "copy-engine" and p.dist_backend == "gloo":
         raise ConfigError("parallel.transport: copy-engine needs GPUs and NCCL, not parallel.dist_backend = gloo")
 

@@ -45,6 +45,7 @@ class ParallelDims:
     cp: int
     world_size: int
     cp_heads: int = 1  # head-parallel ranks inside cp (ringflash/hybrid.py); the ring has cp / cp_heads
+    cp_scheme: str = "ring"  # how attention crosses the cp ranks (ringflash.layout.SCHEMES)
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
@@ -55,7 +56,8 @@ class ParallelDims:
             )
         if cfg.cp_heads < 1 or cfg.cp % cfg.cp_heads:
             raise ConfigError(f"parallel.cp_heads ({cfg.cp_heads}) must divide parallel.cp ({cfg.cp})")
-        return cls(dp=world_size // cfg.cp, cp=cfg.cp, world_size=world_size, cp_heads=cfg.cp_heads)
+        return cls(dp=world_size // cfg.cp, cp=cfg.cp, world_size=world_size, cp_heads=cfg.cp_heads,
+                   cp_scheme=cfg.cp_scheme)  # fmt: skip
 
     def build_mesh(self, device_type: str, ring_options: dist.ProcessGroupNCCL.Options | None = None) -> DeviceMesh:
         """The ("dp", "cp") mesh; `ring_options` (NCCL) for the cp groups when they are not the whole world.
@@ -282,6 +284,7 @@ def parallelize(model: nn.Module, pc: ParallelContext, cfg: Config) -> nn.Module
             transport=cfg.parallel.transport,
             backend=backend,
             head_group=pc.head_group,
+            scheme=cfg.parallel.cp_scheme,
         )
         if cfg.train.compile:
             # Only the parts without communication: norms and SwiGLU are memory-bound chains of
@@ -437,7 +440,8 @@ def attention_mask(
     layout: str,
     window: int = 0,
 ):
-    """The ring's mask for one micro-batch, or None when there is nothing to mask beyond causality.
+    """The ring's mask for one micro-batch (the all-gather's under `parallel.cp_scheme = allgather`),
+    or None when there is nothing to mask beyond causality.
 
     `doc_ids (B, seq_len)` are the *global* (unsharded) document ids of the batch, as every cp rank
     holds them before `shard_batch`; None means one document per sequence. `window` is
@@ -446,7 +450,8 @@ def attention_mask(
     """
     if doc_ids is None and not window:
         return None  # plain causal: no mask, no overhead
-    return ringflash.ring_mask(
+    build = ringflash.gather_mask if pc.dims.cp_scheme == "allgather" else ringflash.ring_mask
+    return build(
         doc_ids,
         seqlen=seq_len,
         group=pc.ring_group,  # the ring's mask: with cp_heads > 1 the ring runs over ring shards

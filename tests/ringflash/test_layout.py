@@ -37,6 +37,32 @@ def test_zigzag_chunks():
     assert L.global_positions(4, 0, 2, "zigzag").tolist() == [0, 1, 6, 7]
 
 
+def test_stripe_puts_token_t_on_rank_t_mod_w():
+    assert L.global_positions(3, 1, 4, "stripe").tolist() == [1, 5, 9]
+    x = torch.arange(24.0).view(2, 12)
+    assert L.shard(x, 1, 2, 4, "stripe").tolist() == [[2, 6, 10], [14, 18, 22]]
+    assert L.shard(x, -1, 2, 4, "stripe").is_contiguous()
+    assert L.local_chunks(4, "stripe") == 1 and L.local_chunks(4, "zigzag") == 2
+    with pytest.raises(ValueError, match="multiple of 4"):
+        L.shard(torch.zeros(10), 0, 0, 4, "stripe")
+    with pytest.raises(ValueError, match="chunk_ids: the stripe layout holds single tokens"):
+        L.chunk_ids(0, 2, "stripe")
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_stripe_causal_steps_are_whole_diagonals(world):
+    # A key block from a lower rank is the causal diagonal; from a higher rank, the diagonal
+    # shifted by one (query rows 1.. against key rows ..n-1): every rank does the same work.
+    n = 5
+    for r in range(world):
+        steps = L.ring_schedule(r, world, n, True, "stripe")
+        for s, step in enumerate(steps):
+            j = (r - s) % world
+            shifted = L.Step(slice(1, n), slice(0, n - 1), CAUSAL)
+            assert step == (L.Step(slice(0, n), slice(0, n), CAUSAL) if j <= r else shifted)
+    assert L.ring_schedule(0, 2, 1, True, "stripe")[1] is None  # one row, nothing strictly before it
+
+
 def test_check_splittable_messages():
     L.check_splittable(12, 3, "contiguous")
     L.check_splittable(7, 1, "zigzag")  # one rank: any length
@@ -94,7 +120,8 @@ def test_schedule_covers_exactly_the_visible_pairs(world, name, causal):
             if step is not None:
                 block = torch.ones(n, n, dtype=torch.bool)[step.q, step.kv]
                 got[step.q, step.kv] = block.tril() if step.spec.causal else block
-                assert not step.spec.causal or s == 0, "only the diagonal block is masked"
+                # Only the diagonal block is masked, but for stripe, whose every step is a diagonal.
+                assert not step.spec.causal or s == 0 or name == "stripe"
             assert torch.equal(got, want), f"rank {r} step {s}: {step}"
 
 

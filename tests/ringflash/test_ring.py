@@ -114,10 +114,11 @@ def ring_exactness_worker(rank, world, c):
 CPU_CASES = [
     make_case(w, layout, causal, H=4, Hkv=hkv)
     for w in (1, 2, 3, 4)
-    for layout in ("contiguous", "zigzag")
+    for layout in ("contiguous", "zigzag", "stripe")
     for causal in (False, True)
     for hkv in (4, 2)  # MHA and GQA
 ] + [
+    make_case(4, "stripe", True, H=4, Hkv=1, n_local=5, scale=0.3),  # odd local length, MQA
     make_case(3, "zigzag", True, H=4, Hkv=1, strided=True, scale=0.3),  # MQA, views of a packed QKV
     make_case(2, "zigzag", True, dtype=torch.bfloat16, n_local=16),
     make_case(3, "contiguous", True, dtype=torch.float16, n_local=12),
@@ -150,6 +151,7 @@ def test_ring_matches_float64(case):
 TRITON_CASES = [
     make_case(2, "zigzag", True, n_local=32, H=4, Hkv=2, D=32, dtype=torch.bfloat16, backend="triton"),
     make_case(3, "contiguous", False, n_local=18, B=1, H=2, Hkv=1, D=32, backend="triton"),
+    make_case(3, "stripe", True, n_local=17, B=1, H=2, Hkv=1, D=32, backend="triton"),  # the shifted diagonal
 ]
 
 

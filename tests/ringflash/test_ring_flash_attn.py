@@ -79,6 +79,8 @@ def test_signatures_are_the_peers():
     # The peer's, at the vendored commit: positional calls land on the same arguments.
     heads = {"func": ["q", "k", "v"], "kvpacked": ["q", "kv"], "qkvpacked": ["qkv"]}
     for name in peer.__all__:
+        if name.startswith("llama3"):  # all-gather: its own signatures (test_ring_flash_attn_llama3.py)
+            continue
         head = heads[next((k for k in ("qkvpacked", "kvpacked") if k in name), "func")]
         head = [*head, "cu_seqlens", "max_seqlen"] if "varlen" in name else head
         params = inspect.signature(getattr(peer, name)).parameters

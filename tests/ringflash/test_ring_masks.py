@@ -169,6 +169,11 @@ CASES = [
         for hkv in ((2,) if w != 3 else (4, 1))
     ),
     case(4, "zigzag", docs="many"),
+    # stripe: documents and windows over interleaved rows, every step a per-row interval mask
+    *(case(w, "stripe", docs="odd", Hkv=2) for w in (1, 2, 3, 4)),
+    case(4, "stripe", docs="many", window=5),
+    case(3, "stripe", docs=None, window=13),
+    case(2, "stripe", causal=False, docs="odd"),
     case(8, "zigzag", docs="many", window=40),  # 8 ranks, as on an 8-GPU node
     case(3, "zigzag", docs="many", B=1),
     # windows alone (1, 5, 40, >= N) and with documents

@@ -28,11 +28,12 @@ def test_defaults_are_valid():
 def test_choices_are_the_librarys():
     # train/config.py spells them out so that loading a config imports no torch; they must stay
     # what the ring accepts.
-    from ringflash.layout import LAYOUTS
+    from ringflash.layout import LAYOUTS, SCHEMES
     from ringflash.transport import TRANSPORTS
 
     choices = {f.name: f.metadata["choices"] for f in dataclasses.fields(ParallelConfig)}
     assert set(choices["layout"]) == set(LAYOUTS)
+    assert set(choices["cp_scheme"]) == set(SCHEMES)
     assert set(choices["transport"]) == set(TRANSPORTS)
 
 
@@ -144,6 +145,10 @@ def test_missing_file():
         (["--model.dim=96", "--model.n_heads=32"], r"model.dim \(96\) must be n_heads \(32\) times an even head_dim"),
         (["--train.warmup_steps=-1"], r"train.warmup_steps: must be >= 0, got -1"),
         (["--parallel.timeout_s=0"], r"parallel.timeout_s: must be > 0, got 0.0"),
+        (["--model.kind=hf", "--model.hf.model_type=llama", "--parallel.cp_scheme=allgather"],
+         r"cp_scheme = allgather needs model.kind = small"),
+        (["--parallel.cp_scheme=tree"], r"parallel.cp_scheme"),
+        (["--parallel.cp=2", "--parallel.layout=stripe"], r"parallel.layout = stripe spreads every evaluation"),
     ],
 )
 def test_inconsistent_values(args, match):

@@ -45,8 +45,9 @@ def _cp_vs_single(rank, world, cfg):
     from ringflash.train.parallel import distributed, parallelize
     from ringflash.train.trainer import forward_backward
 
-    built, ring_mask = [], ringflash.ring_mask
-    ringflash.ring_mask = lambda *a, **kw: built.append(kw) or ring_mask(*a, **kw)
+    built, name = [], "gather_mask" if cfg.parallel.cp_scheme == "allgather" else "ring_mask"
+    make = getattr(ringflash, name)
+    setattr(ringflash, name, lambda *a, **kw: built.append(kw) or make(*a, **kw))
     with distributed(cfg.parallel, "cpu") as pc:
         torch.manual_seed(0)
         model = Transformer(cfg.model)
@@ -75,8 +76,10 @@ def _cp_vs_single(rank, world, cfg):
         ["--data.pack_documents=true"],
         ["--model.window=40", "--parallel.layout=contiguous"],
         ["--data.pack_documents=true", "--model.window=40", "--train.grad_accum=2"],
+        ["--data.pack_documents=true", "--model.window=40", "--parallel.cp_scheme=allgather"],
+        ["--data.pack_documents=true", "--parallel.layout=stripe"],
     ],
-    ids=["docs-zigzag", "window-contiguous", "docs-window-zigzag-accum"],
+    ids=["docs-zigzag", "window-contiguous", "docs-window-zigzag-accum", "docs-window-allgather", "docs-stripe"],
 )
 def test_cp2_matches_cp1(tmp_path, overrides):
     path = write_docs(tmp_path / "docs.txt")

@@ -1,0 +1,201 @@
+"""All-gather attention as custom ops, so that torch.compile traces it as one node, and its call.
+
+`ringflash::allgather_attn` runs `allgather.allgather_forward` and `ringflash::allgather_attn_bwd`
+`allgather_backward`; the first is differentiable in q, k, v through the second, and both have
+fake implementations, as the ring's ops (ringflash/ops.py), whose conventions they share: the
+group travels by name, a mask's per-row intervals as the tensor list `vis` (`[]`: built inside
+the op from the group rank, causal and window, cached), and the cross-rank check runs inside
+the op. Eager calls go through `_EagerAllGather`, a plain autograd.Function on the same
+functions (no torch.library dispatch on the host).
+
+`attend` is `ring_flash_attn_func(..., scheme="allgather")`'s body: the checks, which raise on
+every rank (a rank that rejects its inputs tells the others, who wait in the agreement check),
+then the op.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ringflash import agree, ops
+from ringflash.allgather import GatherMask, allgather_backward, allgather_forward, gather_spec
+from ringflash.kernels import FULL, AttnSpec, Visibility, check_window, device_guard, get_backend
+
+__all__ = ["allgather_attn", "allgather_attn_bwd", "attend", "check_stride"]
+
+
+def _spec(vis: list[Tensor], comm, q, causal, layout, window) -> AttnSpec:
+    if vis:
+        return AttnSpec(intervals=Visibility(*vis))
+    return gather_spec(q.shape[1], comm.rank, comm.world, layout, causal, window, q.device)
+
+
+def _allgather_attn(
+    q: Tensor, k: Tensor, v: Tensor, vis: list[Tensor], *, causal: bool, softmax_scale: float, layout: str,
+    group_name: str, backend: str | None, heads_k_stride: int, check_ranks: bool, window: int | None = None,
+    mask_key: int = 0,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """`allgather_forward` over the group named `group_name`: `o` like q, `lse (B, H, N)` float32."""
+    with device_guard(q):
+        comm = ops._comm(group_name)
+        checker = agree.check_comm(comm.group) if check_ranks else None
+        if checker is not None and checker.world > 1:
+            mine = agree.row(True, "ring attention", comm.world, q=q, k=k, causal=causal, softmax_scale=softmax_scale,
+                             layout=layout, window=window, mask_key=mask_key, scheme="allgather")  # fmt: skip
+            agree.check(checker, mine)
+        # Autocast off: float32 sums by design, as in the ring.
+        with torch.autocast(q.device.type, enabled=False):
+            return allgather_forward(
+                q, k, v, _spec(vis, comm, q, causal, layout, window), scale=softmax_scale,
+                kernels=get_backend(backend, q.device), comm=comm, layout=layout, heads_k_stride=heads_k_stride,
+            )  # fmt: skip
+
+
+allgather_attn = torch.library.custom_op("ringflash::allgather_attn", _allgather_attn, mutates_args=())
+
+
+@allgather_attn.register_fake
+def _(q, k, v, vis, *, causal, softmax_scale, layout, group_name, backend, heads_k_stride, check_ranks, window=None,
+      mask_key=0):  # fmt: skip
+    B, N, H, _ = q.shape
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, H, N), dtype=torch.float32)
+
+
+def _allgather_attn_bwd(
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, vis: list[Tensor], *, causal: bool,
+    softmax_scale: float, layout: str, group_name: str, backend: str | None, heads_k_stride: int,
+    window: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """`allgather_backward`: `(dq, dk, dv)` like q, k, v."""
+    with torch.autocast(q.device.type, enabled=False), device_guard(q):
+        comm = ops._comm(group_name)
+        return allgather_backward(
+            do.contiguous(), q, k, v, o, lse, _spec(vis, comm, q, causal, layout, window), scale=softmax_scale,
+            kernels=get_backend(backend, q.device), comm=comm, layout=layout, heads_k_stride=heads_k_stride,
+        )  # fmt: skip
+
+
+allgather_attn_bwd = torch.library.custom_op("ringflash::allgather_attn_bwd", _allgather_attn_bwd, mutates_args=())
+
+
+@allgather_attn_bwd.register_fake
+def _(do, q, k, v, o, lse, vis, *, causal, softmax_scale, layout, group_name, backend, heads_k_stride, window=None):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, keyword_only_inputs, output):
+    q, k, v, vis = inputs
+    o, lse = output
+    ctx.n_vis = len(vis)
+    ctx.save_for_backward(q, k, v, o, lse, *vis)
+    ctx.kwargs = {key: val for key, val in keyword_only_inputs.items() if key not in ("check_ranks", "mask_key")}
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)
+
+
+def _grads(ctx, do, backward) -> tuple:
+    q, k, v, o, lse, *vis = ctx.saved_tensors
+    if do is None:  # o's gradient is undefined (not materialised): so are q's, k's, v's
+        return None, None, None, [None] * len(vis)
+    return *backward(do, q, k, v, o, lse, vis, **ctx.kwargs), [None] * len(vis)
+
+
+allgather_attn.register_autograd(lambda ctx, do, _dlse: _grads(ctx, do, allgather_attn_bwd),
+                                 setup_context=_setup_context)  # fmt: skip
+
+
+class _EagerAllGather(torch.autograd.Function):
+    """The ops' functions under a plain autograd.Function: what eager calls run."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, kwargs, *vis):
+        out = _allgather_attn(q, k, v, list(vis), **kwargs)
+        _setup_context(ctx, (q, k, v, list(vis)), kwargs, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        dq, dk, dv, none = _grads(ctx, do, _allgather_attn_bwd)
+        return dq, dk, dv, None, *none
+
+
+# ---- the call (ring_flash_attn_func(..., scheme="allgather")) --------------------------------
+
+
+def check_stride(heads_k_stride) -> int:
+    if isinstance(heads_k_stride, bool) or not isinstance(heads_k_stride, int) or heads_k_stride < 1:
+        raise ValueError(f"heads_k_stride must be a positive int (K/V heads per gather), got {heads_k_stride!r}")
+    return heads_k_stride
+
+
+def attend(q, k, v, flash: tuple, softmax_scale, causal, group, *, layout, backend, check_ranks, window, mask,
+           heads_k_stride, prepare=None):  # fmt: skip
+    """`ring_flash_attn_func`'s body for `scheme="allgather"`: returns `(o, lse)`. `flash`: its
+    `(dropout_p, window_size, alibi_slopes, deterministic, return_attn_probs)`.
+    `prepare(window, causal, rank, world) -> (q, k, v, spec)`, if given, makes the inputs and the
+    mask inside the checks (the llama3 varlen forms of ringflash/ring_flash_attn.py), so that its
+    errors too raise on every rank; eager only."""
+    from ringflash import api  # its checks; api imports this module
+    from ringflash.kernels.checks import resolve_scale
+    from ringflash.transport import ring_comm
+
+    # Traced, not run, under torch.compile: metadata checks here, the group's and the ranks' in the op.
+    compiling = torch.compiler.is_compiling()
+    comm = None if compiling else ring_comm(group, "nccl")
+    world = api._world_size(group) if compiling else comm.world
+    spec = None
+    try:
+        check_stride(heads_k_stride)
+        window = api._flash_options(*flash, causal, window)
+        if prepare is not None:
+            if compiling:
+                raise ValueError("the llama3 varlen functions build their mask on the host: call them eagerly")
+            q, k, v, spec = prepare(window, causal, comm.rank, world)
+        _, kern = api._check_local(q, k, v, causal, softmax_scale, layout, backend, world)
+        if flash[3] and not kern.deterministic:
+            raise ValueError(f"deterministic=True: backend {kern.name!r} is not deterministic; use 'triton' or 'auto'")
+        check_window(window, causal)
+        if mask is not None:
+            _check_gather_mask(mask, q, causal, window, layout, world, None if compiling else comm.rank)
+            spec, window = mask.spec, mask.window
+        dense = spec is FULL if spec is not None else (not causal and window is None)
+        why = kern.supports("full" if dense else "intervals", q.dtype, q.shape[-1], q.device)
+        if why:
+            raise ValueError(why)
+        if spec is not None:
+            kern.check(q, k, spec)
+        error = None
+    except (TypeError, ValueError) as e:
+        error = e
+    if error is not None:
+        if comm is not None and check_ranks:
+            agree.announce(agree.check_comm(group), "ring attention", world, q=q, k=k, causal=causal, layout=layout)
+        raise error
+    vis = [] if spec is None or spec.intervals is None else list(spec.intervals)
+    kwargs = dict(causal=causal, softmax_scale=resolve_scale(softmax_scale, q.shape[-1]), layout=layout,
+                  group_name=ops.group_name(group), backend=kern.name, heads_k_stride=heads_k_stride,
+                  check_ranks=check_ranks, window=window, mask_key=0 if mask is None else mask.fingerprint)  # fmt: skip
+    if compiling:
+        return allgather_attn(q, k, v, vis, **kwargs)
+    return _EagerAllGather.apply(q, k, v, kwargs, *vis)
+
+
+def _check_gather_mask(mask, q, causal, window, layout, world, rank) -> None:
+    """A GatherMask must describe this call: raises TypeError/ValueError naming `mask`."""
+    if not isinstance(mask, GatherMask):
+        raise TypeError(
+            f"mask: scheme='allgather' takes a ringflash.GatherMask (gather_mask) or None, got {type(mask).__name__}"
+        )
+    mine = dict(causal=mask.causal, layout=mask.layout, world=mask.world, n_local=mask.n_local)
+    call = dict(causal=causal, layout=layout, world=world, n_local=q.shape[1])
+    if rank is not None:
+        mine["rank"], call["rank"] = mask.rank, rank
+    wrong = [f"mask's {n} is {mine[n]!r}, the call's {call[n]!r}" for n in mine if mine[n] != call[n]]
+    if window is not None and window != mask.window:
+        wrong.append(f"mask's window is {mask.window!r}, the call's {window!r}")
+    lo = mask.spec.intervals.kv_lo if mask.spec.intervals is not None else None
+    if lo is not None and (lo.device != q.device or lo.shape[0] not in (1, q.shape[0])):
+        wrong.append(f"mask's intervals are {tuple(lo.shape)} on {lo.device}, q is {tuple(q.shape)} on {q.device}")
+    if wrong:
+        raise ValueError("mask disagrees with the call: " + "; ".join(wrong))
