@@ -21,10 +21,11 @@ import torch
 from ringflash.kernels.backends import BACKENDS, Backend, backend_named, device_guard, get_backend, interpreting
 from ringflash.kernels.masks import Visibility, check_window, dense_visibility, varlen_visibility, visibility
 from ringflash.kernels.reference import ref_merge
-from ringflash.kernels.spec import CAUSAL, FULL, AttnSpec
+from ringflash.kernels.spec import CAUSAL, FULL, AttnSpec, check_softcap
 
 __all__ = ["BACKENDS", "CAUSAL", "FULL", "AttnSpec", "Backend", "Visibility", "attn_bwd", "attn_fwd",
-           "attn_varlen_bwd", "attn_varlen_fwd", "backend_named", "check_window", "dense_visibility", "device_guard",
+           "attn_varlen_bwd", "attn_varlen_fwd", "backend_named", "check_softcap", "check_window", "dense_visibility",
+           "device_guard",
            "get_backend",
            "interpreting", "ref_merge", "varlen_visibility", "visibility"]
 

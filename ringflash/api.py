@@ -108,6 +108,8 @@ def ring_flash_attn_func(
     mask: RingMask | None = None,
     transport: str | None = None,
     head_group: dist.ProcessGroup | None = None,
+    softcap: float = 0.0,
+    learnable_sink: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, None]:
     """Exact attention over a sequence sharded across the ranks of `group` (docs/api.md).
 
@@ -133,11 +135,15 @@ def ring_flash_attn_func(
         head_group: head parallelism × ring (ringflash/hybrid.py): `u` ranks that all-to-all heads
             around the ring over `group` (`hybrid_groups`); inputs sharded by `shard(..., head_rank=,
             head_world=)`, `mask` built over `group`. None: the ring alone.
+        softcap: flash_attn's logit softcapping, scores `c·tanh(s/c)` before the mask; 0.0: none.
+        learnable_sink: `(H,)` float32, FlashAttention-4's: a logit per head joining every row's
+            softmax with a zero value (gpt-oss). Differentiable; its gradient covers this rank's
+            rows, to be reduced over `group` with the model's other replicated gradients.
     Returns:
         o: `(B, N_local, H, D)` in q's dtype, or `(o, lse, None)`. Gradients flow to q, k, v.
     """
     options = dict(layout=layout, backend=backend, check_ranks=check_ranks, window=window, mask=mask,
-                   transport=transport)  # fmt: skip
+                   transport=transport, softcap=softcap)  # fmt: skip
     q, k, v = autocast_inputs(q, k, v)
     with kernels.device_guard(q):
         if head_group is not None:  # all-to-all heads, then the ring over `group` on (B, u·n, H/u, D) blocks
@@ -145,16 +151,17 @@ def ring_flash_attn_func(
                 q, k, v, head_group=head_group, group=group, layout=layout, check_ranks=check_ranks,
                 causal=causal if causal is not None else (mask.causal if isinstance(mask, RingMask) else False),
                 settings=lambda: _agreed(q, (dropout_p, window_size, alibi_slopes, deterministic, return_attn_probs),
-                                         causal, softmax_scale, window, mask, transport, backend),
+                                         causal, softmax_scale, window, mask, transport, backend, softcap,
+                                         learnable_sink),
                 ring=lambda q, k, v: _attend(
                     q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, True, group,
-                    **options,
+                    **options, learnable_sink=ops.sink_slice(learnable_sink, head_group, q.shape[2]),
                 )[:2],
             )  # fmt: skip
             return (o, lse, None) if return_attn_probs else o
         return _attend(
             q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs,
-            group, **options,
+            group, **options, learnable_sink=learnable_sink,
         )  # fmt: skip
 
 
@@ -171,7 +178,7 @@ def autocast_inputs(q, k, v) -> tuple:
 
 def _attend(
     q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs, group,
-    *, layout, backend, check_ranks, window, mask, transport, prepare=None,
+    *, layout, backend, check_ranks, window, mask, transport, prepare=None, softcap=0.0, learnable_sink=None,
 ):  # fmt: skip
     """`ring_flash_attn_func`'s body. `prepare(window, causal, rank, world) -> (q, k, v, mask)`, if
     given, turns the caller's inputs into the ring's inside the checks, so that its errors too
@@ -190,6 +197,8 @@ def _attend(
             q, k, v, mask = prepare(window, causal, 0 if comm is None else comm.rank, world)
             q, k, v = autocast_inputs(q, k, v)
         scale, kern = _check_local(q, k, v, causal, softmax_scale, layout, backend, world)
+        kernels.check_softcap(softcap)
+        ops.check_sink(learnable_sink, q)
         if deterministic and not kern.deterministic:
             raise ValueError(
                 f"deterministic=True: backend {kern.name!r} is not deterministic; use 'triton' (or 'auto')"
@@ -199,7 +208,7 @@ def _attend(
         if mask is not None:
             _check_mask(mask, q, causal, window, layout, world, None if compiling else comm.rank)
         for spec in _specs(causal, window, mask):
-            kern.check(q, k, spec)
+            kern.check(q, k, spec.with_softcap(softcap))
         if mask is None and window is not None:
             if compiling:  # building a mask is host work Dynamo cannot trace (ringflash/masks.py)
                 raise ValueError(
@@ -220,6 +229,7 @@ def _attend(
         k,
         v,
         vis,
+        learnable_sink,
         causal=causal,
         softmax_scale=scale,
         layout=layout,
@@ -230,18 +240,26 @@ def _attend(
         mask_plan=plan or None,
         mask_key=0 if mask is None else mask.fingerprint,
         transport=transport,
+        softcap=float(softcap),
+        window_size=list(window_size),
     )
     return (o, lse, None) if return_attn_probs else o
 
 
-def _agreed(q, flash: tuple, causal, softmax_scale, window, mask, transport, backend) -> dict:
+def _agreed(q, flash: tuple, causal, softmax_scale, window, mask, transport, backend, softcap=0.0,
+            learnable_sink=None) -> dict:  # fmt: skip
     """The ring's settings the hybrid's grid check compares (`agree.row`'s keywords), checked here,
     before its all-to-all; `flash`: `_flash_options`' first five arguments."""
     causal = causal if causal is not None else (mask.causal if isinstance(mask, RingMask) else False)
     window = _flash_options(*flash, causal, window)
     kernels.check_window(window, causal)
     kernels.get_backend(backend, q.device)  # an unknown name raises here; the backend is not compared
+    kernels.check_softcap(softcap)
+    ops.check_sink(learnable_sink, q)
     return dict(
+        softcap=softcap,
+        learnable_sink=learnable_sink,
+        window_size=tuple(flash[1]) if isinstance(flash[1], (tuple, list)) else None,
         softmax_scale=resolve_scale(softmax_scale, q.shape[-1]),
         window=mask.window if isinstance(mask, RingMask) else window,
         mask_key=mask.fingerprint if isinstance(mask, RingMask) else 0,
@@ -352,6 +370,8 @@ class RingFlashAttention(nn.Module):
     `transport`: as in `ring_flash_attn_func` (None: `RINGFLASH_TRANSPORT`, read at each call);
     `backend`: the kernels, as in `ring_flash_attn_func` (None: `RINGFLASH_KERNEL_BACKEND`).
     `head_group`: head parallelism around the ring over `group` (`ring_flash_attn_func`'s).
+    `softcap`: logit softcapping in every call; a learnable sink is the caller's tensor (e.g. the
+    model's `nn.Parameter`), passed per call: `forward(..., learnable_sink=)`, as in flash_attn.
     """
 
     def __init__(
@@ -366,9 +386,11 @@ class RingFlashAttention(nn.Module):
         transport: str | None = None,
         *,
         head_group: dist.ProcessGroup | None = None,
+        softcap: float = 0.0,
     ):
         super().__init__()
         check_layout(layout)
+        kernels.check_softcap(softcap)
         kernels.check_window(window, causal)
         if transport is not None:
             resolve_transport(transport)
@@ -377,11 +399,13 @@ class RingFlashAttention(nn.Module):
             why = named and named.supports(kernels.AttnSpec(causal=causal, window=window).kind, None, None)
             if why:
                 raise ValueError(why)
+        self.softcap = softcap
         self.group, self.layout, self.causal = group, layout, causal
         self.softmax_scale, self.backend, self.check_ranks = softmax_scale, backend, check_ranks
         self.window, self.transport, self.head_group = window, transport, head_group
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: RingMask | None = None) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: RingMask | None = None, *,
+                learnable_sink: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         return ring_flash_attn_func(
             q,
             k,
@@ -396,9 +420,12 @@ class RingFlashAttention(nn.Module):
             mask=mask,
             transport=self.transport,
             head_group=self.head_group,
+            softcap=self.softcap,
+            learnable_sink=learnable_sink,
         )
 
     def extra_repr(self) -> str:
         window = f", window={self.window}" if self.window is not None else ""
         transport = f", transport={self.transport!r}" if self.transport is not None else ""
-        return f"layout={self.layout!r}, causal={self.causal}{window}, backend={self.backend!r}{transport}"
+        cap = f", softcap={self.softcap}" if self.softcap else ""
+        return f"layout={self.layout!r}, causal={self.causal}{window}, backend={self.backend!r}{transport}{cap}"
