@@ -3,6 +3,7 @@
     AttnSpec()                             # full: every query sees every key
     AttnSpec(causal=True)                  # causal diagonal block: query i sees keys j <= i
     AttnSpec(causal=True, window=w)        # causal sliding window: i - w < j <= i (w keys, the diagonal counted)
+    AttnSpec(window=(left, right))         # two-sided window: i - left <= j <= i + right (-1: no limit)
     AttnSpec.documents(cu_seqlens, total)  # packed documents (+ causal=, window=)
     AttnSpec(intervals=vis)                # any per-row key intervals (kernels/masks.py `Visibility`)
     AttnSpec(causal=True, softcap=30.0)    # + logit softcapping: scores s -> c·tanh(s/c) before the mask
@@ -36,14 +37,15 @@ class AttnSpec:
 
     Attributes:
         causal: query i sees key j only if j <= i (needs Nq == Nk: a diagonal block).
-        window: with causal, only the last `window` keys up to the diagonal; None: no window.
+        window: with causal, only the last `window` keys up to the diagonal; without, a pair
+            `(left, right)`: keys i − left ... i + right (kernels/masks.py); None: no window.
         intervals: per-row key intervals (`Visibility`), replacing causal and window; Nq, Nk free.
         softcap: c > 0 caps the scaled scores to c·tanh(s/c) (Gemma 2's logit softcapping), before
             the mask; 0.0: none (flash_attn's `softcap=0.0`).
     """
 
     causal: bool = False
-    window: int | None = None
+    window: int | tuple[int, int] | None = None
     intervals: Visibility | None = None
     softcap: float = 0.0
 
@@ -102,6 +104,8 @@ class AttnSpec:
             return self.intervals
         if self.window is None:
             return None
+        if Nq != Nk:
+            raise ValueError(f"a window needs as many queries as keys (one sequence), got {Nq} and {Nk}")
         return dense_visibility(Nq, window=self.window, device=q.device)
 
     def __eq__(self, other) -> bool:

@@ -4,7 +4,7 @@
 deterministic, return_attn_probs, group, *, layout, ...)`: flash_attn's and ring-flash-attention's
 signature, positional order included, on `(B, N, H, D)` tensors; ringflash's own options
 (layout, mask, backend, ...) are keyword-only. What flash_attn can do and ringflash cannot
-(dropout, ALiBi, two-sided windows) is refused by name. `ring_flash_attn_qkvpacked_func` and
+(dropout, ALiBi) is refused by name. `ring_flash_attn_qkvpacked_func` and
 `ring_flash_attn_kvpacked_func` take flash_attn's packed layouts. q, k, v are this rank's shard
 of the sequence, cut by `ringflash.layout.shard` with the same `layout` (and position ids from
 `global_positions`). ring-flash-attention's module names: ringflash/ring_flash_attn.py.
@@ -120,7 +120,8 @@ def ring_flash_attn_func(
         dropout_p: must be 0.0 (no attention dropout).
         softmax_scale: default `1/sqrt(D)`.
         causal: mask by global position, as on the unsharded sequence (None: the mask's, else False).
-        window_size: flash_attn's `(left, right)`; only `(-1, -1)` or, with causal, `(w - 1, 0)`.
+        window_size: flash_attn's `(left, right)`: with causal `(w - 1, 0)`; without, query i sees
+            keys i − left ... i + right by global position (-1: no limit).
         alibi_slopes: must be None (no ALiBi).
         deterministic: accepted (the Triton and reference backwards are); refused with backends cudnn and hopper.
         return_attn_probs: also return `lse (B, H, N_local)` float32, natural log (not
@@ -236,12 +237,12 @@ def _attend(
         group_name=ops.group_name(group),
         backend=kern.name,
         check_ranks=check_ranks,
-        window=None if mask is None else mask.window,
+        window=mask.window if mask is not None and isinstance(mask.window, int) else None,
         mask_plan=plan or None,
         mask_key=0 if mask is None else mask.fingerprint,
         transport=transport,
         softcap=float(softcap),
-        window_size=list(window_size),
+        window_size=list(mask.window if mask is not None and isinstance(mask.window, tuple) else window_size),
     )
     return (o, lse, None) if return_attn_probs else o
 
@@ -259,7 +260,7 @@ def _agreed(q, flash: tuple, causal, softmax_scale, window, mask, transport, bac
     return dict(
         softcap=softcap,
         learnable_sink=learnable_sink,
-        window_size=tuple(flash[1]) if isinstance(flash[1], (tuple, list)) else None,
+        window_size=window if isinstance(window, tuple) else tuple(flash[1]),
         softmax_scale=resolve_scale(softmax_scale, q.shape[-1]),
         window=mask.window if isinstance(mask, RingMask) else window,
         mask_key=mask.fingerprint if isinstance(mask, RingMask) else 0,
@@ -292,11 +293,15 @@ def _flash_options(dropout_p, window_size, alibi_slopes, deterministic, return_a
         return window
     if left < -1 or right < -1:
         raise ValueError(f"window_size={tuple(ws)}: entries must be >= 0, or -1 for no limit")
-    if right > 0 or not causal:
+    if causal and right > 0:
         raise ValueError(
-            f"window_size={tuple(ws)} with causal={causal}: ringflash has causal sliding windows only, "
-            "window_size=(w - 1, 0) with causal=True (no keys to the right, no two-sided windows)"
+            f"window_size={tuple(ws)} with causal=True: a causal window has no keys to the right (right must be "
+            "0 or -1); a two-sided window needs causal=False"
         )
+    if not causal:  # two-sided: query i sees keys i - left ... i + right (kernels/masks.py)
+        if window is not None:
+            raise ValueError(f"window={window} is a causal window: with causal=False give window_size=(left, right)")
+        return left, right
     if left == -1:  # (-1, 0) under causal is causal itself, as in flash_attn
         return window
     if window is not None and window != left + 1:
