@@ -62,3 +62,14 @@ def test_backends_that_cannot_softcap_say_so():
     q = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="softcap"):
         check_cudnn(q, q, spec)
+
+
+def test_kernel_op_takes_softcap():
+    # torch.compile's view of the kernels: the custom op with its fake and its autograd formula.
+    q, k, v, _ = _inputs(SHAPES[0], torch.float32)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    opts = dict(causal=True, backend="reference", softcap=5.0)
+    torch.library.opcheck(torch.ops.ringflash.attn_fwd.default, (q, k, v, []), opts)
+    o, _ = torch.ops.ringflash.attn_fwd(q, k, v, [], **opts)
+    want, _ = attn_fwd(q, k, v, spec=AttnSpec(causal=True, softcap=5.0), backend="reference")
+    torch.testing.assert_close(o, want, rtol=0, atol=0)
