@@ -73,3 +73,16 @@ def test_kernel_op_takes_softcap():
     o, _ = torch.ops.ringflash.attn_fwd(q, k, v, [], **opts)
     want, _ = attn_fwd(q, k, v, spec=AttnSpec(causal=True, softcap=5.0), backend="reference")
     torch.testing.assert_close(o, want, rtol=0, atol=0)
+
+
+def test_flash_style_softcap_keyword():
+    q, k, v, do = _inputs(SHAPES[0], torch.float32)
+    o, lse = attn_fwd(q, k, v, causal=True, softcap=5.0, backend="reference")
+    want, _ = attn_fwd(q, k, v, spec=AttnSpec(causal=True, softcap=5.0), backend="reference")
+    torch.testing.assert_close(o, want, rtol=0, atol=0)
+    grads = attn_bwd(do, q, k, v, o, lse, causal=True, softcap=5.0, backend="reference")
+    spec = AttnSpec(causal=True, softcap=5.0)
+    for g, w in zip(grads, attn_bwd(do, q, k, v, o, lse, spec=spec, backend="reference")):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="softcap"):
+        attn_fwd(q, k, v, spec=spec, softcap=5.0)
