@@ -21,20 +21,20 @@ import torch
 from ringflash.kernels.backends import BACKENDS, Backend, backend_named, device_guard, get_backend, interpreting
 from ringflash.kernels.masks import Visibility, check_window, dense_visibility, varlen_visibility, visibility
 from ringflash.kernels.reference import ref_merge
-from ringflash.kernels.spec import CAUSAL, FULL, AttnSpec
+from ringflash.kernels.spec import CAUSAL, FULL, AttnSpec, check_softcap
 
 __all__ = ["BACKENDS", "CAUSAL", "FULL", "AttnSpec", "Backend", "Visibility", "attn_bwd", "attn_fwd",
-           "attn_varlen_bwd", "attn_varlen_fwd", "backend_named", "check_window", "dense_visibility", "device_guard",
-           "get_backend", "interpreting", "ref_merge", "varlen_visibility", "visibility"]
+           "attn_varlen_bwd", "attn_varlen_fwd", "backend_named", "check_softcap", "check_window", "dense_visibility",
+           "device_guard", "get_backend", "interpreting", "ref_merge", "varlen_visibility", "visibility"]
 
 
-def _spec(causal: bool, window: int | None, spec: AttnSpec | None) -> AttnSpec:
+def _spec(causal: bool, window, spec: AttnSpec | None, softcap: float = 0.0) -> AttnSpec:
     if spec is None:
-        return AttnSpec(causal=causal, window=window)
+        return AttnSpec(causal=causal, window=window, softcap=softcap)
     if not isinstance(spec, AttnSpec):
         raise TypeError(f"spec must be a kernels.AttnSpec or None, got {type(spec).__name__}")
-    if causal or window is not None:
-        raise ValueError("give spec= or causal=/window=, not both: the spec already says what each query sees")
+    if causal or window is not None or softcap:
+        raise ValueError("give spec= or causal=/window=/softcap=, not both: the spec already says it")
     return spec
 
 
@@ -45,9 +45,10 @@ def attn_fwd(
     *,
     causal: bool = False,
     softmax_scale: float | None = None,
-    window: int | None = None,
+    window: int | tuple[int, int] | None = None,
     spec: AttnSpec | None = None,
     backend: str | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward.
 
@@ -56,14 +57,15 @@ def attn_fwd(
         causal: query i sees key j <= i (needs Nq == Nk).
         softmax_scale: default `1/sqrt(D)`.
         window: causal sliding window, w keys counting the diagonal (flash_attn's
-            `window_size=(w - 1, 0)`); needs causal.
-        spec: any `AttnSpec` instead of causal/window (e.g. per-row key intervals).
+            `window_size=(w - 1, 0)`); or without causal a pair `(left, right)`, two-sided.
+        spec: any `AttnSpec` instead of causal/window/softcap (e.g. per-row key intervals).
         backend: `BACKENDS` name; None reads `RINGFLASH_KERNEL_BACKEND` (default auto).
+        softcap: scores `c·tanh(s/c)` before the mask (flash_attn's); 0.0: none.
     Returns:
         o: `(B, Nq, H, D)` in q's dtype; lse: `(B, H, Nq)` float32, natural log.
     """
     with device_guard(q):
-        return get_backend(backend, q.device).fwd_step(q, k, v, _spec(causal, window, spec), softmax_scale)
+        return get_backend(backend, q.device).fwd_step(q, k, v, _spec(causal, window, spec, softcap), softmax_scale)
 
 
 def attn_bwd(
@@ -76,21 +78,23 @@ def attn_bwd(
     *,
     causal: bool = False,
     softmax_scale: float | None = None,
-    window: int | None = None,
+    window: int | tuple[int, int] | None = None,
     spec: AttnSpec | None = None,
     backend: str | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention backward: the gradients of `attn_fwd` with the same mask arguments.
 
     Args:
         do, o: like q; lse: `(B, H, Nq)` float32. o and lse may be global ones (a ring's merged
             result): P and rowsum(do·o) are recomputed from them.
-        causal, softmax_scale, window, spec, backend: as given to `attn_fwd`.
+        causal, softmax_scale, window, spec, backend, softcap: as given to `attn_fwd`.
     Returns:
         dq like q; dk, dv like k, in q's dtype.
     """
     with device_guard(q):
-        return get_backend(backend, q.device).bwd_step(do, q, k, v, o, lse, _spec(causal, window, spec), softmax_scale)
+        spec = _spec(causal, window, spec, softcap)
+        return get_backend(backend, q.device).bwd_step(do, q, k, v, o, lse, spec, softmax_scale)
 
 
 from ringflash.kernels import ops  # noqa: E402, F401  (registers torch.ops.ringflash.attn_fwd / attn_bwd)

@@ -64,6 +64,8 @@ def cudnn_limits(kind: str | None, dtype: torch.dtype | None, head_dim: int | No
 
 def check_cudnn(q: torch.Tensor, k: torch.Tensor, spec: AttnSpec | None = None) -> None:
     """Reject what the cuDNN backend cannot run, before any work, naming the argument."""
+    if spec is not None and spec.softcap:
+        raise ValueError(f"softcap={spec.softcap}: backend='cudnn' has no logit softcapping; use 'triton' or 'auto'")
     if spec is not None and not spec.dense:
         raise ValueError(MASKS_NEED_TRITON)
     why = cudnn_limits(None, q.dtype, None)

@@ -67,6 +67,8 @@ def unsupported(q: torch.Tensor, k: torch.Tensor, spec: AttnSpec) -> str | None:
         return f"needs a head dim in {HEAD_DIMS}, got {q.shape[-1]}"
     if spec.kind not in ("full", "causal"):
         return f"runs full or causal attention, not {spec.kind}"
+    if spec.softcap:
+        return "runs no softcap"
     if spec.causal and q.shape[1] != k.shape[1]:
         return "causal needs as many queries as keys"  # the Triton kernels raise it, naming the shapes
     if q.shape[0] * q.shape[1] * q.shape[2] * k.shape[1] == 0:

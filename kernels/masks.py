@@ -23,7 +23,9 @@ packed sequences and the batch form.
 
 Window convention: `window = w` lets query position p see key positions p − w < t <= p, i.e.
 w keys *counting the diagonal* (w = 1: each token sees only itself). flash_attn's
-`window_size=(left, 0)` is `window = left + 1`.
+`window_size=(left, 0)` is `window = left + 1`. Without causality a window is flash_attn's pair
+`window = (left, right)`: query position p sees key positions p − left <= t <= p + right (−1: no
+limit on that side), an interval by global position like every other mask here.
 """
 
 from __future__ import annotations
@@ -46,9 +48,21 @@ class Visibility(NamedTuple):
     q_hi: torch.Tensor
 
 
-def check_window(window: int | None, causal: bool, name: str = "window") -> None:
-    """`window` is None or a positive int, and needs causal; errors name `name`."""
+def check_window(window: int | tuple[int, int] | None, causal: bool, name: str = "window") -> None:
+    """`window` is None, a positive int with causal, or a pair `(left, right)` of ints >= -1
+    without causal (module docstring); errors name `name`."""
     if window is None:
+        return
+    if isinstance(window, tuple):
+        if len(window) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in window):
+            raise TypeError(f"{name} must be a pair of ints (left, right), got {window!r}")
+        if min(window) < -1:
+            raise ValueError(f"{name}={window}: entries must be >= 0, or -1 for no limit")
+        if causal:
+            raise ValueError(
+                f"{name}={window}: a two-sided window (left, right) is for causal=False; a causal window is "
+                "w keys counting the diagonal"
+            )
         return
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"{name} must be a positive int (keys seen, counting the diagonal) or None, got {window!r}")
@@ -83,7 +97,7 @@ def visibility(
     k_pos: torch.Tensor,
     *,
     causal: bool,
-    window: int | None = None,
+    window: int | tuple[int, int] | None = None,
     q_doc: torch.Tensor | None = None,
     k_doc: torch.Tensor | None = None,
 ) -> Visibility:
@@ -93,7 +107,8 @@ def visibility(
     along each sequence (a zigzag shard's rows are). q_doc, k_doc (optional, like the positions):
     document ids, non-decreasing along the sequence (documents are packed in order); a query sees
     only keys of its own document. causal: key position <= query position. window: w keys
-    counting the diagonal (module docstring), causal only. Orders are checked for CPU tensors.
+    counting the diagonal (module docstring), causal only; or `(left, right)` without causal.
+    Orders are checked for CPU tensors.
     """
     check_window(window, causal)
     if (q_doc is None) != (k_doc is None):
@@ -125,7 +140,13 @@ def visibility(
         hi = torch.searchsorted(kd, qd, right=True)  # one past its last
     if causal:
         hi = torch.minimum(hi, torch.searchsorted(kp, qp, right=True))
-    if window is not None:
+    if isinstance(window, tuple):  # key positions [p − left, p + right], −1: unlimited
+        left, right = window
+        if left >= 0:
+            lo = torch.maximum(lo, torch.searchsorted(kp, qp - left))
+        if right >= 0:
+            hi = torch.minimum(hi, torch.searchsorted(kp, qp + right, right=True))
+    elif window is not None:
         lo = torch.maximum(lo, torch.searchsorted(kp, qp - (window - 1)))
     hi = torch.maximum(hi, lo)  # an empty row as [lo, lo): keeps both bounds non-decreasing
     # Inverse, by monotonicity: the rows that see key j are those with hi > j (a suffix) and
@@ -136,8 +157,11 @@ def visibility(
     return Visibility(*(t.to(torch.int32) for t in (lo, hi, q_lo, q_hi)))
 
 
-def dense_visibility(n: int, *, window: int, device: torch.device | str | None = None) -> Visibility:
-    """Causal sliding window over one sequence of `n` tokens (the batch form's `window=`).
+def dense_visibility(
+    n: int, *, window: int | tuple[int, int], device: torch.device | str | None = None
+) -> Visibility:
+    """Sliding window over one sequence of `n` tokens (the batch form's `window=`): causal for an
+    int, two-sided for a pair `(left, right)`.
 
     Cached per (n, window, device): a model calls it with the same few shapes in every layer
     and step, and the tensors are never written."""
@@ -147,7 +171,7 @@ def dense_visibility(n: int, *, window: int, device: torch.device | str | None =
 @functools.lru_cache(maxsize=64)
 def _dense_visibility(n: int, window: int, device: torch.device) -> Visibility:
     pos = torch.arange(n, device=device)
-    return visibility(pos, pos, causal=True, window=window)
+    return visibility(pos, pos, causal=not isinstance(window, tuple), window=window)
 
 
 def cu_seqlens_to_doc_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -178,7 +202,7 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> None:
 
 
 def varlen_visibility(
-    cu_seqlens: torch.Tensor, total: int, *, causal: bool, window: int | None = None
+    cu_seqlens: torch.Tensor, total: int, *, causal: bool, window: int | tuple[int, int] | None = None
 ) -> Visibility:
     """Packed documents `cu_seqlens` over `total` tokens: each token sees only its own document
     (causally if `causal`, and within `window` if given). Batch dim 1."""

@@ -12,7 +12,7 @@ import torch
 
 from ringflash.kernels.checks import aliases, check_bwd, check_qkv, resolve_fwd_outputs, resolve_scale
 from ringflash.kernels.masks import Visibility
-from ringflash.kernels.spec import AttnSpec
+from ringflash.kernels.spec import AttnSpec, softcap_math
 
 
 def _grouped(q: torch.Tensor, hkv: int) -> torch.Tensor:
@@ -27,11 +27,12 @@ def _ungrouped(x: torch.Tensor) -> torch.Tensor:
     return x.permute(0, 3, 1, 2, 4).reshape(B, N, Hkv * G, D)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, vis: Visibility | None) -> torch.Tensor:
-    """Scaled scores `(B, Hkv, G, Nq, Nk)` in float32, masked entries at -inf."""
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, vis: Visibility | None,
+            softcap: float = 0.0) -> torch.Tensor:
+    """Scaled (and softcapped) scores `(B, Hkv, G, Nq, Nk)` in float32, masked entries at -inf."""
     qg = _grouped(q, k.shape[2])
     kf = k.float().permute(0, 2, 1, 3)  # (B, Hkv, Nk, D)
-    s = torch.einsum("bhgqd,bhkd->bhgqk", qg, kf) * scale
+    s = softcap_math(torch.einsum("bhgqd,bhkd->bhgqk", qg, kf) * scale, softcap)
     nq, nk = s.shape[-2:]
     if vis is not None:  # query row i sees key rows [kv_lo[i], kv_hi[i]) (kernels/masks.py)
         j = torch.arange(nk, device=s.device)
@@ -76,7 +77,7 @@ def ref_attn_fwd(
     o_out, lse_out = resolve_fwd_outputs(q, out_dtype, acc, out)
     scale = resolve_scale(softmax_scale, q.shape[-1])
     B, Nq, H, _ = q.shape
-    s = _scores(q, k, spec.causal, scale, vis)  # (B, Hkv, G, Nq, Nk)
+    s = _scores(q, k, spec.causal, scale, vis, spec.softcap)  # (B, Hkv, G, Nq, Nk)
     lse = torch.logsumexp(s, dim=-1)  # -inf where a row sees nothing (or Nk == 0)
     p = _probabilities(s, lse)
     o = _ungrouped(torch.einsum("bhgqk,bhkd->bhgqd", p, v.float().permute(0, 2, 1, 3)))
@@ -163,7 +164,7 @@ def ref_attn_bwd(
     out_dtype = grad_dtype or q.dtype
     B, Nq, H, _ = q.shape
     Hkv = k.shape[2]
-    s = _scores(q, k, spec.causal, scale, vis)
+    s = _scores(q, k, spec.causal, scale, vis, spec.softcap)
     lse_g = lse.view(B, Hkv, H // Hkv, Nq)
     p = _probabilities(s, lse_g)  # (B, Hkv, G, Nq, Nk)
     dog = _grouped(do, Hkv)
@@ -173,6 +174,9 @@ def ref_attn_bwd(
     dv = torch.einsum("bhgqk,bhgqd->bhkd", p, dog)
     dp = torch.einsum("bhgqd,bhkd->bhgqk", dog, vf)
     ds = p * (dp - delta.unsqueeze(-1)) * scale
+    if spec.softcap:  # d(c·tanh(x/c))/dx = 1 − tanh², tanh = s/c; masked s (-inf) clamp to a 0 factor
+        c = spec.softcap
+        ds = ds * (1 - (s.clamp(-c, c) / c) ** 2)
     dq = torch.einsum("bhgqk,bhkd->bhgqd", ds, kf)
     dk = torch.einsum("bhgqk,bhgqd->bhkd", ds, _grouped(q, Hkv))
     return (

@@ -35,7 +35,6 @@ import triton.language as tl
 
 from ringflash.kernels.checks import check_bwd, check_grad_out, check_qkv, resolve_scale
 from ringflash.kernels.launch_utils import (
-    LOG2E,
     bhnd_strides,
     block_d,
     dot_precision,
@@ -55,6 +54,7 @@ from ringflash.kernels.tiles import (
     tile_ptrs,
     visible_keys,
 )
+from ringflash.kernels.triton_fwd import score_args, tanh
 from ringflash.kernels.tuning import Tile, launch, pairs_dkdv
 
 
@@ -89,9 +89,10 @@ def _load_lse2(LSE, rows, Nq):
 @triton.jit
 def _dkdv_inner(
     dk, dv, k, v, Q, DO, LSE, Delta,
-    KV_LO, KV_HI, stride_qn, stride_don, off_b, q_col, offs_n, offs_d, lo, hi, Nq, qk_scale,
+    KV_LO, KV_HI, stride_qn, stride_don, off_b, q_col, offs_n, offs_d, lo, hi, Nq, qk_scale, cap,
     CAUSAL: tl.constexpr, RANGES: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Accumulate dK, dV of one key block over query blocks [lo, hi) of one query head.
 
@@ -110,7 +111,11 @@ def _dkdv_inner(
             do = do.to(tl.float32)
         lse2 = _load_lse2(LSE, rows, Nq)
         delta = tl.load(Delta + rows, mask=rows < Nq, other=0.0)
-        p_t = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - lse2[None, :])
+        s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale
+        if SOFTCAP:
+            t_t = tanh(s_t)
+            s_t = cap * t_t
+        p_t = tl.math.exp2(s_t - lse2[None, :])
         if MASKED:
             if RANGES:  # the forward's mask: query row i sees key rows [kv_lo[i], kv_hi[i])
                 kv_lo = tl.load(KV_LO + rows, mask=rows < Nq, other=0)
@@ -121,6 +126,8 @@ def _dkdv_inner(
         dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
+        if SOFTCAP:  # through the cap: d(c·tanh(x/c))/dx = 1 − tanh²
+            ds_t = ds_t * (1.0 - t_t * t_t)
         dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
     return dk, dv
 
@@ -133,10 +140,10 @@ def _dkdv_block(
     stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
     stride_dkab, stride_dkan, stride_dkah, stride_dvab, stride_dvan, stride_dvah,
     KV_LO, KV_HI, Q_LO, Q_HI, stride_rqb, stride_rkb,
-    Hkv, Nq, Nk, qk_scale, softmax_scale,
+    Hkv, Nq, Nk, qk_scale, cap, softmax_scale,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, RANGES: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, TMA: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """dK, dV of the key block at `start_n` of K/V head `off_hkv`: computed and stored."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -177,15 +184,15 @@ def _dkdv_block(
         q_col = off_h * HEAD_DIM
         row_base = (off_b * Hkv * GROUP + off_h) * Nq
         dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, Delta + row_base, kv_lo_ptr, kv_hi_ptr,
-                             stride_qn, stride_don, off_b, q_col, offs_n, offs_d, lo, split, Nq, qk_scale, CAUSAL,
-                             RANGES, True, UPCAST, TMA, BLOCK_M, HEAD_DIM, BLOCK_D, PRECISION)
+                             stride_qn, stride_don, off_b, q_col, offs_n, offs_d, lo, split, Nq, qk_scale, cap,
+                             CAUSAL, RANGES, True, UPCAST, TMA, BLOCK_M, HEAD_DIM, BLOCK_D, PRECISION, SOFTCAP)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, Delta + row_base, kv_lo_ptr, kv_hi_ptr,
-                             stride_qn, stride_don, off_b, q_col, offs_n, offs_d, split, split2, Nq, qk_scale, CAUSAL,
-                             RANGES, False, UPCAST, TMA, BLOCK_M, HEAD_DIM, BLOCK_D, PRECISION)
+                             stride_qn, stride_don, off_b, q_col, offs_n, offs_d, split, split2, Nq, qk_scale, cap,
+                             CAUSAL, RANGES, False, UPCAST, TMA, BLOCK_M, HEAD_DIM, BLOCK_D, PRECISION, SOFTCAP)
         if RANGES:
             dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, Delta + row_base, kv_lo_ptr, kv_hi_ptr,
-                                 stride_qn, stride_don, off_b, q_col, offs_n, offs_d, split2, hi, Nq, qk_scale, CAUSAL,
-                                 RANGES, True, UPCAST, TMA, BLOCK_M, HEAD_DIM, BLOCK_D, PRECISION)
+                                 stride_qn, stride_don, off_b, q_col, offs_n, offs_d, split2, hi, Nq, qk_scale, cap,
+                                 CAUSAL, RANGES, True, UPCAST, TMA, BLOCK_M, HEAD_DIM, BLOCK_D, PRECISION, SOFTCAP)
 
     # ptxas's register allocation for this kernel swings its speed by 10%+ with small changes
     # (float32 stores without the causal mask compile to a slow loop; adding into DK/DV does not):
@@ -211,10 +218,11 @@ def _bwd_dkdv(
     stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
     stride_dkab, stride_dkan, stride_dkah, stride_dvab, stride_dvan, stride_dvah,
     KV_LO, KV_HI, Q_LO, Q_HI, stride_rqb, stride_rkb,
-    Hkv, Nq, Nk, qk_scale, softmax_scale, n_sms,
+    Hkv, Nq, Nk, qk_scale, cap, softmax_scale, n_sms,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, RANGES: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, TMA: tl.constexpr,
     PAIRED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     # PAIRED (causal): program i takes key blocks i and n-1-i, which together see n+1 query
     # blocks' worth of rows: every program is equally long and the grid ends without a tail.
@@ -232,16 +240,17 @@ def _bwd_dkdv(
                         stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
                         stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
                         stride_dkab, stride_dkan, stride_dkah, stride_dvab, stride_dvan, stride_dvah,
-                        KV_LO, KV_HI, Q_LO, Q_HI, stride_rqb, stride_rkb, Hkv, Nq, Nk, qk_scale, softmax_scale,
-                        HEAD_DIM, GROUP, CAUSAL, RANGES, UPCAST, PRECISION, ACCUMULATE, TMA, BLOCK_N, BLOCK_M,
-                        BLOCK_D)
+                        KV_LO, KV_HI, Q_LO, Q_HI, stride_rqb, stride_rkb, Hkv, Nq, Nk, qk_scale, cap,
+                        softmax_scale, HEAD_DIM, GROUP, CAUSAL, RANGES, UPCAST, PRECISION, ACCUMULATE, TMA, BLOCK_N,
+                        BLOCK_M, BLOCK_D, SOFTCAP)
 
 
 @triton.jit
 def _dq_inner(
     dq, q, do, lse2, delta, K, V, stride_kn, stride_vn, off_b, kv_col, offs_m, offs_d, kv_lo, kv_hi, lo, hi, Nk,
-    qk_scale, CAUSAL: tl.constexpr, RANGES: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr,
+    qk_scale, cap, CAUSAL: tl.constexpr, RANGES: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr,
     TMA: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Accumulate dQ of one query block over key blocks [lo, hi).
 
@@ -255,12 +264,18 @@ def _dq_inner(
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse2[:, None])
+        sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if SOFTCAP:
+            t = tanh(sc)
+            sc = cap * t
+        p = tl.math.exp2(sc - lse2[:, None])
         if MASKED:
             visible = visible_keys(offs_m, cols, kv_lo, kv_hi, Nk, CAUSAL, RANGES)
             p = tl.where(visible, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
     return dq
 
@@ -272,10 +287,10 @@ def _bwd_dq(
     stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
     stride_dqb, stride_dqn, stride_dqh, stride_dqab, stride_dqan, stride_dqah,
     KV_LO, KV_HI, stride_rqb,
-    H, Nq, Nk, qk_scale, softmax_scale, n_sms,
+    H, Nq, Nk, qk_scale, cap, softmax_scale, n_sms,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, RANGES: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, TMA: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     rank, off_bh = heaviest_first(n_sms)
     start_m = (tl.num_programs(0) - 1 - rank) * BLOCK_M  # last query blocks first: they see the most keys
@@ -306,14 +321,14 @@ def _bwd_dq(
         kv_hi = tl.minimum(tl.load(KV_HI + off_b * stride_rqb + offs_m, mask=row_ok, other=0), Nk)
         lo, split, split2, hi = block_bounds(kv_lo, kv_hi, row_ok, Nk, BLOCK_N)
         dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, off_b, kv_col, offs_m, offs_d,
-                       kv_lo, kv_hi, split, split2, Nk, qk_scale, False, True, False, UPCAST, TMA, BLOCK_N, HEAD_DIM,
-                       BLOCK_D, PRECISION)
+                       kv_lo, kv_hi, split, split2, Nk, qk_scale, cap, False, True, False, UPCAST, TMA, BLOCK_N,
+                       HEAD_DIM, BLOCK_D, PRECISION, SOFTCAP)
         dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, off_b, kv_col, offs_m, offs_d,
-                       kv_lo, kv_hi, lo, split, Nk, qk_scale, False, True, True, UPCAST, TMA, BLOCK_N, HEAD_DIM,
-                       BLOCK_D, PRECISION)
+                       kv_lo, kv_hi, lo, split, Nk, qk_scale, cap, False, True, True, UPCAST, TMA, BLOCK_N,
+                       HEAD_DIM, BLOCK_D, PRECISION, SOFTCAP)
         dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, off_b, kv_col, offs_m, offs_d,
-                       kv_lo, kv_hi, split2, hi, Nk, qk_scale, False, True, True, UPCAST, TMA, BLOCK_N, HEAD_DIM,
-                       BLOCK_D, PRECISION)
+                       kv_lo, kv_hi, split2, hi, Nk, qk_scale, cap, False, True, True, UPCAST, TMA, BLOCK_N,
+                       HEAD_DIM, BLOCK_D, PRECISION, SOFTCAP)
     else:
         if CAUSAL:
             split = start_m  # BLOCK_M is a multiple of BLOCK_N: keys before the block are all visible
@@ -322,11 +337,11 @@ def _bwd_dq(
             split = (Nk // BLOCK_N) * BLOCK_N
             hi = Nk
         dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, off_b, kv_col, offs_m, offs_d,
-                       offs_m, offs_m, 0, split, Nk, qk_scale, CAUSAL, False, False, UPCAST, TMA, BLOCK_N, HEAD_DIM,
-                       BLOCK_D, PRECISION)
+                       offs_m, offs_m, 0, split, Nk, qk_scale, cap, CAUSAL, False, False, UPCAST, TMA, BLOCK_N,
+                       HEAD_DIM, BLOCK_D, PRECISION, SOFTCAP)
         dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, off_b, kv_col, offs_m, offs_d,
-                       offs_m, offs_m, split, hi, Nk, qk_scale, CAUSAL, False, True, UPCAST, TMA, BLOCK_N, HEAD_DIM,
-                       BLOCK_D, PRECISION)
+                       offs_m, offs_m, split, hi, Nk, qk_scale, cap, CAUSAL, False, True, UPCAST, TMA, BLOCK_N,
+                       HEAD_DIM, BLOCK_D, PRECISION, SOFTCAP)
 
     dq = dq * softmax_scale
     if ACCUMULATE:  # add the sums in DQA: DQ itself (accumulate=True) or another (acc=)
@@ -406,7 +421,7 @@ def triton_attn_bwd(
     BD = block_d(D)
     common = dict(
         HEAD_DIM=D, GROUP=H // Hkv, CAUSAL=spec.causal and vis is None, RANGES=vis is not None,
-        UPCAST=upcast_dots(q.dtype), PRECISION=dot_precision(q.dtype), BLOCK_D=BD,
+        UPCAST=upcast_dots(q.dtype), PRECISION=dot_precision(q.dtype), BLOCK_D=BD, SOFTCAP=bool(spec.softcap),
     )
     if vis is None:  # placeholders, never read
         kv_ranges, q_ranges = (q, q, 0), (q, q, 0)
@@ -421,13 +436,13 @@ def triton_attn_bwd(
     launch("dkdv", _bwd_dkdv, lambda meta: (triton.cdiv(triton.cdiv(Nk, meta["BLOCK_N"]), 1 + paired), B * Hkv),
            (*srcs, lse, delta, dk, dv, dka, dva, *strides_in, *bhnd_strides(dk), *bhnd_strides(dv),
             *bhnd_strides(dka), *bhnd_strides(dva), *kv_ranges[:2], *q_ranges[:2], kv_ranges[2], q_ranges[2],
-            Hkv, Nq, Nk, scale * LOG2E, scale, num_sms(q.device)),
+            Hkv, Nq, Nk, *score_args(scale, spec.softcap), scale, num_sms(q.device)),
            dict(common, ACCUMULATE=sums is not None, TMA=tma, PAIRED=paired), tile)
     if after_dkdv is not None:
         after_dkdv()
     srcs, tile, tma = kernel_inputs("dq", (q, k, v, do), tiles.get("dq"), BD)
     launch("dq", _bwd_dq, lambda meta: (triton.cdiv(Nq, meta["BLOCK_M"]), B * H),
            (*srcs, lse, delta, dq, dqa, *strides_in, *bhnd_strides(dq), *bhnd_strides(dqa), *kv_ranges,
-            H, Nq, Nk, scale * LOG2E, scale, num_sms(q.device)),
+            H, Nq, Nk, *score_args(scale, spec.softcap), scale, num_sms(q.device)),
            dict(common, ACCUMULATE=sums is not None, TMA=tma), tile)
     return dq, dk, dv

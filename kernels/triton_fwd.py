@@ -59,12 +59,29 @@ from ringflash.kernels.tuning import Tile, launch
 
 
 @triton.jit
+def tanh(x):
+    """tanh from one exp2 of a non-positive argument: no overflow, exact to float32 rounding."""
+    e = tl.math.exp2(-2.8853900817779268 * tl.abs(x))  # e^(-2|x|); 2/ln 2
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+def score_args(scale: float, softcap: float) -> tuple[float, float]:
+    """`(qk_scale, cap)` kernel arguments: scores in exp2 units are `qk·qk_scale`, or with a softcap c
+    `cap·tanh(qk·qk_scale)` = log2(e)·c·tanh(qk·scale/c) (`AttnSpec.softcap`)."""
+    if not softcap:
+        return scale * LOG2E, 1.0
+    return scale / softcap, softcap * LOG2E
+
+
+@triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q,
     k_src, v_src, stride_kn, stride_vn, off_b, kv_col,
-    offs_m, offs_n, offs_d, kv_lo, kv_hi, lo, hi, Nk, qk_scale,
+    offs_m, offs_n, offs_d, kv_lo, kv_hi, lo, hi, Nk, qk_scale, cap,
     CAUSAL: tl.constexpr, RANGES: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Fold key/value blocks [lo, hi) into the online-softmax state (acc, l_i, m_i).
 
@@ -80,6 +97,8 @@ def _fwd_inner(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if SOFTCAP:  # before the mask, as flash_attn: masked keys stay at -inf
+            qk = cap * tanh(qk)
         if MASKED:
             visible = visible_keys(offs_m, cols, kv_lo, kv_hi, Nk, CAUSAL, RANGES)
             qk = tl.where(visible, qk, float("-inf"))
@@ -141,9 +160,9 @@ def _attn_fwd_kernel(
     stride_oab, stride_oan, stride_oah,
     stride_lb, stride_lh, stride_ln,
     KV_LO, KV_HI, stride_rb,
-    H, Nq, Nk, qk_scale, n_sms,
+    H, Nq, Nk, qk_scale, cap, n_sms,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, RANGES: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, MERGE: tl.constexpr, TMA: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, MERGE: tl.constexpr, TMA: tl.constexpr, SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # Last query blocks first: under a causal mask they see the most keys.
@@ -179,14 +198,14 @@ def _attn_fwd_kernel(
         kv_hi = tl.minimum(kv_hi, Nk)
         lo, split, split2, hi = block_bounds(kv_lo, kv_hi, row_ok, Nk, BLOCK_N)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, off_b, kv_col,
-                                   offs_m, offs_n, offs_d, kv_lo, kv_hi, split, split2, Nk, qk_scale,
-                                   False, True, False, UPCAST, TMA, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION)
+                                   offs_m, offs_n, offs_d, kv_lo, kv_hi, split, split2, Nk, qk_scale, cap,
+                                   False, True, False, UPCAST, TMA, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION, SOFTCAP)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, off_b, kv_col,
-                                   offs_m, offs_n, offs_d, kv_lo, kv_hi, lo, split, Nk, qk_scale,
-                                   False, True, True, UPCAST, TMA, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION)
+                                   offs_m, offs_n, offs_d, kv_lo, kv_hi, lo, split, Nk, qk_scale, cap,
+                                   False, True, True, UPCAST, TMA, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION, SOFTCAP)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, off_b, kv_col,
-                                   offs_m, offs_n, offs_d, kv_lo, kv_hi, split2, hi, Nk, qk_scale,
-                                   False, True, True, UPCAST, TMA, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION)
+                                   offs_m, offs_n, offs_d, kv_lo, kv_hi, split2, hi, Nk, qk_scale, cap,
+                                   False, True, True, UPCAST, TMA, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION, SOFTCAP)
     else:
         if CAUSAL:
             # Keys before this query block are visible to all of it; the block on the diagonal is
@@ -197,11 +216,11 @@ def _attn_fwd_kernel(
             split = (Nk // BLOCK_N) * BLOCK_N  # full key blocks, then a ragged tail
             hi = Nk
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, off_b, kv_col,
-                                   offs_m, offs_n, offs_d, offs_m, offs_m, 0, split, Nk, qk_scale,
-                                   CAUSAL, False, False, UPCAST, TMA, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION)
+                                   offs_m, offs_n, offs_d, offs_m, offs_m, 0, split, Nk, qk_scale, cap,
+                                   CAUSAL, False, False, UPCAST, TMA, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION, SOFTCAP)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, off_b, kv_col,
-                                   offs_m, offs_n, offs_d, offs_m, offs_m, split, hi, Nk, qk_scale,
-                                   CAUSAL, False, True, UPCAST, TMA, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION)
+                                   offs_m, offs_n, offs_d, offs_m, offs_m, split, hi, Nk, qk_scale, cap,
+                                   CAUSAL, False, True, UPCAST, TMA, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION, SOFTCAP)
 
     # Rows that saw no key (l_i == 0) get o = 0 and lse = -inf rather than 0/0.
     empty = l_i == 0.0
@@ -255,10 +274,10 @@ def triton_attn_fwd(
     o_acc = o if acc is None else acc[0]  # never read without acc
     args = (*srcs, o, lse, o_acc, *bhnd_strides(q), *bhnd_strides(k), *bhnd_strides(v), *bhnd_strides(o),
             *bhnd_strides(o_acc),
-            *lse.stride(), *_ranges_args(vis, q), H, Nq, Nk, scale * LOG2E, num_sms(q.device))
+            *lse.stride(), *_ranges_args(vis, q), H, Nq, Nk, *score_args(scale, spec.softcap), num_sms(q.device))
     consts = dict(HEAD_DIM=D, GROUP=H // Hkv, CAUSAL=spec.causal and vis is None, RANGES=vis is not None,
                   UPCAST=upcast_dots(q.dtype), PRECISION=dot_precision(q.dtype), MERGE=acc is not None,
-                  TMA=tma, BLOCK_D=BD)
+                  TMA=tma, BLOCK_D=BD, SOFTCAP=bool(spec.softcap))
     launch("fwd", _attn_fwd_kernel, lambda meta: (triton.cdiv(Nq, meta["BLOCK_M"]), B * H), args, consts, tile)
     return o, lse
 

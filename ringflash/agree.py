@@ -2,8 +2,9 @@
 
 Each rank all-gathers one fixed-length int64 row (`row`) describing its call: which call (ring
 attention, hybrid attention, shard_batch) over how many ranks and by which scheme (ring,
-all-gather), q/k shapes, dtype, device,
-layout, causal, softmax_scale (its exact bits), window, the mask's digest, transport, and for a
+all-gather), q/k shapes, dtype, device, layout, causal, softmax_scale (its exact bits), window,
+window_size, softcap (exact bits), the learnable sink's presence and shape, the mask's digest,
+transport, and for a
 batch its shape and a digest of each field. Not the kernel backend: ranks on different kernels
 compute the same attention, to rounding, with the same transfers. Every rank then compares
 every row and raises the same ValueError, naming the field and each global rank's value. Because
@@ -40,7 +41,8 @@ _DEVICES = ("cpu", "cuda")
 # (field, width): the row after its leading ok flag. Unused fields hold -1 (or 0 for digests).
 _FIELDS = (
     ("call", 3), ("scheme", 1), ("q.shape", 4), ("k.shape", 4), ("dtype", 1), ("device", 1), ("layout", 1),
-    ("causal", 1), ("softmax_scale", 1), ("window", 1), ("mask", 1), ("transport", 1), ("input_ids shape", 2),
+    ("causal", 1), ("softmax_scale", 1), ("window", 1), ("window_size", 2), ("softcap", 1), ("learnable_sink", 1),
+    ("mask", 1), ("transport", 1), ("input_ids shape", 2),
     *((name, 1) for name in BATCH_FIELDS),
 )  # fmt: skip
 WIDTH = 1 + sum(w for _, w in _FIELDS)
@@ -80,13 +82,16 @@ def row(
     transport=None,
     batch: dict | None = None,
     scheme: str = "ring",
+    window_size=(-1, -1),
+    softcap=0.0,
+    learnable_sink=None,
 ) -> list[int]:
     """This rank's row: `call` (one of `CALLS`) over `world` ranks (`heads`: the hybrid's u), and
     the call's settings; `batch`: shard_batch's fields (BATCH_FIELDS), each `(B, N)` or None;
-    `scheme`: how attention reaches the other ranks' keys (`layout.SCHEMES`)."""
+    `scheme`: how attention reaches the other ranks' keys (`layout.SCHEMES`). `learnable_sink` is
+    compared by presence and shape, not values (a parameter each rank holds)."""
     dtype, device = getattr(q, "dtype", None), getattr(q, "device", None)
-    real = isinstance(softmax_scale, (int, float)) and not isinstance(softmax_scale, bool)
-    scale = float(softmax_scale) if real else -1
+    scale = float(softmax_scale) if _real(softmax_scale) else -1
     ids = (batch or {}).get("input_ids")
     return [
         int(ok),
@@ -97,13 +102,31 @@ def row(
         _index(_DEVICES, getattr(device, "type", None)) if device is not None else -1,
         _index(LAYOUTS, layout),
         -1 if causal is None else int(bool(causal)),
-        struct.unpack("<q", struct.pack("<d", scale))[0] if scale != -1 else -1,  # exact bits
+        _bits(scale) if scale != -1 else -1,
         window if isinstance(window, int) and not isinstance(window, bool) else 0,
+        *_pair(window_size),
+        _bits(softcap) if _real(softcap) else -1,
+        learnable_sink.numel() if isinstance(learnable_sink, torch.Tensor) and learnable_sink.dim() == 1 else (
+            -1 if learnable_sink is None else -2),
         mask_key,
         _index(TRANSPORTS, transport),
         *_shape(ids, 2),
         *(digest((batch or {}).get(name)) if batch is not None else 0 for name in BATCH_FIELDS),
     ]  # fmt: skip
+
+
+def _real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _bits(x: float) -> int:
+    """A float's exact bits as an int64: ranks agree only on the very same value."""
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _pair(ws) -> list[int]:
+    ok = isinstance(ws, (tuple, list)) and len(ws) == 2 and all(isinstance(x, int) for x in ws)
+    return [int(x) for x in ws] if ok else [-2, -2]
 
 
 def _show(name: str, v: tuple[int, ...]):
@@ -116,6 +139,10 @@ def _show(name: str, v: tuple[int, ...]):
         return f"{call} over {world} rank(s)"
     if name.endswith("shape"):
         return None if v[0] == -1 else v
+    if name == "window_size":
+        return v
+    if name == "learnable_sink":
+        return {-1: None, -2: "not a (H,) tensor"}.get(x, f"({x},)")
     if x == -1 and name not in ("window", "mask"):
         return None
     if name == "dtype":
@@ -128,7 +155,7 @@ def _show(name: str, v: tuple[int, ...]):
         return SCHEMES[x]
     if name == "causal":
         return bool(x)
-    if name == "softmax_scale":
+    if name in ("softmax_scale", "softcap"):
         return struct.unpack("<d", struct.pack("<q", x))[0]
     if name == "window":
         return x or None

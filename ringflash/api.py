@@ -4,7 +4,7 @@
 deterministic, return_attn_probs, group, *, layout, ...)`: flash_attn's and ring-flash-attention's
 signature, positional order included, on `(B, N, H, D)` tensors; ringflash's own options
 (layout, mask, backend, ...) are keyword-only. What flash_attn can do and ringflash cannot
-(dropout, ALiBi, two-sided windows) is refused by name. `ring_flash_attn_qkvpacked_func` and
+(dropout, ALiBi) is refused by name. `ring_flash_attn_qkvpacked_func` and
 `ring_flash_attn_kvpacked_func` take flash_attn's packed layouts. q, k, v are this rank's shard
 of the sequence, cut by `ringflash.layout.shard` with the same `layout` (and position ids from
 `global_positions`). ring-flash-attention's module names: ringflash/ring_flash_attn.py.
@@ -110,6 +110,8 @@ def ring_flash_attn_func(
     head_group: dist.ProcessGroup | None = None,
     scheme: str = "ring",
     heads_k_stride: int = 1,
+    softcap: float = 0.0,
+    learnable_sink: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, None]:
     """Exact attention over a sequence sharded across the ranks of `group` (docs/api.md).
 
@@ -120,7 +122,8 @@ def ring_flash_attn_func(
         dropout_p: must be 0.0 (no attention dropout).
         softmax_scale: default `1/sqrt(D)`.
         causal: mask by global position, as on the unsharded sequence (None: the mask's, else False).
-        window_size: flash_attn's `(left, right)`; only `(-1, -1)` or, with causal, `(w - 1, 0)`.
+        window_size: flash_attn's `(left, right)`: with causal `(w - 1, 0)`; without, query i sees
+            keys i − left ... i + right by global position (-1: no limit).
         alibi_slopes: must be None (no ALiBi).
         deterministic: accepted (the Triton and reference backwards are); refused with backends cudnn and hopper.
         return_attn_probs: also return `lse (B, H, N_local)` float32, natural log (not
@@ -137,40 +140,53 @@ def ring_flash_attn_func(
             head_world=)`, `mask` built over `group`. None: the ring alone.
         scheme: `"ring"` (K/V passed around the ring) or `"allgather"` (K/V all-gathered in chunks of
             `heads_k_stride` heads, ringflash/allgather.py; `mask` then from `gather_mask`).
+        softcap: flash_attn's logit softcapping, scores `c·tanh(s/c)` before the mask; 0.0: none.
+        learnable_sink: `(H,)` float32, FlashAttention-4's: a logit per head joining every row's
+            softmax with a zero value (gpt-oss). Differentiable; its gradient covers this rank's
+            rows, to be reduced over `group` with the model's other replicated gradients.
     Returns:
         o: `(B, N_local, H, D)` in q's dtype, or `(o, lse, None)`. Gradients flow to q, k, v.
     """
     options = dict(layout=layout, backend=backend, check_ranks=check_ranks, window=window, mask=mask,
-                   transport=transport)  # fmt: skip
+                   transport=transport, softcap=softcap)  # fmt: skip
     q, k, v = autocast_inputs(q, k, v)
     if scheme != "ring":
         return _allgather(q, k, v, (dropout_p, window_size, alibi_slopes, deterministic, return_attn_probs),
-                          softmax_scale, causal, group, scheme, head_group, heads_k_stride, options)  # fmt: skip
+                          softmax_scale, causal, group, scheme, head_group, heads_k_stride, options,
+                          learnable_sink)  # fmt: skip
     with kernels.device_guard(q):
         if head_group is not None:  # all-to-all heads, then the ring over `group` on (B, u·n, H/u, D) blocks
             o, lse = hybrid_attention(
                 q, k, v, head_group=head_group, group=group, layout=layout, check_ranks=check_ranks,
                 causal=causal if causal is not None else (mask.causal if isinstance(mask, RingMask) else False),
                 settings=lambda: _agreed(q, (dropout_p, window_size, alibi_slopes, deterministic, return_attn_probs),
-                                         causal, softmax_scale, window, mask, transport, backend),
+                                         causal, softmax_scale, window, mask, transport, backend, softcap,
+                                         learnable_sink),
                 ring=lambda q, k, v: _attend(
                     q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, True, group,
-                    **options,
+                    **options, learnable_sink=ops.sink_slice(learnable_sink, head_group, q.shape[2]),
                 )[:2],
             )  # fmt: skip
             return (o, lse, None) if return_attn_probs else o
         return _attend(
             q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs,
-            group, **options,
+            group, **options, learnable_sink=learnable_sink,
         )  # fmt: skip
 
 
-def _allgather(q, k, v, flash, softmax_scale, causal, group, scheme, head_group, heads_k_stride, options):
+def _allgather(q, k, v, flash, softmax_scale, causal, group, scheme, head_group, heads_k_stride, options,
+               learnable_sink=None):  # fmt: skip
     """`scheme="allgather"` (ringflash/allgather_ops.py), alone or inside the head-parallel hybrid
-    (`head_group`: all-to-all heads, then the all-gather over `group`); an unknown scheme raises on
-    every rank."""
+    (`head_group`: all-to-all heads, then the all-gather over `group`); an unknown scheme, or a
+    score transform the all-gather does not carry yet, raises on every rank."""
+    options = dict(options)
+    softcap = options.pop("softcap")
     try:
         check_scheme(scheme)
+        if softcap:
+            raise ValueError(f"softcap={softcap}: scheme='allgather' has no logit softcapping yet (use scheme='ring')")
+        if learnable_sink is not None:
+            raise ValueError("learnable_sink: scheme='allgather' has no attention sinks yet (use scheme='ring')")
     except ValueError as e:
         comm = None if torch.compiler.is_compiling() else ring_comm(group)
         _refuse(e, comm, options["check_ranks"], q, k, causal, options["layout"])
@@ -210,7 +226,7 @@ def autocast_inputs(q, k, v) -> tuple:
 
 def _attend(
     q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs, group,
-    *, layout, backend, check_ranks, window, mask, transport, prepare=None,
+    *, layout, backend, check_ranks, window, mask, transport, prepare=None, softcap=0.0, learnable_sink=None,
 ):  # fmt: skip
     """`ring_flash_attn_func`'s body. `prepare(window, causal, rank, world) -> (q, k, v, mask)`, if
     given, turns the caller's inputs into the ring's inside the checks, so that its errors too
@@ -229,6 +245,8 @@ def _attend(
             q, k, v, mask = prepare(window, causal, 0 if comm is None else comm.rank, world)
             q, k, v = autocast_inputs(q, k, v)
         scale, kern = _check_local(q, k, v, causal, softmax_scale, layout, backend, world)
+        kernels.check_softcap(softcap)
+        ops.check_sink(learnable_sink, q)
         if deterministic and not kern.deterministic:
             raise ValueError(
                 f"deterministic=True: backend {kern.name!r} is not deterministic; use 'triton' (or 'auto')"
@@ -238,7 +256,7 @@ def _attend(
         if mask is not None:
             _check_mask(mask, q, causal, window, layout, world, None if compiling else comm.rank)
         for spec in _specs(causal, window, mask):
-            kern.check(q, k, spec)
+            kern.check(q, k, spec.with_softcap(softcap))
         if mask is None and window is not None:
             if compiling:  # building a mask is host work Dynamo cannot trace (ringflash/masks.py)
                 raise ValueError(
@@ -259,28 +277,37 @@ def _attend(
         k,
         v,
         vis,
+        learnable_sink,
         causal=causal,
         softmax_scale=scale,
         layout=layout,
         group_name=ops.group_name(group),
         backend=kern.name,
         check_ranks=check_ranks,
-        window=None if mask is None else mask.window,
+        window=mask.window if mask is not None and isinstance(mask.window, int) else None,
         mask_plan=plan or None,
         mask_key=0 if mask is None else mask.fingerprint,
         transport=transport,
+        softcap=float(softcap),
+        window_size=list(mask.window if mask is not None and isinstance(mask.window, tuple) else window_size),
     )
     return (o, lse, None) if return_attn_probs else o
 
 
-def _agreed(q, flash: tuple, causal, softmax_scale, window, mask, transport, backend) -> dict:
+def _agreed(q, flash: tuple, causal, softmax_scale, window, mask, transport, backend, softcap=0.0,
+            learnable_sink=None) -> dict:  # fmt: skip
     """The ring's settings the hybrid's grid check compares (`agree.row`'s keywords), checked here,
     before its all-to-all; `flash`: `_flash_options`' first five arguments."""
     causal = causal if causal is not None else (mask.causal if isinstance(mask, RingMask) else False)
     window = _flash_options(*flash, causal, window)
     kernels.check_window(window, causal)
     kernels.get_backend(backend, q.device)  # an unknown name raises here; the backend is not compared
+    kernels.check_softcap(softcap)
+    ops.check_sink(learnable_sink, q)
     return dict(
+        softcap=softcap,
+        learnable_sink=learnable_sink,
+        window_size=window if isinstance(window, tuple) else tuple(flash[1]),
         softmax_scale=resolve_scale(softmax_scale, q.shape[-1]),
         window=mask.window if isinstance(mask, RingMask) else window,
         mask_key=mask.fingerprint if isinstance(mask, RingMask) else 0,
@@ -313,11 +340,15 @@ def _flash_options(dropout_p, window_size, alibi_slopes, deterministic, return_a
         return window
     if left < -1 or right < -1:
         raise ValueError(f"window_size={tuple(ws)}: entries must be >= 0, or -1 for no limit")
-    if right > 0 or not causal:
+    if causal and right > 0:
         raise ValueError(
-            f"window_size={tuple(ws)} with causal={causal}: ringflash has causal sliding windows only, "
-            "window_size=(w - 1, 0) with causal=True (no keys to the right, no two-sided windows)"
+            f"window_size={tuple(ws)} with causal=True: a causal window has no keys to the right (right must be "
+            "0 or -1); a two-sided window needs causal=False"
         )
+    if not causal:  # two-sided: query i sees keys i - left ... i + right (kernels/masks.py)
+        if window is not None:
+            raise ValueError(f"window={window} is a causal window: with causal=False give window_size=(left, right)")
+        return left, right
     if left == -1:  # (-1, 0) under causal is causal itself, as in flash_attn
         return window
     if window is not None and window != left + 1:
@@ -392,6 +423,8 @@ class RingFlashAttention(nn.Module):
     `backend`: the kernels, as in `ring_flash_attn_func` (None: `RINGFLASH_KERNEL_BACKEND`).
     `head_group`: head parallelism around the ring over `group` (`ring_flash_attn_func`'s).
     `scheme`, `heads_k_stride`: ring or all-gather attention (`ring_flash_attn_func`'s).
+    `softcap`: logit softcapping in every call; a learnable sink is the caller's tensor (e.g. the
+    model's `nn.Parameter`), passed per call: `forward(..., learnable_sink=)`, as in flash_attn.
     """
 
     def __init__(
@@ -408,11 +441,13 @@ class RingFlashAttention(nn.Module):
         head_group: dist.ProcessGroup | None = None,
         scheme: str = "ring",
         heads_k_stride: int = 1,
+        softcap: float = 0.0,
     ):
         super().__init__()
         check_layout(layout)
         check_scheme(scheme)
         allgather_ops.check_stride(heads_k_stride)
+        kernels.check_softcap(softcap)
         kernels.check_window(window, causal)
         if transport is not None:
             resolve_transport(transport)
@@ -421,12 +456,14 @@ class RingFlashAttention(nn.Module):
             why = named and named.supports(kernels.AttnSpec(causal=causal, window=window).kind, None, None)
             if why:
                 raise ValueError(why)
+        self.softcap = softcap
         self.group, self.layout, self.causal = group, layout, causal
         self.softmax_scale, self.backend, self.check_ranks = softmax_scale, backend, check_ranks
         self.window, self.transport, self.head_group = window, transport, head_group
         self.scheme, self.heads_k_stride = scheme, heads_k_stride
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: RingMask | None = None) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: RingMask | None = None, *,
+                learnable_sink: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         return ring_flash_attn_func(
             q,
             k,
@@ -443,10 +480,14 @@ class RingFlashAttention(nn.Module):
             head_group=self.head_group,
             scheme=self.scheme,
             heads_k_stride=self.heads_k_stride,
+            softcap=self.softcap,
+            learnable_sink=learnable_sink,
         )
 
     def extra_repr(self) -> str:
         window = f", window={self.window}" if self.window is not None else ""
         transport = f", transport={self.transport!r}" if self.transport is not None else ""
         scheme = f", scheme={self.scheme!r}" if self.scheme != "ring" else ""
-        return f"layout={self.layout!r}, causal={self.causal}{window}, backend={self.backend!r}{transport}{scheme}"
+        cap = f", softcap={self.softcap}" if self.softcap else ""
+        return (f"layout={self.layout!r}, causal={self.causal}{window}, backend={self.backend!r}{transport}{scheme}"
+                f"{cap}")

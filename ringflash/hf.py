@@ -18,8 +18,10 @@ is the layer's own: the `sliding_window` the model passes (Mistral, Qwen2/3), el
 window (key j visible from query i iff i − w < j <= i, masking_utils.sliding_window_overlay) is
 ringflash's `window=w` exactly. HF builds no mask for this implementation (the registered mask
 function returns None), so no dense (B, 1, N, N) mask is ever made: documents and padding come
-from `shard_batch`'s `RingMasks`, passed to the model as the keyword `ring_masks`. Refused by name:
-logit softcapping, ALiBi, attention sinks, chunked attention, attention dropout in training,
+from `shard_batch`'s `RingMasks`, passed to the model as the keyword `ring_masks`. Logit
+softcapping (the `softcap` the layer passes: Gemma 2) and attention sinks (gpt-oss: the
+layer's `s_aux`, its `sinks` parameter, as float32) go to the ring as `softcap=` and
+`learnable_sink=`. Refused by name: ALiBi, chunked attention, attention dropout in training,
 non-causal layers, a KV cache (decoding), and any `attention_mask` but an all-ones one; and, by
 `shard_batch(config=)`, models whose layers bypass the AttentionInterface (Bloom, MPT).
 
@@ -369,13 +371,8 @@ def shard_batch(
 def _refuse_features(module, attention_mask, dropout: float, kwargs: dict) -> None:
     """Raise ValueError naming the config field of what ring attention cannot compute."""
     config = getattr(module, "config", None)
-    softcap = kwargs.get("softcap") or getattr(config, "attn_logit_softcapping", None)
-    if softcap:
-        raise ValueError(f"config.attn_logit_softcapping = {softcap}: ring attention has no logit softcapping")
     if getattr(config, "alibi", False) or kwargs.get("position_bias") is not None:
         raise ValueError("config.alibi: ring attention has no ALiBi or other additive position bias")
-    if kwargs.get("s_aux") is not None:
-        raise ValueError("attention sinks (s_aux): ring attention has none")
     if dropout:
         raise ValueError(
             f"config.attention_dropout = {getattr(config, 'attention_dropout', dropout)}: ring attention has no "
@@ -423,11 +420,15 @@ def ring_attention_forward(
     except (TypeError, ValueError) as e:
         _announce(ctx, q, k)
         raise e
+    # The layer's own score transforms, as it hands them to the built-in kernels: Gemma's softcap
+    # (None: none) and gpt-oss's sinks (`s_aux`, in the model's dtype; the ring takes float32).
+    sink = kwargs.get("s_aux")
+    extra = dict(softcap=float(kwargs.get("softcap") or 0.0), learnable_sink=None if sink is None else sink.float())
     if mask is not None:
         return ringflash.ring_flash_attn_func(q, k, v, causal=True, softmax_scale=scaling, mask=mask,
-                                              **ctx.ring_kwargs()), None  # fmt: skip
+                                              **ctx.ring_kwargs(), **extra), None  # fmt: skip
     return ringflash.ring_flash_attn_func(q, k, v, causal=True, softmax_scale=scaling, window=window,
-                                          **ctx.ring_kwargs()), None  # fmt: skip
+                                          **ctx.ring_kwargs(), **extra), None  # fmt: skip
 
 
 def _announce(ctx: RingContext, q: torch.Tensor, k: torch.Tensor) -> None:

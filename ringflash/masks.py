@@ -1,4 +1,4 @@
-"""Packed documents and causal sliding windows across the ring: `ring_mask` and `RingMask`.
+"""Packed documents and sliding windows across the ring: `ring_mask` and `RingMask`.
 
     mask = ring_mask(doc_ids, group=cp_group, causal=True, window=None, device="cuda")  # once per batch
     o = ring_flash_attn_func(q, k, v, causal=True, group=cp_group, mask=mask)           # every layer
@@ -36,6 +36,10 @@ Cost model, per layer and per direction, on W ranks with N local tokens:
 
 Without documents and without a window (or with a window of the whole sequence) the mask is
 the plain causal schedule: no intervals, the kernels' dense causal path.
+
+Two-sided windows (`window=(left, right)`, flash_attn's `window_size` with causal=False, for
+encoders) are per-row key intervals by global position like the causal ones, so the same
+plan applies: steps whose chunks lie farther apart than the window are skipped.
 
 torch.compile: build the mask outside the compiled region and pass it in (`forward(...,
 mask=mask)`). Its Visibility tensors are graph inputs; its plan (which steps run, on which
@@ -78,7 +82,8 @@ class RingMask:
     """What rank `rank` of `world` computes at each ring step under a document/window mask.
 
     Attributes: `steps` (`world` entries, a `layout.Step` or None where the step is skipped),
-    `causal`, `window` (None or keys seen, counting the diagonal), `layout`, `rank`, `world`,
+    `causal`, `window` (None, keys seen counting the diagonal, or without causal a pair
+    `(left, right)`: kernels/masks.py), `layout`, `rank`, `world`,
     `n_local` (local tokens), `batch` (the mask's batch size; 1 = shared by every row),
     `n_docs` (documents in the whole batch), `fingerprint` (an int64 hash of everything that
     must agree between ranks: checked across ranks by the op), `device`.
@@ -86,7 +91,7 @@ class RingMask:
 
     steps: tuple[Step | None, ...]
     causal: bool
-    window: int | None
+    window: int | tuple[int, int] | None
     layout: str
     rank: int
     world: int
@@ -236,7 +241,7 @@ def ring_mask(
     group: dist.ProcessGroup | None = None,
     layout: str = "zigzag",
     causal: bool = True,
-    window: int | None = None,
+    window: int | tuple[int, int] | None = None,
     device: torch.device | str | None = None,
 ) -> RingMask:
     """Build this rank's `RingMask` (module docstring) for one batch; reuse it in every layer.
@@ -251,7 +256,7 @@ def ring_mask(
             must split.
         causal: key position <= query position (global order).
         window: causal sliding window, w keys counting the diagonal (query i sees
-            i − w < j <= i); needs causal=True.
+            i − w < j <= i); or with causal=False a pair `(left, right)`: i − left <= j <= i + right.
         device: where the `Visibility` tensors live: q's device. Default: doc_ids' device (CPU
             when doc_ids is None).
     """
@@ -287,8 +292,8 @@ def _build(doc, n_global, rank, world, layout, causal, window, device, per_docum
     """`per_document`: each document (of doc's one row) is cut by the layout on its own, and a
     rank holds its pieces of every document in order (`varlen_mask`); else the whole row is."""
     n_local = n_global // world
-    # A window of the whole sequence sees the whole causal past: the plain causal mask.
-    window_eff = None if window is not None and window >= n_global else window
+    # A window of the whole sequence sees the whole causal past (or all keys): no window.
+    window_eff = None if _covers(window, n_global) else window
     n_docs, fp = _fingerprint(causal, window, layout, world, n_global, doc, per_document)
     if per_document:  # a rank's rows are whole-block granular: its pieces of many documents
         rows, n_chunks = functools.partial(_document_rows, doc[0], world, layout), (lambda j: 1)
@@ -339,9 +344,19 @@ def _build(doc, n_global, rank, world, layout, causal, window, device, per_docum
     )  # fmt: skip
 
 
-def window_mask(n_local: int, window: int, rank: int, world: int, layout: str, device: torch.device) -> RingMask:
-    """The causal window-only mask of `ring_flash_attn_func(window=...)`, cached per arguments
-    (a model calls it with the same few shapes in every layer and step)."""
+def _covers(window, n_global: int) -> bool:
+    """The window lets every row see all it would see without one."""
+    if isinstance(window, tuple):
+        return all(x == -1 or x >= n_global - 1 for x in window)
+    return window is not None and window >= n_global
+
+
+def window_mask(
+    n_local: int, window: int | tuple[int, int], rank: int, world: int, layout: str, device: torch.device
+) -> RingMask:
+    """The window-only mask of `ring_flash_attn_func(window=...)` (causal for an int window,
+    two-sided for a pair), cached per arguments (a model calls it with the same few shapes in
+    every layer and step)."""
     return _window_mask(n_local, window, rank, world, layout, _device(device))
 
 
@@ -349,7 +364,7 @@ def window_mask(n_local: int, window: int, rank: int, world: int, layout: str, d
 def _window_mask(n_local, window, rank, world, layout, device) -> RingMask:
     if layout not in LAYOUTS:
         check_layout(layout)
-    return _build(None, n_local * world, rank, world, layout, True, window, device)
+    return _build(None, n_local * world, rank, world, layout, not isinstance(window, tuple), window, device)
 
 
 def _layout_rows(doc, n_local, world, layout, j) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -369,8 +384,9 @@ def _document_rows(doc, world, layout, j) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def varlen_mask(
-    cu_seqlens: tuple[int, ...], rank: int, world: int, layout: str, causal: bool, window: int | None, device
-) -> RingMask:
+    cu_seqlens: tuple[int, ...], rank: int, world: int, layout: str, causal: bool,
+    window: int | tuple[int, int] | None, device,
+) -> RingMask:  # fmt: skip
     """The mask of ring-flash-attention's varlen sharding (ringflash/ring_flash_attn.py): the
     documents `cu_seqlens` (global offsets, starting at 0) are each cut by `layout` on their own,
     and every rank holds its pieces of all of them, in document order. Cached per arguments: the

@@ -32,9 +32,20 @@ mask), its host metadata (rows and kind of each step, skipped steps) as the ints
 `mask_key` (a hash of its global definition: documents' boundaries, window, layout, world).
 Under torch.compile the ints are constants of the graph: a batch whose plan differs (other
 skipped steps or rows) recompiles; the tensors are inputs and change freely.
+
+Softcap (`softcap=`) goes to every step's `AttnSpec`, which the kernels read. A learnable sink
+(`learnable_sink (H,)` float32, the 5th input) is one more logit per head with a zero value: it
+joins each row's softmax once, after the ring's merge, `lse' = logaddexp(lse, sink)`,
+`o' = o·exp(lse − lse')`, and (o', lse') are saved, so the ring's backward (which recomputes P
+from the lse it is given and `delta = rowsum(dO·O')`) gives the exact dq, dk, dv. Its gradient,
+`dsink_h = −Σ_rows exp(sink_h − lse')·rowsum(dO·O')`, sums this rank's rows only: the sink is
+replicated over the context-parallel group, and whoever reduces the model's gradients over that
+group (as for every other replicated parameter) adds the ranks' shares.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -47,7 +58,9 @@ from ringflash.masks import decode
 from ringflash.ring import ring_backward, ring_forward
 from ringflash.transport import Transport, ring_comm
 
-__all__ = ["announce_rejection", "group_name", "ring_attn", "ring_attn_bwd", "ring_attn_eager"]
+__all__ = [
+    "announce_rejection", "check_sink", "group_name", "ring_attn", "ring_attn_bwd", "ring_attn_eager", "sink_slice",
+]
 
 
 def group_name(group: dist.ProcessGroup | None) -> str:
@@ -73,11 +86,55 @@ def announce_rejection(comm: Transport, q, k, causal, layout) -> None:
     agree.announce(agree.check_comm(comm.group), "ring attention", comm.world, q=q, k=k, causal=causal, layout=layout)
 
 
-def _plan(comm: Transport, q: Tensor, causal: bool, layout: str, mask_plan, mask_vis) -> list:
-    """The ring's steps: a mask's (decoded from the op's arguments), or the layout's schedule."""
+def _plan(comm: Transport, q: Tensor, causal: bool, layout: str, mask_plan, mask_vis, softcap: float = 0.0) -> list:
+    """The ring's steps: a mask's (decoded from the op's arguments), or the layout's schedule; each
+    step's spec carries `softcap` (kernels/spec.py)."""
     if mask_plan:
-        return decode(list(mask_plan), list(mask_vis))
-    return ring_schedule(comm.rank, comm.world, q.shape[1], causal, layout)
+        plan = decode(list(mask_plan), list(mask_vis))
+    else:
+        plan = ring_schedule(comm.rank, comm.world, q.shape[1], causal, layout)
+    if not softcap:
+        return plan
+    return [None if st is None else dataclasses.replace(st, spec=st.spec.with_softcap(softcap)) for st in plan]
+
+
+def sink_slice(sink: torch.Tensor | None, head_group, heads: int) -> torch.Tensor | None:
+    """The hybrid's head rank j runs heads [j·heads, (j+1)·heads): its slice of the sink (checked whole
+    before, in `_agreed`), differentiable so that each slice's gradient lands in its own entries."""
+    if sink is None:
+        return None
+    j = dist.get_rank(head_group)
+    return sink[j * heads : (j + 1) * heads]
+
+
+def check_sink(sink, q) -> None:
+    """`learnable_sink` must be None or a float32 `(H,)` tensor on q's device; raises naming it."""
+    if sink is None:
+        return
+    if not isinstance(sink, torch.Tensor):
+        raise TypeError(f"learnable_sink must be a torch.Tensor (H,) or None, got {type(sink).__name__}")
+    if sink.shape != (q.shape[2],):
+        raise ValueError(
+            f"learnable_sink must have shape (H,) = ({q.shape[2]},), one logit per query head, got {tuple(sink.shape)}"
+        )
+    if sink.dtype != torch.float32:
+        raise TypeError(f"learnable_sink must be float32 (FlashAttention-4's), got {sink.dtype}")
+    if sink.device != q.device:
+        raise ValueError(f"learnable_sink must be on q's device {q.device}, got {sink.device}")
+
+
+def _add_sink(o: Tensor, lse: Tensor, sink: Tensor) -> tuple[Tensor, Tensor]:
+    """`(o', lse')`: the sink `(H,)` joins each row's softmax (o `(B, N, H, D)`, lse `(B, H, N)`)."""
+    new = torch.logaddexp(lse, sink.float().view(1, -1, 1))  # finite wherever the sink is
+    weight = torch.exp(lse - new).transpose(1, 2).unsqueeze(-1)  # (B, N, H, 1); 0 for rows that saw no key
+    return (o.float() * weight).to(o.dtype), new
+
+
+def _sink_grad(do: Tensor, o: Tensor, lse: Tensor, sink: Tensor) -> Tensor:
+    """dsink `(H,)` over this rank's rows: −Σ exp(sink − lse')·rowsum(dO·O') (module docstring)."""
+    delta = (do.float() * o.float()).sum(-1).transpose(1, 2)  # (B, H, N)
+    p_sink = torch.exp(sink.float().view(1, -1, 1) - lse)
+    return -(p_sink * delta).sum((0, 2)).to(sink.dtype)
 
 
 # ---- the ops ----------------------------------------------------------------------------------
@@ -88,6 +145,7 @@ def _ring_attn(
     k: Tensor,
     v: Tensor,
     mask_vis: list[Tensor],
+    learnable_sink: Tensor | None = None,
     *,
     causal: bool,
     softmax_scale: float,
@@ -99,6 +157,8 @@ def _ring_attn(
     mask_plan: list[int] | None = None,
     mask_key: int = 0,
     transport: str = "nccl",
+    softcap: float = 0.0,
+    window_size: list[int] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """`ring.ring_forward` over the group named `group_name`.
 
@@ -106,21 +166,27 @@ def _ring_attn(
     packed `(2, B, N, Hkv, D)` buffer the ring started from (saved so that the backward's ring
     need not pack again), or an empty tensor on one rank (the backward then takes k and v).
     `mask_vis`, `mask_plan`, `window`, `mask_key`: a `RingMask` (module docstring). `transport`:
-    how the blocks travel (`ringflash.transport.TRANSPORTS`).
+    how the blocks travel (`ringflash.transport.TRANSPORTS`). `softcap`, `learnable_sink`: module
+    docstring; `window_size`: the caller's `(left, right)`, for the cross-rank check only (the
+    window itself is in the mask).
     """
     with device_guard(q):  # the transport's streams and buffers and every launch on q's GPU
         comm = _comm(group_name, transport)
         checker = agree.check_comm(comm.group) if check_ranks else None
         if checker is not None and checker.world > 1:  # the whole grid when the group is part of one: a ring of one too
             mine = agree.row(True, "ring attention", comm.world, q=q, k=k, causal=causal, softmax_scale=softmax_scale,
-                             layout=layout, window=window, mask_key=mask_key, transport=comm.name)  # fmt: skip
+                             layout=layout, window=window, mask_key=mask_key, transport=comm.name,
+                             window_size=tuple(window_size or (-1, -1)), softcap=softcap,
+                             learnable_sink=learnable_sink)  # fmt: skip
             agree.check(checker, mine)
-        plan = _plan(comm, q, causal, layout, mask_plan, mask_vis)
+        plan = _plan(comm, q, causal, layout, mask_plan, mask_vis, softcap)
         # Autocast off: the merge and accumulators are float32 by design, and the reference kernel's
         # float32 einsums must not be recast to half precision.
         with torch.autocast(q.device.type, enabled=False):
             kern = get_backend(backend, q.device)
             o, lse, kv = ring_forward(q, k, v, plan, scale=softmax_scale, kernels=kern, comm=comm)
+            if learnable_sink is not None:  # once per row, after the merge of every ring step
+                o, lse = _add_sink(o, lse, learnable_sink)
     return o.contiguous(), lse.contiguous(), kv if comm.world > 1 else q.new_empty(0)
 
 
@@ -128,8 +194,8 @@ ring_attn = torch.library.custom_op("ringflash::ring_attn", _ring_attn, mutates_
 
 
 @ring_attn.register_fake
-def _(q, k, v, mask_vis, *, causal, softmax_scale, layout, group_name, backend, check_ranks, window=None,
-      mask_plan=None, mask_key=0, transport="nccl"):  # fmt: skip
+def _(q, k, v, mask_vis, learnable_sink=None, *, causal, softmax_scale, layout, group_name, backend, check_ranks,
+      window=None, mask_plan=None, mask_key=0, transport="nccl", softcap=0.0, window_size=None):  # fmt: skip
     B, N, H, _ = q.shape
     world = _comm(group_name).world  # a trace-time constant, like every shape here
     return (
@@ -154,6 +220,7 @@ def _ring_attn_bwd(
     backend: str | None,
     mask_plan: list[int] | None = None,
     transport: str = "nccl",
+    softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     """`ring.ring_backward`: `dq` like q and `dkv (2, B, N, Hkv, D)` (dK, dV packed, as they come
     home in one message; the autograd formula splits them, outside the op, without a copy).
@@ -164,7 +231,7 @@ def _ring_attn_bwd(
         comm = _comm(group_name, transport)
         return ring_backward(
             do.contiguous(), q, kv[0] if len(kv) == 1 else tuple(kv), o, lse,
-            _plan(comm, q, causal, layout, mask_plan, mask_vis),
+            _plan(comm, q, causal, layout, mask_plan, mask_vis, softcap),
             scale=softmax_scale, kernels=get_backend(backend, q.device), comm=comm,
         )  # fmt: skip
 
@@ -174,20 +241,23 @@ ring_attn_bwd = torch.library.custom_op("ringflash::ring_attn_bwd", _ring_attn_b
 
 @ring_attn_bwd.register_fake
 def _(do, q, kv, o, lse, mask_vis, *, causal, softmax_scale, layout, group_name, backend, mask_plan=None,
-      transport="nccl"):  # fmt: skip
+      transport="nccl", softcap=0.0):  # fmt: skip
     kshape = kv[0].shape[1:] if len(kv) == 1 else kv[0].shape
     return q.new_empty(q.shape), q.new_empty((2, *kshape))
 
 
 def _setup_context(ctx, inputs, keyword_only_inputs, output):
-    q, k, v, mask_vis = inputs
+    q, k, v, mask_vis, *sink = inputs
+    sink = [s for s in sink if s is not None]
     o, lse, kv = output
     # The packed buffer, or k and v themselves on one rank (kv is then empty); then the mask's
-    # Visibility tensors.
+    # Visibility tensors; then the sink, if any.
     kvs = [kv] if kv.numel() else [k, v]
-    ctx.n_kv = len(kvs)
-    ctx.save_for_backward(q, o, lse, *kvs, *mask_vis)
-    drop = ("check_ranks", "window", "mask_key")  # the cross-rank check ran in the forward
+    ctx.n_kv, ctx.n_vis = len(kvs), len(mask_vis)
+    # torch.library's pytree of the inputs drops a None sink: the backward returns no gradient for it.
+    ctx.n_inputs = 4 + len(sink)
+    ctx.save_for_backward(q, o, lse, *kvs, *mask_vis, *sink)
+    drop = ("check_ranks", "window", "mask_key", "window_size")  # the cross-rank check ran in the forward
     ctx.kwargs = {key: val for key, val in keyword_only_inputs.items() if key not in drop}
     ctx.mark_non_differentiable(lse, kv)
     # lse and kv never get a gradient: without this autograd would hand the backward zeros the
@@ -197,16 +267,20 @@ def _setup_context(ctx, inputs, keyword_only_inputs, output):
 
 
 def _grads(ctx, do, backward) -> tuple:
-    """dq, dk, dv and the mask's (None) from `backward`: the backward op, or its function in eager."""
+    """dq, dk, dv, the mask's (None) and the sink's from `backward`: the backward op, or its function
+    in eager."""
     q, o, lse, *rest = ctx.saved_tensors
-    kv, mask_vis = rest[: ctx.n_kv], rest[ctx.n_kv :]
+    kv, mask_vis, sink = rest[: ctx.n_kv], rest[ctx.n_kv : ctx.n_kv + ctx.n_vis], rest[ctx.n_kv + ctx.n_vis :]
     if do is None:  # o's gradient is undefined (grads are not materialised): so are q's, k's, v's
-        return None, None, None, [None] * len(mask_vis)
+        return None, None, None, [None] * len(mask_vis), None
     dq, dkv = backward(do, q, kv, o, lse, mask_vis, **ctx.kwargs)
-    return dq, dkv[0], dkv[1], [None] * len(mask_vis)
+    dsink = _sink_grad(do, o, lse, sink[0]) if sink else None
+    return dq, dkv[0], dkv[1], [None] * len(mask_vis), dsink
 
 
-ring_attn.register_autograd(lambda ctx, do, _dlse, _dkv: _grads(ctx, do, ring_attn_bwd), setup_context=_setup_context)
+ring_attn.register_autograd(
+    lambda ctx, do, _dlse, _dkv: _grads(ctx, do, ring_attn_bwd)[: ctx.n_inputs], setup_context=_setup_context
+)
 
 
 class _EagerRingAttn(torch.autograd.Function):
@@ -219,18 +293,20 @@ class _EagerRingAttn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, kwargs, *mask_vis):
+    def forward(ctx, q, k, v, learnable_sink, kwargs, *mask_vis):
         mask_vis = list(mask_vis)
-        out = _ring_attn(q, k, v, mask_vis, **kwargs)
-        _setup_context(ctx, (q, k, v, mask_vis), kwargs, out)
+        out = _ring_attn(q, k, v, mask_vis, learnable_sink, **kwargs)
+        _setup_context(ctx, (q, k, v, mask_vis, learnable_sink), kwargs, out)
         return out
 
     @staticmethod
     def backward(ctx, do, _dlse, _dkv):
-        dq, dk, dv, none = _grads(ctx, do, _ring_attn_bwd)
-        return dq, dk, dv, None, *none
+        dq, dk, dv, none, dsink = _grads(ctx, do, _ring_attn_bwd)
+        return dq, dk, dv, dsink, None, *none
 
 
-def ring_attn_eager(q: Tensor, k: Tensor, v: Tensor, mask_vis: list[Tensor], **kwargs) -> tuple[Tensor, Tensor, Tensor]:
-    """`ring_attn(q, k, v, mask_vis, **kwargs)` in eager mode, by `_EagerRingAttn`."""
-    return _EagerRingAttn.apply(q, k, v, kwargs, *mask_vis)
+def ring_attn_eager(
+    q: Tensor, k: Tensor, v: Tensor, mask_vis: list[Tensor], learnable_sink: Tensor | None = None, **kwargs
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`ring_attn(q, k, v, mask_vis, learnable_sink, **kwargs)` in eager mode, by `_EagerRingAttn`."""
+    return _EagerRingAttn.apply(q, k, v, learnable_sink, kwargs, *mask_vis)

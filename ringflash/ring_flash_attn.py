@@ -9,8 +9,8 @@ names do: `ring_*` shard the sequence in `contiguous` chunks (rank r holds chunk
 flash_attn: `(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
 deterministic, return_attn_probs, group)` on `(B, N_local, H, D)`; `return_attn_probs=True`
 returns `(out, lse, None)`, lse `(B, H, N_local)` float32. What ringflash cannot do is refused by
-name on every rank: `dropout_p > 0`, `alibi_slopes`, two-sided or non-causal windows (only
-`window_size=(w - 1, 0)` with causal). Differences: `deterministic` is always honoured (the
+name on every rank: `dropout_p > 0`, `alibi_slopes`, a right window with causal. `window_size`
+is `(w - 1, 0)` with causal, or two-sided `(left, right)` without. Differences: `deterministic` is always honoured (the
 backward has no atomics); `zigzag_*` also accept `causal=False`.
 
 Varlen forms, on `(total_local, H, D)`, `cu_seqlens` and `max_seqlen` in the peer's convention:
