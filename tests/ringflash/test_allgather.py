@@ -155,6 +155,10 @@ def _errors_worker(rank, world, what):
         kw["head_group"] = dist.group.WORLD
     if what == "mask_layout":
         kw["mask"] = gather_mask(None, seqlen=8 * world, layout="contiguous" if rank else "zigzag")
+    if what == "softcap" and rank == 1:
+        kw["softcap"] = 30.0
+    if what == "sink" and rank == 0:
+        kw["learnable_sink"] = torch.zeros(2)
     try:
         ring_flash_attn_func(q, k, v, **kw)
     except (TypeError, ValueError) as e:
@@ -174,6 +178,8 @@ REJECTED = "rejected their inputs"
         ("ring_mask", 0, "mask: scheme='allgather' takes a ringflash.GatherMask", "takes a ringflash.GatherMask"),
         ("head_group", 0, "group: with head_group= give the ring group explicitly", REJECTED),  # one rank's hybrid
         ("mask_layout", 1, "mask's layout is 'contiguous', the call's 'zigzag'", REJECTED),
+        ("softcap", 1, "softcap=30.0: scheme='allgather' has no logit softcapping yet", REJECTED),
+        ("sink", 0, "learnable_sink: scheme='allgather' has no attention sinks yet", REJECTED),
     ],
 )
 def test_errors_raise_on_every_rank(what, first, mine, others):
