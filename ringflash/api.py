@@ -21,8 +21,9 @@ from torch import nn
 
 from ringflash import allgather_ops, kernels, ops
 from ringflash.hybrid import hybrid_attention
-from ringflash.kernels.checks import check_qkv, resolve_scale
-from ringflash.layout import check_layout, check_scheme, check_splittable
+from ringflash.inputs import check_local, flash_options, world_size
+from ringflash.kernels.checks import resolve_scale
+from ringflash.layout import check_layout, check_scheme
 from ringflash.masks import RingMask, window_mask
 from ringflash.transport import resolve_transport, ring_comm
 
@@ -32,25 +33,6 @@ __all__ = [
     "ring_flash_attn_kvpacked_func",
     "ring_flash_attn_qkvpacked_func",
 ]
-
-
-def _check_local(q, k, v, causal, softmax_scale, layout, backend, world) -> tuple[float, kernels.Backend]:
-    """This rank's own checks; raises TypeError/ValueError naming the argument. Returns the scale
-    and the kernel backend that will run (resolved here, once per call)."""
-    check_qkv(q, k, v)
-    if k.shape[1] != q.shape[1]:
-        raise ValueError(
-            f"k.shape[1] (local seqlen) must equal q.shape[1] = {q.shape[1]}, got {k.shape[1]}: "
-            "ring attention shards queries and keys alike"
-        )
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    check_layout(layout)
-    try:
-        check_splittable(q.shape[1] * world, world, layout)
-    except ValueError as e:
-        raise ValueError(f"q.shape[1] = {q.shape[1]} local tokens on each of {world} ranks: {e}") from None
-    return resolve_scale(softmax_scale, q.shape[-1]), kernels.get_backend(backend, q.device)
 
 
 def _check_mask(mask, q, causal, window, layout, world, rank) -> None:
@@ -79,13 +61,6 @@ def _check_mask(mask, q, causal, window, layout, world, rank) -> None:
             + "; ".join(f"mask's {name} is {m!r}, the call's {c!r}" for name, m, c in wrong)
             + " (build it with ring_mask(..., group=, layout=, causal=, window=, device=q.device) for these inputs)"
         )
-
-
-def _world_size(group) -> int:
-    # Only what Dynamo can fold into a constant: RingComm's own checks of the group run in the op.
-    if group is None and not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(group)
 
 
 def ring_flash_attn_func(
@@ -236,15 +211,15 @@ def _attend(
     compiling = torch.compiler.is_compiling()
     transport = resolve_transport(transport)
     comm = None if compiling else ring_comm(group, transport)
-    world = _world_size(group) if compiling else comm.world
+    world = world_size(group) if compiling else comm.world
     if causal is None:
         causal = mask.causal if isinstance(mask, RingMask) else False
     try:
-        window = _flash_options(dropout_p, window_size, alibi_slopes, deterministic, return_attn_probs, causal, window)
+        window = flash_options(dropout_p, window_size, alibi_slopes, deterministic, return_attn_probs, causal, window)
         if prepare is not None:
             q, k, v, mask = prepare(window, causal, 0 if comm is None else comm.rank, world)
             q, k, v = autocast_inputs(q, k, v)
-        scale, kern = _check_local(q, k, v, causal, softmax_scale, layout, backend, world)
+        scale, kern = check_local(q, k, v, causal, softmax_scale, layout, backend, world)
         kernels.check_softcap(softcap)
         ops.check_sink(learnable_sink, q)
         if deterministic and not kern.deterministic:
@@ -297,9 +272,9 @@ def _attend(
 def _agreed(q, flash: tuple, causal, softmax_scale, window, mask, transport, backend, softcap=0.0,
             learnable_sink=None) -> dict:  # fmt: skip
     """The ring's settings the hybrid's grid check compares (`agree.row`'s keywords), checked here,
-    before its all-to-all; `flash`: `_flash_options`' first five arguments."""
+    before its all-to-all; `flash`: `flash_options`' first five arguments."""
     causal = causal if causal is not None else (mask.causal if isinstance(mask, RingMask) else False)
-    window = _flash_options(*flash, causal, window)
+    window = flash_options(*flash, causal, window)
     kernels.check_window(window, causal)
     kernels.get_backend(backend, q.device)  # an unknown name raises here; the backend is not compared
     kernels.check_softcap(softcap)
@@ -313,47 +288,6 @@ def _agreed(q, flash: tuple, causal, softmax_scale, window, mask, transport, bac
         mask_key=mask.fingerprint if isinstance(mask, RingMask) else 0,
         transport=resolve_transport(transport),
     )
-
-
-def _flash_options(dropout_p, window_size, alibi_slopes, deterministic, return_attn_probs, causal, window):
-    """flash_attn's arguments checked, and the window they give (`window`, or from `window_size`):
-    what ringflash cannot do is refused by the argument's name, never ignored."""
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
-        # A bool here is usually a pre-0.x call, causal in 4th place: the order is flash_attn's now.
-        raise TypeError(
-            f"dropout_p must be a number, got {type(dropout_p).__name__} (the 4th positional argument is "
-            "dropout_p, as in flash_attn: pass causal= by keyword)"
-        )
-    if dropout_p != 0:
-        raise ValueError(f"dropout_p={dropout_p}: ringflash has no attention dropout (use 0.0)")
-    if alibi_slopes is not None:
-        raise ValueError("alibi_slopes: ringflash has no ALiBi (use None)")
-    for name, flag in (("deterministic", deterministic), ("return_attn_probs", return_attn_probs)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-    ws = window_size
-    if not (isinstance(ws, (tuple, list)) and len(ws) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
-                                                                   for x in ws)):  # fmt: skip
-        raise TypeError(f"window_size must be a pair of ints (left, right), got {ws!r}")
-    left, right = ws
-    if (left, right) == (-1, -1):
-        return window
-    if left < -1 or right < -1:
-        raise ValueError(f"window_size={tuple(ws)}: entries must be >= 0, or -1 for no limit")
-    if causal and right > 0:
-        raise ValueError(
-            f"window_size={tuple(ws)} with causal=True: a causal window has no keys to the right (right must be "
-            "0 or -1); a two-sided window needs causal=False"
-        )
-    if not causal:  # two-sided: query i sees keys i - left ... i + right (kernels/masks.py)
-        if window is not None:
-            raise ValueError(f"window={window} is a causal window: with causal=False give window_size=(left, right)")
-        return left, right
-    if left == -1:  # (-1, 0) under causal is causal itself, as in flash_attn
-        return window
-    if window is not None and window != left + 1:
-        raise ValueError(f"window={window} and window_size={tuple(ws)} disagree: window=w is window_size=(w - 1, 0)")
-    return left + 1
 
 
 def _specs(causal: bool, window: int | None, mask: RingMask | None) -> list[kernels.AttnSpec]:

@@ -1,0 +1,81 @@
+"""The checks of one attention call's own inputs that every scheme (ring, all-gather) starts with:
+flash_attn's arguments, q/k/v against the layout and world size, and the kernels that will run.
+Each raises TypeError/ValueError naming the argument; the cross-rank check (ringflash/agree.py)
+then makes every rank raise with it."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from ringflash import kernels
+from ringflash.kernels.checks import check_qkv, resolve_scale
+from ringflash.layout import check_layout, check_splittable
+
+__all__ = ["check_local", "flash_options", "world_size"]
+
+
+def check_local(q, k, v, causal, softmax_scale, layout, backend, world) -> tuple[float, kernels.Backend]:
+    """This rank's own checks; raises TypeError/ValueError naming the argument. Returns the scale
+    and the kernel backend that will run (resolved here, once per call)."""
+    check_qkv(q, k, v)
+    if k.shape[1] != q.shape[1]:
+        raise ValueError(
+            f"k.shape[1] (local seqlen) must equal q.shape[1] = {q.shape[1]}, got {k.shape[1]}: "
+            "ring attention shards queries and keys alike"
+        )
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    check_layout(layout)
+    try:
+        check_splittable(q.shape[1] * world, world, layout)
+    except ValueError as e:
+        raise ValueError(f"q.shape[1] = {q.shape[1]} local tokens on each of {world} ranks: {e}") from None
+    return resolve_scale(softmax_scale, q.shape[-1]), kernels.get_backend(backend, q.device)
+
+
+def world_size(group) -> int:
+    # Only what Dynamo can fold into a constant: RingComm's own checks of the group run in the op.
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+def flash_options(dropout_p, window_size, alibi_slopes, deterministic, return_attn_probs, causal, window):
+    """flash_attn's arguments checked, and the window they give (`window`, or from `window_size`):
+    what ringflash cannot do is refused by the argument's name, never ignored."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        # A bool here is usually a pre-0.x call, causal in 4th place: the order is flash_attn's now.
+        raise TypeError(
+            f"dropout_p must be a number, got {type(dropout_p).__name__} (the 4th positional argument is "
+            "dropout_p, as in flash_attn: pass causal= by keyword)"
+        )
+    if dropout_p != 0:
+        raise ValueError(f"dropout_p={dropout_p}: ringflash has no attention dropout (use 0.0)")
+    if alibi_slopes is not None:
+        raise ValueError("alibi_slopes: ringflash has no ALiBi (use None)")
+    for name, flag in (("deterministic", deterministic), ("return_attn_probs", return_attn_probs)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    ws = window_size
+    if not (isinstance(ws, (tuple, list)) and len(ws) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
+                                                                   for x in ws)):  # fmt: skip
+        raise TypeError(f"window_size must be a pair of ints (left, right), got {ws!r}")
+    left, right = ws
+    if (left, right) == (-1, -1):
+        return window
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size={tuple(ws)}: entries must be >= 0, or -1 for no limit")
+    if causal and right > 0:
+        raise ValueError(
+            f"window_size={tuple(ws)} with causal=True: a causal window has no keys to the right (right must be "
+            "0 or -1); a two-sided window needs causal=False"
+        )
+    if not causal:  # two-sided: query i sees keys i - left ... i + right (kernels/masks.py)
+        if window is not None:
+            raise ValueError(f"window={window} is a causal window: with causal=False give window_size=(left, right)")
+        return left, right
+    if left == -1:  # (-1, 0) under causal is causal itself, as in flash_attn
+        return window
+    if window is not None and window != left + 1:
+        raise ValueError(f"window={window} and window_size={tuple(ws)} disagree: window=w is window_size=(w - 1, 0)")
+    return left + 1
