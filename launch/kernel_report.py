@@ -36,10 +36,11 @@ DESCRIPTORS = ("Q", "K", "V", "DO")  # loaded through tensor descriptors on Hopp
 SM90 = GPUTarget("cuda", 90, 32)
 
 
-def constexprs(kernel: str, head_dim: int, causal: bool, group: int, tile: Tile) -> dict:
-    """The compile-time arguments the launchers in kernels/ pass, for the dense bf16 case."""
+def constexprs(kernel: str, head_dim: int, causal: bool, group: int, tile: Tile, softcap: bool = False) -> dict:
+    """The compile-time arguments the launchers in kernels/ pass, for the dense bf16 case (with a
+    logit softcap if asked)."""
     consts = dict(HEAD_DIM=head_dim, GROUP=group, CAUSAL=causal, RANGES=False, UPCAST=False, PRECISION="tf32",
-                  TMA=True, BLOCK_D=head_dim, MERGE=False, ACCUMULATE=False,
+                  TMA=True, BLOCK_D=head_dim, MERGE=False, ACCUMULATE=False, SOFTCAP=softcap,
                   PAIRED=pairs_dkdv(causal, group, head_dim), **tile_config(kernel, tile).kwargs)
     fn = JIT_FNS[kernel]
     wanted = {fn.arg_names[i] for i in fn.constexprs}
@@ -66,7 +67,7 @@ def signature(kernel: str, consts: dict, head_dim: int) -> tuple[dict, dict]:
             sig[name] = "*fp32"
         elif name in ("KV_LO", "KV_HI", "Q_LO", "Q_HI"):
             sig[name] = "*i32"
-        elif name in ("qk_scale", "softmax_scale"):
+        elif name in ("qk_scale", "softmax_scale", "cap"):
             sig[name] = "fp32"
         elif name.startswith("stride") or name in ("H", "Hkv", "Nq", "Nk", "n_sms"):
             sig[name] = "i32"
@@ -91,8 +92,8 @@ def ptxas_info(compiled) -> dict:
                 shared_kb=compiled.metadata.shared / 1024, serialised="C7514" in log)
 
 
-def ptxas_report(kernel: str, head_dim: int, causal: bool, group: int, tile: Tile) -> dict:
-    consts = constexprs(kernel, head_dim, causal, group, tile)
+def ptxas_report(kernel: str, head_dim: int, causal: bool, group: int, tile: Tile, softcap: bool = False) -> dict:
+    consts = constexprs(kernel, head_dim, causal, group, tile, softcap)
     sig, attrs = signature(kernel, consts, head_dim)
     compiled = triton.compile(ASTSource(JIT_FNS[kernel], sig, consts, attrs), target=SM90,
                               options={"num_warps": tile[2], "num_stages": tile[3]})
@@ -158,11 +159,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--group", type=int, default=1, help="query heads per K/V head (GQA)")
     ap.add_argument("--queries", type=int, default=16384, help="query rows, for the GQA tile rule")
     ap.add_argument("--tiles", type=parse_tile, nargs="+", default=None, help="instead of the tuned tiles")
+    ap.add_argument("--softcap", action="store_true", help="the Triton kernels' logit-softcapping variant")
     args = ap.parse_args(argv)
     if interpreting():
         ap.error("TRITON_INTERPRET=1 turns the kernels into interpreted functions: unset it to compile them")
 
-    print(f"ptxas for sm_90 (Triton {triton.__version__}): dense bf16, descriptor loads\n")
+    cap = ", logit softcap" if args.softcap else ""
+    print(f"ptxas for sm_90 (Triton {triton.__version__}): dense bf16, descriptor loads{cap}\n")
     print("| kernel | D | causal | group | tile | registers | spilled (stores / loads, B) | shared KiB "
           "| wgmma serialised |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -182,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
                     if kernel in hopper:
                         r = hopper_report(kernel, head_dim, causal)
                     else:
-                        r = ptxas_report(kernel, head_dim, causal, args.group, tile)
+                        r = ptxas_report(kernel, head_dim, causal, args.group, tile, args.softcap)
                     print(f"| {kernel} | {head_dim} | {'yes' if causal else 'no'} | {args.group} | {tile} | "
                           f"{r['registers']} | {r['spill_stores']} / {r['spill_loads']} | {r['shared_kb']:.0f} | "
                           f"{'yes (C7514)' if r['serialised'] else 'no'} |", flush=True)

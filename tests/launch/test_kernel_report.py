@@ -39,6 +39,15 @@ def test_every_kernel_compiles_for_sm90_and_ptxas_reports_it():
         assert serialised in ("no", "yes (C7514)"), row
 
 
+def test_softcap_variant_compiles_for_sm90():
+    # The SOFTCAP branch of the Triton kernels, which the CPU suite runs only in the interpreter.
+    out = _report("--kernels", "fwd", "dkdv", "dq", "--head-dims", "64", "--causal", "1", "--softcap")
+    assert out.returncode == 0, out.stderr[-3000:]
+    for kernel in ("fwd", "dkdv", "dq"):
+        (row,) = _rows(out.stdout, kernel)
+        assert 0 < int(row[5]) <= 255, row
+
+
 def test_tiles_given_are_reported_one_row_each_and_bad_ones_refused_by_name():
     out = _report("--kernels", "dkdv", "--head-dims", "64", "--causal", "1", "--group", "8",
                   "--tiles", "64,64,4,3", "128,32,4,3")
