@@ -139,7 +139,7 @@ def test_bad_input_names_the_culprit(key):
         (["--train.steps=ten"], r"error: train.steps: expected int, got 'ten'"),
         (["--steps=10"], r"error: --steps=10: expected an override of the form --section.key=value"),
         (["--config", "/nonexistent/x.toml"], r"error: config file not found: /nonexistent/x.toml"),
-        (["--parallel.layout=ring"], r"error: parallel.layout: must be one of zigzag, contiguous, got 'ring'"),
+        (["--parallel.layout=ring"], r"error: parallel.layout: must be one of zigzag, contiguous, stripe, got 'ring'"),
         (["--data.seq_len=250", "--parallel.cp=2"], r"error: data.seq_len \(250\) must be divisible by 4"),
     ],
 )
