@@ -57,8 +57,7 @@ allgather_attn = torch.library.custom_op("ringflash::allgather_attn", _allgather
 
 
 @allgather_attn.register_fake
-def _(q, k, v, vis, *, causal, softmax_scale, layout, group_name, backend, heads_k_stride, check_ranks, window=None,
-      mask_key=0):  # fmt: skip
+def _(q, k, v, vis, **options):  # the settings of `_allgather_attn`, shapes only
     B, N, H, _ = q.shape
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, H, N), dtype=torch.float32)
 
@@ -81,7 +80,7 @@ allgather_attn_bwd = torch.library.custom_op("ringflash::allgather_attn_bwd", _a
 
 
 @allgather_attn_bwd.register_fake
-def _(do, q, k, v, o, lse, vis, *, causal, softmax_scale, layout, group_name, backend, heads_k_stride, window=None):
+def _(do, q, k, v, o, lse, vis, **options):  # the settings of `_allgather_attn_bwd`, shapes only
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 

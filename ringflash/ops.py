@@ -194,10 +194,9 @@ ring_attn = torch.library.custom_op("ringflash::ring_attn", _ring_attn, mutates_
 
 
 @ring_attn.register_fake
-def _(q, k, v, mask_vis, learnable_sink=None, *, causal, softmax_scale, layout, group_name, backend, check_ranks,
-      window=None, mask_plan=None, mask_key=0, transport="nccl", softcap=0.0, window_size=None):  # fmt: skip
+def _(q, k, v, mask_vis, learnable_sink=None, **options):  # the settings of `_ring_attn`, shapes only
     B, N, H, _ = q.shape
-    world = _comm(group_name).world  # a trace-time constant, like every shape here
+    world = _comm(options["group_name"]).world  # a trace-time constant, like every shape here
     return (
         torch.empty_like(q, memory_format=torch.contiguous_format),
         q.new_empty((B, H, N), dtype=torch.float32),
@@ -240,8 +239,7 @@ ring_attn_bwd = torch.library.custom_op("ringflash::ring_attn_bwd", _ring_attn_b
 
 
 @ring_attn_bwd.register_fake
-def _(do, q, kv, o, lse, mask_vis, *, causal, softmax_scale, layout, group_name, backend, mask_plan=None,
-      transport="nccl", softcap=0.0):  # fmt: skip
+def _(do, q, kv, o, lse, mask_vis, **options):  # the settings of `_ring_attn_bwd`, shapes only
     kshape = kv[0].shape[1:] if len(kv) == 1 else kv[0].shape
     return q.new_empty(q.shape), q.new_empty((2, *kshape))
 
