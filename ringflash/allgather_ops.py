@@ -20,8 +20,10 @@ from torch import Tensor
 
 from ringflash import agree, ops
 from ringflash.allgather import GatherMask, allgather_backward, allgather_forward, gather_spec
-from ringflash.inputs import check_local, flash_options, world_size
+from ringflash.inputs import autocast_inputs, check_local, flash_options, world_size
 from ringflash.kernels import FULL, AttnSpec, Visibility, check_window, device_guard, get_backend
+from ringflash.kernels.checks import resolve_scale
+from ringflash.transport import ring_comm
 
 __all__ = ["allgather_attn", "allgather_attn_bwd", "attend", "check_stride"]
 
@@ -136,9 +138,6 @@ def attend(q, k, v, flash: tuple, softmax_scale, causal, group, *, layout, backe
     `prepare(window, causal, rank, world) -> (q, k, v, spec)`, if given, makes the inputs and the
     mask inside the checks (the llama3 varlen forms of ringflash/ring_flash_attn.py), so that its
     errors too raise on every rank; eager only."""
-    from ringflash.kernels.checks import resolve_scale
-    from ringflash.transport import ring_comm
-
     # Traced, not run, under torch.compile: metadata checks here, the group's and the ranks' in the op.
     compiling = torch.compiler.is_compiling()
     comm = None if compiling else ring_comm(group, "nccl")
@@ -151,6 +150,7 @@ def attend(q, k, v, flash: tuple, softmax_scale, causal, group, *, layout, backe
             if compiling:
                 raise ValueError("the llama3 varlen functions build their mask on the host: call them eagerly")
             q, k, v, spec = prepare(window, causal, comm.rank, world)
+            q, k, v = autocast_inputs(q, k, v)  # as ring_flash_attn_func does for its own inputs
         _, kern = check_local(q, k, v, causal, softmax_scale, layout, backend, world)
         if flash[3] and not kern.deterministic:
             raise ValueError(f"deterministic=True: backend {kern.name!r} is not deterministic; use 'triton' or 'auto'")

@@ -21,7 +21,7 @@ from torch import nn
 
 from ringflash import allgather_ops, kernels, ops
 from ringflash.hybrid import hybrid_attention
-from ringflash.inputs import check_local, flash_options, world_size
+from ringflash.inputs import autocast_inputs, check_local, flash_options, world_size
 from ringflash.kernels.checks import resolve_scale
 from ringflash.layout import check_layout, check_scheme
 from ringflash.masks import RingMask, window_mask
@@ -186,17 +186,6 @@ def _allgather(q, k, v, flash, softmax_scale, causal, group, scheme, head_group,
                                       check_ranks=options["check_ranks"], causal=causal, settings=settings,
                                       ring=gather)  # fmt: skip
     return (o, lse, None) if flash[-1] else o
-
-
-def autocast_inputs(q, k, v) -> tuple:
-    """q, k and v in autocast's dtype when autocast is on for their device, as SDPA runs them (and
-    flash_attn's transformers path casts them): under autocast a Llama's RoPE leaves q and k in
-    float32 while v leaves its Linear in bf16. Outside autocast they are left as given, and mixed
-    dtypes are the caller's error (`check_qkv` names them)."""
-    if not isinstance(q, torch.Tensor) or not torch.is_autocast_enabled(q.device.type):
-        return q, k, v
-    dtype = torch.get_autocast_dtype(q.device.type)
-    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (q, k, v))
 
 
 def _attend(

@@ -1,17 +1,30 @@
 """The checks of one attention call's own inputs that every scheme (ring, all-gather) starts with:
-flash_attn's arguments, q/k/v against the layout and world size, and the kernels that will run.
-Each raises TypeError/ValueError naming the argument; the cross-rank check (ringflash/agree.py)
+q/k/v in autocast's dtype, flash_attn's arguments, q/k/v against the layout and world size, and the
+kernels that will run.
+The checks raise TypeError/ValueError naming the argument; the cross-rank check (ringflash/agree.py)
 then makes every rank raise with it."""
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 from ringflash import kernels
 from ringflash.kernels.checks import check_qkv, resolve_scale
 from ringflash.layout import check_layout, check_splittable
 
-__all__ = ["check_local", "flash_options", "world_size"]
+__all__ = ["autocast_inputs", "check_local", "flash_options", "world_size"]
+
+
+def autocast_inputs(q, k, v) -> tuple:
+    """q, k and v in autocast's dtype when autocast is on for their device, as SDPA runs them (and
+    flash_attn's transformers path casts them): under autocast a Llama's RoPE leaves q and k in
+    float32 while v leaves its Linear in bf16. Outside autocast they are left as given, and mixed
+    dtypes are the caller's error (`check_qkv` names them)."""
+    if not isinstance(q, torch.Tensor) or not torch.is_autocast_enabled(q.device.type):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(q.device.type)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (q, k, v))
 
 
 def check_local(q, k, v, causal, softmax_scale, layout, backend, world) -> tuple[float, kernels.Backend]:

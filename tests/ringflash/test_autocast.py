@@ -116,3 +116,18 @@ def test_transformers_llama_trains_under_autocast():
     except RankFailure as e:
         pytest.fail(f"the ranks failed under autocast: {e}")
     assert ring_err <= 2 * sdpa_err + 1e-3, (ring_err, sdpa_err)
+
+
+def test_llama3_varlen_takes_autocast_inputs():
+    # The all-gather drop-in builds its inputs inside the call (prepare): they are cast there too.
+    from ringflash.ring_flash_attn import llama3_flash_attn_prepare_cu_seqlens, llama3_flash_attn_varlen_func
+
+    q, k, v, _ = (t[0] for t in _inputs())  # (N, H, D) packed, one process; v bf16, q and k float32
+    cu = torch.tensor([0, 20, N], dtype=torch.int32)
+    cu_q, cu_k, max_q, max_k, k_slice = llama3_flash_attn_prepare_cu_seqlens(cu, True, 0, 1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o = llama3_flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, 1, k_slice, causal=True)
+    assert o.dtype == torch.bfloat16
+    want = torch.cat([_sdpa(q[None, a:b].bfloat16(), k[None, a:b].bfloat16(), v[None, a:b])[0]
+                      for a, b in ((0, 20), (20, N))])  # fmt: skip
+    torch.testing.assert_close(o.float(), want.float(), atol=2e-2, rtol=2e-2)
