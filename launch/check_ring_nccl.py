@@ -3,6 +3,16 @@
     torchrun --standalone --nproc_per_node=2 launch/check_ring_nccl.py [--tokens-per-rank 65536]
     torchrun --standalone --nproc_per_node=2 launch/check_ring_nccl.py --backend cudnn
     torchrun --standalone --nproc_per_node=8 launch/check_ring_nccl.py --head-parallel 2   # hybrid: u=2 × r=4
+    torchrun --standalone --nproc_per_node=4 launch/check_ring_nccl.py --scheme allgather --window-size 1000,0
+    torchrun --standalone --nproc_per_node=4 launch/check_ring_nccl.py --tokens-per-rank 2048 --softcap 30 --sink
+
+--scheme allgather: the all-gather scheme (ringflash/allgather.py) instead of the ring, alone or with
+--head-parallel; it has no transports of its own, so only the NCCL group runs it.
+--window-size L,R, --softcap C, --sink (a random float32 logit per head): the attention features,
+checked against a naive float64 implementation on the whole sequence (`ref32` then means float64),
+with `single` a naive implementation in the inputs' dtype (flash_attn's criterion); the sink's
+gradient, summed over the ranks, against the float64 one. The naive implementations hold one
+K/V head's N×N scores at a time: keep N = world × tokens per rank to some 16k.
 
 --head-parallel U (default 1, the ring alone): the head-parallel × ring hybrid (ringflash/hybrid.py)
 on a grid of U head ranks × r = world/U ring ranks, groups from `ringflash.hybrid_groups(U)`,
@@ -72,6 +82,47 @@ def reference_fp32(q, k, v, do, causal):
     return {n: t.transpose(1, 2).detach() for n, t in zip(("o", "dq", "dk", "dv"), (o, dq, dk, dv))}
 
 
+def naive_attention(q, k, v, do, causal, window_size, softcap, sink, dtype):
+    """Attention on the whole sequence in `dtype`, one K/V head at a time (O(N²) memory per head):
+    o, dq, dk, dv in `(B, N, heads, D)`, lse `(B, H, N)` (the sink included) and dsink."""
+    N, g, Hkv = q.shape[1], q.shape[2] // k.shape[2], k.shape[2]
+    i = torch.arange(N, device=q.device)
+    visible = i[None, :] <= i[:, None] if causal else torch.ones(N, N, dtype=torch.bool, device=q.device)
+    left, right = window_size
+    if left >= 0:
+        visible &= i[None, :] >= i[:, None] - left
+    if right >= 0:
+        visible &= i[None, :] <= i[:, None] + right
+    outs = {n: [] for n in ("o", "dq", "dk", "dv", "lse", "dsink")}
+    for j in range(Hkv):
+        heads = slice(j * g, (j + 1) * g)
+        qj, kj, vj = (
+            t.to(dtype).transpose(1, 2).detach().requires_grad_()
+            for t in (q[:, :, heads], k[:, :, j : j + 1], v[:, :, j : j + 1])
+        )
+        sj = None if sink is None else sink[heads].to(dtype).detach().requires_grad_()
+        s = qj @ kj.transpose(-1, -2) * q.shape[-1] ** -0.5  # (B, g, N, N)
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        s = s.masked_fill(~visible, float("-inf"))
+        if sj is not None:  # one more logit per head, with a zero value
+            s = torch.cat([s, sj.view(1, -1, 1, 1).expand(*s.shape[:-1], 1)], dim=-1)
+        lse = torch.logsumexp(s.float(), dim=-1)
+        p = torch.softmax(s.float(), dim=-1).to(dtype)
+        o = p[..., :N] @ vj
+        grads = torch.autograd.grad(
+            o, (qj, kj, vj) + ((sj,) if sj is not None else ()), do[:, :, heads].to(dtype).transpose(1, 2)
+        )
+        for name, t in zip(("o", "dq", "dk", "dv"), (o, *grads[:3])):
+            outs[name].append(t.transpose(1, 2).detach())
+        outs["lse"].append(lse.detach())
+        outs["dsink"].append(grads[3] if sj is not None else torch.zeros(g, device=q.device))
+    res = {n: torch.cat(outs[n], dim=2) for n in ("o", "dq", "dk", "dv")}
+    res["lse"] = torch.cat(outs["lse"], dim=1)
+    res["dsink"] = torch.cat(outs["dsink"])
+    return res
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens-per-rank", type=int, default=65536)
@@ -81,13 +132,34 @@ def main() -> int:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--backend", choices=("auto", "triton", "cudnn", "hopper"), default="auto",
-                   help="kernel backend (auto: Triton on CUDA, the reference on CPU)")
-    p.add_argument("--head-parallel", type=int, default=1, metavar="U",
-                   help="head ranks of the hybrid grid (U x world/U); 1: the ring alone")
-    p.add_argument("--transports", default=None,
-                   help="comma-separated ring transports (default: all on CUDA, nccl on CPU)")
+    p.add_argument(
+        "--backend",
+        choices=("auto", "triton", "cudnn", "hopper"),
+        default="auto",
+        help="kernel backend (auto: Triton on CUDA, the reference on CPU)",
+    )
+    p.add_argument(
+        "--head-parallel",
+        type=int,
+        default=1,
+        metavar="U",
+        help="head ranks of the hybrid grid (U x world/U); 1: the ring alone",
+    )
+    p.add_argument(
+        "--transports", default=None, help="comma-separated ring transports (default: all on CUDA, nccl on CPU)"
+    )
+    p.add_argument("--scheme", choices=("ring", "allgather"), default="ring")
+    p.add_argument(
+        "--window-size",
+        default=None,
+        metavar="L,R",
+        help="flash_attn's window_size (with causal, R must be 0); checked against a naive reference",
+    )
+    p.add_argument("--softcap", type=float, default=0.0, help="logit softcapping c (0: none)")
+    p.add_argument("--sink", action="store_true", help="a random learnable sink per query head")
     args = p.parse_args()
+    window_size = tuple(int(x) for x in args.window_size.split(",")) if args.window_size else (-1, -1)
+    features = args.window_size is not None or args.softcap or args.sink
     backend = args.backend
 
     torch.backends.cuda.matmul.allow_tf32 = False  # keep the fp32 reference true fp32
@@ -98,7 +170,7 @@ def main() -> int:
         torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl" if cuda else "gloo", pg_options=nccl_options() if cuda else None)
     rank, world = dist.get_rank(), dist.get_world_size()
-    transports = TRANSPORTS if cuda else ("nccl",)  # copy engines need GPUs
+    transports = TRANSPORTS if cuda and args.scheme == "ring" else ("nccl",)  # copy engines need GPUs
     if args.transports:
         transports = tuple(args.transports.split(","))
     u = args.head_parallel
@@ -118,8 +190,11 @@ def main() -> int:
             return shard(x, dim, rank, world, layout)
         return shard(x, dim, r_rank, r_world, layout, head_rank=h_rank, head_world=u)
 
-    def attn(q, k, v, **kw):
-        return ring_flash_attn_func(q, k, v, group=ring_group, head_group=head_group, **kw)
+    def attn(q, k, v, plain=False, **kw):
+        if features and not plain:
+            kw.update(window_size=window_size, softcap=args.softcap, learnable_sink=sink)
+        return ring_flash_attn_func(q, k, v, group=ring_group, head_group=head_group, scheme=args.scheme, **kw)
+
     failures = 0
     try:
         B, N, H, Hkv, D = args.batch, args.tokens_per_rank * world, args.heads, args.kv_heads, args.head_dim
@@ -131,20 +206,32 @@ def main() -> int:
         gen = torch.Generator(device=dev).manual_seed(args.seed)
         q, do = (torch.randn(B, N, H, D, device=dev, dtype=dtype, generator=gen) for _ in range(2))
         k, v = (torch.randn(B, N, Hkv, D, device=dev, dtype=dtype, generator=gen) for _ in range(2))
-        for t in (q, k, v, do):  # identical inputs on every rank by construction
+        sink = torch.randn(H, device=dev, generator=gen) if args.sink else None
+        for t in (q, k, v, do) + ((sink,) if args.sink else ()):  # identical inputs on every rank
             dist.broadcast(t, src=0)
+        cases = CASES
+        if features:
+            # A window's right side needs causal off; with causal a (left, 0) window.
+            cases = [c for c in CASES if c[1] == (window_size[1] <= 0)] if args.window_size else CASES
         if rank == 0:
-            grid = "ring" if u == 1 else f"hybrid u={u} head x r={r_world} ring"
+            grid = args.scheme if u == 1 else f"hybrid u={u} head x r={r_world} {args.scheme}"
+            extras = [f"window_size={window_size}"] * (args.window_size is not None)
+            extras += [f"softcap={args.softcap}"] * bool(args.softcap) + ["learnable_sink"] * args.sink
             print(
                 f"{grid} over {world} {dist.get_backend()} ranks: B={B} N={N} ({args.tokens_per_rank}/rank) "
                 f"H={H} Hkv={Hkv} "
-                f"D={D} {args.dtype}, {kernels_used.name} kernels"
+                f"D={D} {args.dtype}, {kernels_used.name} kernels" + "".join(f", {x}" for x in extras)
             )
             print(f"{'layout':<11}{'causal':<7}{'tensor':<7}{'err ring':>10}{'err single':>12}{'ratio':>8}  ok")
         refs, first = {}, {}
-        for transport, (layout, causal) in [(t, c) for t in transports for c in CASES]:
-            if rank == 0 and (layout, causal) == CASES[0]:
+        for transport, (layout, causal) in [(t, c) for t in transports for c in cases]:
+            if rank == 0 and (layout, causal) == cases[0]:
                 print(f"-- transport: {transport}")
+            if causal not in refs and features:
+                refs[causal] = (
+                    naive_attention(q, k, v, do, causal, window_size, args.softcap, sink, dtype),
+                    naive_attention(q, k, v, do, causal, window_size, args.softcap, sink, torch.float64),
+                )
             if causal not in refs:
                 o1, lse1 = attn_fwd(q, k, v, causal=causal, backend=backend)
                 dq1, dk1, dv1 = attn_bwd(do, q, k, v, o1, lse1, causal=causal, backend=backend)
@@ -152,18 +239,31 @@ def main() -> int:
                 refs[causal] = (single, reference_fp32(q, k, v, do, causal))
             single, ref32 = refs[causal]
             ql, kl, vl = (sh(t, 1, layout).detach().requires_grad_() for t in (q, k, v))
+            if sink is not None:
+                sink.requires_grad_()
             o, lse, _ = attn(
                 ql, kl, vl, causal=causal, layout=layout, return_attn_probs=True, transport=transport, backend=backend
             )
-            dq, dk, dv = torch.autograd.grad(o, (ql, kl, vl), sh(do, 1, layout))
+            dq, dk, dv, *dsink = torch.autograd.grad(
+                o, (ql, kl, vl) + ((sink,) if sink is not None else ()), sh(do, 1, layout)
+            )
+            if sink is not None:  # each rank's gradient covers its rows: their sum is the whole one
+                sink.requires_grad_(False)
+                dist.all_reduce(dsink[0])
+                e_sink = rel_err(dsink[0], ref32["dsink"])
+                sink_ok = e_sink <= 2 * rel_err(single["dsink"], ref32["dsink"]) + 1e-4 and e_sink < 3e-2
+                failures += not sink_ok
+                if rank == 0:
+                    print(f"{layout:<11}{causal!s:<7}{'dsink':<7}{e_sink:10.2e}  {'ok' if sink_ok else 'FAIL'}")
             rows = []
             for name, x in (("o", o), ("dq", dq), ("dk", dk), ("dv", dv)):
                 e_ring = rel_err(x, sh(ref32[name], 1, layout))
                 e_single = rel_err(sh(single[name], 1, layout), sh(ref32[name], 1, layout))
                 ok = x.dtype == dtype and e_ring <= 2 * e_single + 1e-4 and e_ring < 3e-2
                 rows.append((name, e_ring, e_single, ok))
-            d_lse = (lse - sh(single["lse"], 2, layout)).abs().nan_to_num(0.0).max().item()
-            lse_ok = d_lse < 1e-3 and torch.equal(torch.isneginf(lse), torch.isneginf(sh(single["lse"], 2, layout)))
+            lse_ref = (ref32 if features else single)["lse"].float()  # the naive bf16 lse is no oracle
+            d_lse = (lse - sh(lse_ref, 2, layout)).abs().nan_to_num(0.0).max().item()
+            lse_ok = d_lse < 1e-3 and torch.equal(torch.isneginf(lse), torch.isneginf(sh(lse_ref, 2, layout)))
             failures += sum(not r[3] for r in rows) + (not lse_ok)
             # Report the worst rank: gather every rank's numbers to rank 0.
             stats = torch.tensor([[r[1], r[2], float(r[3])] for r in rows] + [[d_lse, 0.0, float(lse_ok)]], device=dev)
@@ -196,7 +296,7 @@ def main() -> int:
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
             try:
-                o = attn(ql, kl, vl, causal=True, transport=transport, backend=backend)
+                o = attn(ql, kl, vl, causal=True, transport=transport, backend=backend, plain=True)
                 torch.autograd.grad(o, (ql, kl, vl), sh(do, 1))
                 sync_msg = "none"
             except RuntimeError as e:
@@ -215,15 +315,18 @@ def main() -> int:
         disagreements = [("q.shape", half, "nccl")]
         if cuda and u == 1:  # hybrid: ranks 0 and 1 are in different rings (see the docstring)
             disagreements.append(("transport", ql.shape[1], "copy-engine" if rank == 0 else "nccl"))
+        o_causal = attn_fwd(q, k, v, causal=True, backend=backend)[0]
         for field, cut, transport in disagreements:
             try:
-                attn(ql[:, :cut], kl[:, :cut], vl[:, :cut], causal=True, transport=transport, backend=backend)
+                attn(
+                    ql[:, :cut], kl[:, :cut], vl[:, :cut], causal=True, transport=transport, backend=backend, plain=True
+                )
                 mismatch_msg, mismatch_ok = "no error", False
             except ValueError as e:
                 mismatch_msg = str(e)
                 mismatch_ok = f"{field} is" in mismatch_msg or (u > 1 and "rejected their inputs" in mismatch_msg)
-            o = attn(ql, kl, vl, causal=True, backend=backend)
-            mismatch_ok = mismatch_ok and rel_err(o, sh(refs[True][1]["o"], 1)) < 3e-2
+            o = attn(ql, kl, vl, causal=True, backend=backend, plain=True)
+            mismatch_ok = mismatch_ok and rel_err(o, sh(o_causal, 1)) < 3e-2
             failures += not mismatch_ok
             if rank == 0:
                 print(f"ranks with different {field}: {'ok' if mismatch_ok else 'FAIL'} ({mismatch_msg[:140]})")

@@ -1,5 +1,6 @@
 """Smoke tests of issue 29's multi-GPU scripts on CPU gloo: the hybrid exactness check of
-launch/check_ring_nccl.py (4 ranks, U = 2) and launch/bench_scaling.py --smoke with its record.
+launch/check_ring_nccl.py (4 ranks, U = 2; the all-gather scheme and the attention features) and
+launch/bench_scaling.py --smoke with its record.
 
 Both launch torchrun, so both are in the slow set (pytest -m slow)."""
 
@@ -21,6 +22,21 @@ def test_check_ring_nccl_hybrid_passes_on_gloo(tmp_path):
     assert "hybrid u=2 head x r=2 ring over 4 gloo ranks" in out.stdout
     assert out.stdout.strip().splitlines()[-1] == "PASS", out.stdout
     assert "FAIL" not in out.stdout
+
+
+@pytest.mark.parametrize(
+    "args, header",
+    [(("--scheme", "allgather", "--head-parallel", "2", "--window-size", "40,0"), "hybrid u=2 head x r=2 allgather"),
+     (("--softcap", "5", "--sink", "--window-size", "30,9"), "ring over 4 gloo ranks")],
+)  # fmt: skip
+def test_check_ring_nccl_features_pass_on_gloo(tmp_path, args, header):
+    # The features' naive references: a window, softcapping and a sink's gradient summed over ranks.
+    out = torchrun(REPO / "launch" / "check_ring_nccl.py", *args, "--tokens-per-rank", "32", "--head-dim", "16",
+                   nproc=4, cwd=tmp_path, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert header in out.stdout
+    assert out.stdout.strip().splitlines()[-1] == "PASS", out.stdout
+    assert "FAIL" not in out.stdout and ("dsink" in out.stdout) == ("--sink" in args)
 
 
 def test_bench_scaling_smoke_records_with_prediction(tmp_path):

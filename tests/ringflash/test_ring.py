@@ -306,10 +306,12 @@ def _transport_worker(rank, world, env, arg, match):
 
 @pytest.mark.parametrize(
     "env, arg, match",
-    [("nvlink", None, r"RINGFLASH_TRANSPORT must be one of \('nccl', 'copy-engine'\), got 'nvlink'"),
-     (None, "nvlink", r"transport must be one of \('nccl', 'copy-engine'\) or None, got 'nvlink'"),
-     ("copy-engine", None, "transport: copy-engine needs an NCCL group.*gloo"),
-     ("nccl", "copy-engine", "transport: copy-engine needs an NCCL group.*gloo")],  # the argument wins
+    [
+        ("nvlink", None, r"RINGFLASH_TRANSPORT must be one of \('nccl', 'copy-engine'\), got 'nvlink'"),
+        (None, "nvlink", r"transport must be one of \('nccl', 'copy-engine'\) or None, got 'nvlink'"),
+        ("copy-engine", None, "transport: copy-engine needs an NCCL group.*gloo"),
+        ("nccl", "copy-engine", "transport: copy-engine needs an NCCL group.*gloo"),
+    ],  # the argument wins
 )
 def test_transport_is_checked(env, arg, match):
     # Copy engines move CUDA blocks between the GPUs of one host (tested by the multigpu case);
@@ -368,8 +370,20 @@ def _error_worker(rank, world, what):
 
 @pytest.mark.parametrize(
     "what",
-    ["shape", "dtype", "causal", "scale", "layout", "one_rank_bad_input", "unsplittable", "bad_layout", "bad_group",
-     "one_rank_bad_packed_kv", "one_rank_dropout", "one_rank_window_size"],
+    [
+        "shape",
+        "dtype",
+        "causal",
+        "scale",
+        "layout",
+        "one_rank_bad_input",
+        "unsplittable",
+        "bad_layout",
+        "bad_group",
+        "one_rank_bad_packed_kv",
+        "one_rank_dropout",
+        "one_rank_window_size",
+    ],
 )
 def test_errors_raise_on_every_rank(what):
     msgs = run_ranks(_error_worker, 3, (what,), timeout_s=20)
@@ -403,8 +417,12 @@ def test_harness_reports_rank_tracebacks():
 
 def _null_ring(rank, world, n_local=16, causal=True, layout="zigzag"):
     """The ring loop's arguments for rank `rank` of `world` with no communication (NullComm)."""
-    return dict(plan=ring_schedule(rank, world, n_local, causal, layout), scale=0.25,
-                kernels=backend_named("reference"), comm=ringflash.NullComm(rank, world))
+    return dict(
+        plan=ring_schedule(rank, world, n_local, causal, layout),
+        scale=0.25,
+        kernels=backend_named("reference"),
+        comm=ringflash.NullComm(rank, world),
+    )
 
 
 def test_null_comm_runs_the_same_schedule():
@@ -438,29 +456,74 @@ def test_results_are_contiguous_whatever_q_strides(world):
 
 # ---- GPU: several gloo ranks sharing one GPU, CUDA tensors, Triton kernels ---------------------------
 
-GPU_CASES = [
-    make_case(w, layout, causal, B=1, n_local=4000 // w, H=8, Hkv=2, D=128, dtype=dt, backend="triton", device="cuda")
-    for w in (2, 4)
-    for layout, causal, dt in (
-        ("zigzag", True, torch.bfloat16),
-        ("contiguous", True, torch.bfloat16),
-        ("zigzag", False, torch.float16),
-    )
-] + [  # the ring on cuDNN's kernels (kernels/cudnn.py)
-    make_case(w, "zigzag", True, B=1, n_local=4000 // w, H=8, Hkv=hkv, D=128, dtype=torch.bfloat16,
-              backend="cudnn", device="cuda")
-    for w, hkv in ((2, 8), (2, 2), (4, 2))  # W = 2: partial results in bf16; W = 4: float32 sums
-] + [  # the Hopper kernels under the ring (kernels/hopper_fwd.py, hopper_bwd.py; Triton's elsewhere): merges
-    # into float32 partials, float32 sums added atomically, ragged local lengths, a contiguous and a
-    # zigzag layout, both head dims (two and three consumer warpgroups in the forward)
-    make_case(w, layout, causal, B=1, n_local=4000 // w, H=8, Hkv=2, D=d, dtype=torch.bfloat16, backend="hopper",
-              device="cuda")
-    for w, layout, causal, d in ((2, "zigzag", True, 128), (4, "contiguous", True, 128), (2, "zigzag", False, 128),
-                                 (4, "zigzag", True, 64))
-] + [  # q, k, v as views of a fused QKV projection's output (descriptor loads with its strides)
-    make_case(2, "zigzag", True, B=1, n_local=2000, H=8, Hkv=2, D=128, dtype=torch.bfloat16, backend="triton",
-              device="cuda", strided=True)
-]
+GPU_CASES = (
+    [
+        make_case(
+            w, layout, causal, B=1, n_local=4000 // w, H=8, Hkv=2, D=128, dtype=dt, backend="triton", device="cuda"
+        )
+        for w in (2, 4)
+        for layout, causal, dt in (
+            ("zigzag", True, torch.bfloat16),
+            ("contiguous", True, torch.bfloat16),
+            ("zigzag", False, torch.float16),
+        )
+    ]
+    + [  # the ring on cuDNN's kernels (kernels/cudnn.py)
+        make_case(
+            w,
+            "zigzag",
+            True,
+            B=1,
+            n_local=4000 // w,
+            H=8,
+            Hkv=hkv,
+            D=128,
+            dtype=torch.bfloat16,
+            backend="cudnn",
+            device="cuda",
+        )
+        for w, hkv in ((2, 8), (2, 2), (4, 2))  # W = 2: partial results in bf16; W = 4: float32 sums
+    ]
+    + [  # the Hopper kernels under the ring (kernels/hopper_fwd.py, hopper_bwd.py; Triton's elsewhere): merges
+        # into float32 partials, float32 sums added atomically, ragged local lengths, a contiguous and a
+        # zigzag layout, both head dims (two and three consumer warpgroups in the forward)
+        make_case(
+            w,
+            layout,
+            causal,
+            B=1,
+            n_local=4000 // w,
+            H=8,
+            Hkv=2,
+            D=d,
+            dtype=torch.bfloat16,
+            backend="hopper",
+            device="cuda",
+        )
+        for w, layout, causal, d in (
+            (2, "zigzag", True, 128),
+            (4, "contiguous", True, 128),
+            (2, "zigzag", False, 128),
+            (4, "zigzag", True, 64),
+        )
+    ]
+    + [  # q, k, v as views of a fused QKV projection's output (descriptor loads with its strides)
+        make_case(
+            2,
+            "zigzag",
+            True,
+            B=1,
+            n_local=2000,
+            H=8,
+            Hkv=2,
+            D=128,
+            dtype=torch.bfloat16,
+            backend="triton",
+            device="cuda",
+            strided=True,
+        )
+    ]
+)
 
 
 @pytest.mark.gpu
@@ -475,6 +538,19 @@ def test_ring_gpu_shared_by_gloo_ranks(case):
 def test_ring_nccl_two_gpus(backend):
     # Two NCCL ranks, bf16, 64k tokens per rank, both transports: launch/check_ring_nccl.py.
     proc = torchrun(REPO / "launch" / "check_ring_nccl.py", "--backend", backend, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize(
+    "args",
+    [("--scheme", "allgather"), ("--scheme", "allgather", "--window-size", "3000,0"),
+     ("--tokens-per-rank", "4096", "--softcap", "30", "--sink"),
+     ("--tokens-per-rank", "4096", "--window-size", "700,300")],
+)  # fmt: skip
+def test_schemes_and_features_nccl_two_gpus(args):
+    # The all-gather scheme, windows, softcapping and sinks over NCCL (launch/check_ring_nccl.py).
+    proc = torchrun(REPO / "launch" / "check_ring_nccl.py", *args, timeout=900)
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
 
 
