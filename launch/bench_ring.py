@@ -83,8 +83,9 @@ def bench_ring(args, n_local, layout, dev, dtype, mask=None, transport="nccl", c
     k, v = (torch.randn(B, n_local, Hkv, D, device=dev, dtype=dtype, requires_grad=True) for _ in range(2))
     do = torch.randn_like(q)
 
-    opts = dict(causal=True, layout=layout, check_ranks=args.check_ranks, mask=mask, transport=transport,
-                backend=backend)
+    opts = dict(
+        causal=True, layout=layout, check_ranks=args.check_ranks, mask=mask, transport=transport, backend=backend
+    )
 
     def fwd():
         with torch.no_grad():
@@ -103,9 +104,12 @@ def bench_ring(args, n_local, layout, dev, dtype, mask=None, transport="nccl", c
         ring_backward(do, q.detach(), kv, o, lse, plan, **step_opts)
 
     if args.profile:
-        _profile(fwd_bwd, f"ring fwd+bwd ({transport}), {layout}, {n_local} tokens/rank")
+        name = f"{n_local}_{layout}_{backend or 'default'}_{transport}"
+        _profile(
+            fwd_bwd, f"ring fwd+bwd ({transport}), {layout}, {n_local} tokens/rank", args.trace_dir, f"ring_{name}"
+        )
         if compute:
-            _profile(compute_only, f"compute only, {layout}, {n_local} tokens/rank")
+            _profile(compute_only, f"compute only, {layout}, {n_local} tokens/rank", args.trace_dir, f"compute_{name}")
     fwd_ms = time_collective(fwd, args.iters, args.warmup)
     fwd_bwd_ms = time_collective(fwd_bwd, args.iters, args.warmup)
     if not compute:
@@ -115,8 +119,10 @@ def bench_ring(args, n_local, layout, dev, dtype, mask=None, transport="nccl", c
     dist.all_gather_object(compute_ms, time_local(compute_only, args.iters, args.warmup))
     if rank == 0:
         kernels_used = f" ({backend} kernels)" if backend else ""
-        print(f"{n_local} tokens/rank {layout}{kernels_used}: compute only per rank "
-              + ", ".join(f"{t:.3g}" for t in compute_ms))
+        print(
+            f"{n_local} tokens/rank {layout}{kernels_used}: compute only per rank "
+            + ", ".join(f"{t:.3g}" for t in compute_ms)
+        )
     return fwd_ms, fwd_bwd_ms, max(compute_ms)
 
 
@@ -132,9 +138,10 @@ def bench_hop(args, n_local, dev, dtype, transport) -> tuple[float, int]:
     return ms, kv.numel() * kv.element_size()
 
 
-def _profile(fn, title: str, iters: int = 3) -> None:
+def _profile(fn, title: str, trace_dir: str | None = None, name: str = "", iters: int = 3) -> None:
     """Print rank 0's GPU time per kernel (torch.profiler) over `iters` calls of `fn`, and every
-    rank's timeline: how busy its compute stream is and where it waits (`_idle_gaps`)."""
+    rank's timeline: how busy its compute stream is and where it waits (`_idle_gaps`). With
+    `trace_dir`, every rank's chrome trace is kept there as `{name}_rank{r}.json`."""
     import json
     import tempfile
 
@@ -148,7 +155,11 @@ def _profile(fn, title: str, iters: int = 3) -> None:
         synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        events = json.loads(Path(f.name).read_text())["traceEvents"]
+        text = Path(f.name).read_text()
+    if trace_dir:
+        Path(trace_dir).mkdir(parents=True, exist_ok=True)
+        (Path(trace_dir) / f"{name}_rank{dist.get_rank()}.json").write_text(text)
+    events = json.loads(text)["traceEvents"]
     timelines = [None] * dist.get_world_size()
     dist.all_gather_object(timelines, _idle_gaps(events, iters))
     if dist.get_rank() == 0:
@@ -267,8 +278,11 @@ def main() -> None:
         help="skip the per-call cross-rank input check (a host round trip per call)",
     )
     p.add_argument("--no-torch-cp", action="store_true", help="skip torch's context_parallel")
-    p.add_argument("--kernel-backends", default=None,
-                   help="comma-separated kernel backends for the ringflash rows (default: triton,cudnn on CUDA)")
+    p.add_argument(
+        "--kernel-backends",
+        default=None,
+        help="comma-separated kernel backends for the ringflash rows (default: triton,cudnn on CUDA)",
+    )
     p.add_argument(
         "--transports",
         default=None,
@@ -281,12 +295,18 @@ def main() -> None:
         default="high",
         help="the NCCL group's stream priority: high (ringflash.nccl_options(), as train/ uses) or default",
     )
-    p.add_argument("--quick", action="store_true",
-                   help="tiny shapes, 2 iterations, no record unless --record-to: a smoke run")
+    p.add_argument(
+        "--quick", action="store_true", help="tiny shapes, 2 iterations, no record unless --record-to: a smoke run"
+    )
     p.add_argument("--no-record", action="store_true", help="print only; do not append to the records")
-    p.add_argument("--record-to", type=Path, default=None,
-                   help=f"directory of the JSON-lines records (default {BENCHMARKS_DIR}, none for --quick)")
+    p.add_argument(
+        "--record-to",
+        type=Path,
+        default=None,
+        help=f"directory of the JSON-lines records (default {BENCHMARKS_DIR}, none for --quick)",
+    )
     p.add_argument("--profile", action="store_true", help="torch.profiler kernel tables: ring, compute only, single")
+    p.add_argument("--trace-dir", default=None, help="with --profile: keep every rank's chrome traces there")
     p.add_argument("--masks", action="store_true", help="dense causal vs packed documents vs a window (see above)")
     p.add_argument("--doc-min", type=parse_tokens, default=parse_tokens("1k"), help="--masks: shortest document")
     p.add_argument("--doc-max", type=parse_tokens, default=parse_tokens("64k"), help="--masks: longest document")
@@ -307,8 +327,10 @@ def main() -> None:
     backends = (args.kernel_backends or ("triton,cudnn" if cuda else "auto")).split(",")
     for b in backends:
         if b not in kernels.BACKENDS or (b in ("triton", "cudnn", "hopper") and not cuda):
-            p.error(f"--kernel-backends: each must be one of {kernels.BACKENDS} (triton, cudnn, hopper need CUDA), "
-                    f"got {b!r}")
+            p.error(
+                f"--kernel-backends: each must be one of {kernels.BACKENDS} (triton, cudnn, hopper need CUDA), "
+                f"got {b!r}"
+            )
     args.transports, args.kernel_backends = ",".join(transports), ",".join(backends)  # as resolved, for the record
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if cuda:
@@ -330,8 +352,15 @@ def main() -> None:
             n_global = n * world
             for transport in transports:
                 ms, nbytes = bench_hop(args, n, dev, dtype, transport)
-                hops.append({"tokens_per_rank": n, "transport": transport, "ms": float(f"{ms:.4g}"),
-                             "MiB": nbytes / 2**20, "GB/s": float(f"{nbytes / ms / 1e6:.4g}")})
+                hops.append(
+                    {
+                        "tokens_per_rank": n,
+                        "transport": transport,
+                        "ms": float(f"{ms:.4g}"),
+                        "MiB": nbytes / 2**20,
+                        "GB/s": float(f"{nbytes / ms / 1e6:.4g}"),
+                    }
+                )
             flops = attn_flops(args.batch, args.heads, n_global, n_global, args.head_dim, True, "fwd_bwd") / world
             for backend in backends:
                 single = bench_single(args, n_global, dev, dtype, backend, _profile if args.profile else None) / world
@@ -346,8 +375,10 @@ def main() -> None:
                     row = [n, impl, layout, fwd, fwd_bwd, compute, single, single / fwd_bwd]
                     rows.append([*row, tflops])
                     if rank == 0:
-                        print(f"{n} tokens/rank {impl} {layout}: fwd+bwd {fwd_bwd:.3g} ms, "
-                              f"efficiency {single / fwd_bwd:.3f}")
+                        print(
+                            f"{n} tokens/rank {impl} {layout}: fwd+bwd {fwd_bwd:.3g} ms, "
+                            f"efficiency {single / fwd_bwd:.3f}"
+                        )
             for sdpa in () if args.no_torch_cp else ("flash", "cudnn"):
                 ms, why = bench_torch_cp(args, n_global, dev, dtype, sdpa)
                 if ms is None:
@@ -384,14 +415,25 @@ def main() -> None:
                 f"NCCL stream priority: {args.nccl_priority if cuda else 'n/a (gloo)'}; ringflash rows: "
                 f"blocks sent by {'NCCL' if cuda else 'gloo'} send/recv, or by the GPUs' copy engines where the "
                 "impl says copy-engine (transport='copy-engine'); ring and torch CP times: "
-                + (f"steady state, {PRIMING_CALLS} untimed calls queued before each timed run." if cuda else
-                   "host wall clock.")
+                + (
+                    f"steady state, {PRIMING_CALLS} untimed calls queued before each timed run."
+                    if cuda
+                    else "host wall clock."
+                )
                 + " One K/V hop alone: sent to the next rank while the previous rank's arrives, nothing else "
                 "running, the slowest rank's."
             )
-            record("ring", title, headers, rows, args=_record_args(args, world), notes=notes,
-                   peers=sorted({r[1] for r in rows if r[1].startswith("torch CP") and r[4] != "n/a"}),
-                   ceilings={"kv_hop_alone": hops}, directory=args.record_to)
+            record(
+                "ring",
+                title,
+                headers,
+                rows,
+                args=_record_args(args, world),
+                notes=notes,
+                peers=sorted({r[1] for r in rows if r[1].startswith("torch CP") and r[4] != "n/a"}),
+                ceilings={"kv_hop_alone": hops},
+                directory=args.record_to,
+            )
         # Tear down together: a rank that destroys its gloo group while rank 0 still writes the
         # table made the other abort at exit now and then ("terminate called ...").
         dist.barrier()
@@ -419,15 +461,40 @@ def _main_masks(args, dev, dtype, layouts) -> None:
             f"rank; documents log-uniform in [{args.doc_min}, {args.doc_max}] tokens, seed 0; cross-rank input check: "
             f"{'on' if args.check_ranks else 'off'}."
         )
-        record("ring", title, headers, rows, args=_record_args(args, dist.get_world_size()), notes=notes,
-               directory=args.record_to)
+        record(
+            "ring",
+            title,
+            headers,
+            rows,
+            args=_record_args(args, dist.get_world_size()),
+            notes=notes,
+            directory=args.record_to,
+        )
 
 
 def _record_args(args, world: int) -> dict:
     """The run's shapes and options, as its record keeps them."""
-    keep = ("tokens_per_rank", "batch", "heads", "kv_heads", "head_dim", "dtype", "layouts", "iters", "warmup",
-            "check_ranks", "kernel_backends", "transports", "cp_rotate", "nccl_priority", "masks", "doc_min",
-            "doc_max", "window", "quick")
+    keep = (
+        "tokens_per_rank",
+        "batch",
+        "heads",
+        "kv_heads",
+        "head_dim",
+        "dtype",
+        "layouts",
+        "iters",
+        "warmup",
+        "check_ranks",
+        "kernel_backends",
+        "transports",
+        "cp_rotate",
+        "nccl_priority",
+        "masks",
+        "doc_min",
+        "doc_max",
+        "window",
+        "quick",
+    )
     return {"world": world, "causal": True, **{k: getattr(args, k) for k in keep}}
 
 
