@@ -172,15 +172,12 @@ def single_ms(args, cache: dict, n_global: int, shape, dev, dtype, sdpa: str | N
     return cache[key]
 
 
-def predicted(rates, n_global: int, shape, u: int, r: int, scheme: str) -> tuple[float | None, float | None]:
-    """The planner's (ms, efficiency in this benchmark's definition) for the grid; (None, None)
-    for a scheme it does not model."""
-    if scheme != "ring":
-        return None, None
+def predicted(rates, n_global: int, shape, u: int, r: int, scheme: str, stride: int) -> tuple[float, float]:
+    """The planner's (ms, efficiency in this benchmark's definition) for the grid and scheme."""
     H, Hkv, D = shape
     m = Model(H, Hkv, D)
     c = Cluster()
-    t = predict(m, n_global, c, u, r, "nccl", "zigzag", rates).time_s
+    t = predict(m, n_global, c, u, r, "nccl", "zigzag", rates, scheme, stride).time_s
     one = predict(m, n_global, c, 1, 1, "nccl", "zigzag", rates).time_s
     return t * 1e3, one / (u * r) / t
 
@@ -230,7 +227,9 @@ def measure(args, table: Table, groups: Groups, cache: dict, rates, mode: str, n
                 table.skip(what, why)
                 continue
             dense = mask_name == DENSE
-            p_ms, p_eff = predicted(rates, n_global, shape, u, r, scheme) if dense else (None, None)
+            p_ms, p_eff = (None, None)
+            if dense:
+                p_ms, p_eff = predicted(rates, n_global, shape, u, r, scheme, args.heads_k_stride)
             single_w = None if one is None or not dense else one / world
             eff = None if single_w is None else single_w / ms
             table.add([*base, impl_name(u, r, scheme), scheme if r > 1 else "", mask_name, visible, u, r, ms,

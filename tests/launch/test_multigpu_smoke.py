@@ -40,14 +40,13 @@ def test_bench_scaling_smoke_records_every_scheme_and_mask_with_prediction(tmp_p
     runs = [("ring", "ring"), ("allgather", "allgather"), ("head-parallel", None)]
     assert set(rows) == {(m, i, s, d) for m in ("weak", "strong") for i, s in runs for d in (True, False)}
     assert len(rec["results"]) == len(rows)
-    for (_, impl, _, dense), row in rows.items():
+    for (*_, dense), row in rows.items():
         assert row["u"] * row["r"] == 2 and row["fwd+bwd ms"] > 0 and row["TFLOP/s/GPU"] > 0
         if not dense:
             assert " docs 4–32" in row["mask"] and 0 < row["visible"] < 1 and row["efficiency"] is None
             continue
         assert row["visible"] == 1 and row["efficiency"] > 0
-        if impl != "allgather":
-            assert row["predicted ms"] > 0 and 0 < row["predicted efficiency"] <= 1.5
+        assert row["predicted ms"] > 0 and 0 < row["predicted efficiency"] <= 1.5
     printed = [line for line in out.stdout.splitlines() if line.startswith("| weak | 2 | gqa |")]
     assert len(printed) == 2 * 6  # each row as it finished, then in the record's table
 
