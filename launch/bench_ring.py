@@ -59,12 +59,14 @@ from ringflash.bench import (
     bench_single,
     bench_single_sdpa,
     bench_torch_cp,
+    doc_lengths,
     exit_without_teardown,
     parse_tokens,
     record,
     synchronize,
     time_collective,
     time_local,
+    visible_fraction,
 )
 from ringflash.layout import ring_schedule
 from ringflash.ring import ring_backward, ring_forward
@@ -207,27 +209,6 @@ def _idle_gaps(events: list[dict], calls: int, top: int = 8) -> list[str]:
 
 def _short(kernel: str) -> str:
     return kernel.split("(")[0].split("<")[0][:28]
-
-
-def doc_lengths(n_global: int, lo: int, hi: int, seed: int = 0) -> list[int]:
-    """Document lengths, log-uniform in [lo, hi], filling `n_global` tokens (the last one cut)."""
-    g = torch.Generator().manual_seed(seed)
-    lens: list[int] = []
-    while sum(lens) < n_global:
-        u = torch.rand((), generator=g).item()
-        length = round(math.exp(math.log(lo) + u * (math.log(hi) - math.log(lo))))
-        lens.append(min(length, n_global - sum(lens)))
-    return lens
-
-
-def visible_fraction(n_global: int, docs: list[int] | None, window: int | None) -> float:
-    """Visible (query, key) pairs under documents or a window, over dense causal's n(n+1)/2."""
-    if docs is not None:
-        pairs = sum(n * (n + 1) // 2 for n in docs)
-    else:
-        w = min(window, n_global)
-        pairs = w * (w + 1) // 2 + (n_global - w) * w
-    return pairs / (n_global * (n_global + 1) // 2)
 
 
 def bench_masks(args, n_local, layout, dev, dtype) -> list[list]:

@@ -12,7 +12,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from ringflash.plan import Cluster, KernelRates, Model, plan, validation_rows, validation_table
+from ringflash.plan import Cluster, KernelRates, Model, plan
+from ringflash.plan_validation import validation_rows, validation_table
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 SHAPES = {"8b": ("Llama-3-8B", Model(32, 8, 128, 32)), "70b": ("Llama-3-70B", Model(64, 8, 128, 80))}

@@ -221,6 +221,27 @@ def tokens_label(n: float) -> str:
     return str(n)
 
 
+def doc_lengths(n_global: int, lo: int, hi: int, seed: int = 0) -> list[int]:
+    """Document lengths, log-uniform in [lo, hi], filling `n_global` tokens (the last one cut)."""
+    g = torch.Generator().manual_seed(seed)
+    lens: list[int] = []
+    while sum(lens) < n_global:
+        u = torch.rand((), generator=g).item()
+        length = round(math.exp(math.log(lo) + u * (math.log(hi) - math.log(lo))))
+        lens.append(min(length, n_global - sum(lens)))
+    return lens
+
+
+def visible_fraction(n_global: int, docs: list[int] | None, window: int | None) -> float:
+    """Visible (query, key) pairs under documents or a window, over dense causal's n(n+1)/2."""
+    if docs is not None:
+        pairs = sum(n * (n + 1) // 2 for n in docs)
+    else:
+        w = min(window, n_global)
+        pairs = w * (w + 1) // 2 + (n_global - w) * w
+    return pairs / (n_global * (n_global + 1) // 2)
+
+
 def synchronize() -> None:
     """Wait for the current CUDA device, where there is one."""
     if torch.cuda.is_available():

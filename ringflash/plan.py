@@ -4,40 +4,42 @@
         --seqlen 1M --gpus 128                       # or --gpus-per-node 8 --nodes 16
     python -m ringflash.plan --validate            # predicted vs measured, benchmarks/ring.jsonl, scaling.jsonl
 
-For a grid of `u` head-parallel × `r` ring ranks (ringflash/hybrid.py; u = 1 the ring, r = 1
-pure head parallelism) and a transport for the ring's blocks, the forward + backward time of one
-layer is the sum of:
+For a grid of `u` head-parallel × `r` context-parallel ranks (ringflash/hybrid.py; r = 1 pure
+head parallelism) and a scheme across the r ranks (`ring`, K/V passed around; `allgather`, K/V
+all-gathered in chunks of `heads_k_stride` heads), the forward + backward time of one layer is
+the sum of:
 - **ring steps**: step s computes its block pair (the layout's schedule: zigzag's half blocks,
   contiguous's full block on the critical rank, the causal diagonal at step 0) while the next
   K/V block travels, so a step costs max(compute, transfer) + a fixed per-step overhead; in the
-  backward the float32 dK/dV travel beside the K/V. Compute = FLOPs / the kernel rate recorded
-  in benchmarks/kernels.jsonl at that block's length and head dim (interpolated in log length;
-  shipped as ringflash/kernel_rates.json, so an installed package needs no repository);
-  NCCL's transfer kernels take SMs from attention (`nccl_sm_slowdown`), copy engines do not.
+  backward the float32 dK/dV travel beside the K/V.
+- **all-gather chunks**: chunk i computes this rank's queries against all keys (the layout
+  balances any mask exactly: 1/r of the work) while chunk i + 1's K/V are gathered, and in the
+  backward while chunk i − 1's float32 dK/dV are reduce-scattered; the first gather and the last
+  reduce-scatter are exposed; a fixed overhead per chunk and direction.
 - **all-to-alls** (u > 1): q, k, v to heads and o back (forward), dO to heads and dq, dk, dv
   back (backward), exposed (nothing overlaps them); over NVLink when the head group fits in a
   node (heads are the inner grid dimension), else partly over InfiniBand.
-The ring's links are NVLink when the whole grid is one node, else InfiniBand (its slowest hop).
-Efficiency = the unsharded attention's FLOPs / (GPUs · time · the kernel's best recorded rate).
-Not modelled: memory limits, the host's launch lead, congestion between concurrent rings.
+Compute = FLOPs / the kernel rate recorded in benchmarks/kernels.jsonl at the block's length and
+head dim (ringflash/kernel_rates.py); NCCL's kernels take SMs from attention (`nccl_sm_slowdown`),
+copy engines do not. Links are NVLink when the whole grid is one node, else InfiniBand.
+Memory: the bytes per GPU one attention call holds beyond its inputs and outputs (K/V blocks in
+flight and float32 dK/dV for the ring, gathered chunks and their float32 gradients for the
+all-gather, head-layout copies for u > 1); the recommendation is the fastest layout within
+`Cluster.memory_gib`. Efficiency = the unsharded attention's FLOPs / (GPUs · time · the
+kernel's best recorded rate). Not modelled: the host's launch lead, congestion between
+concurrent collectives.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.resources
-import json
 import math
-import statistics
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 
 from ringflash.hybrid import kv_heads_per_rank
+from ringflash.kernel_rates import BWD_FLOPS, REPO, KernelRates
 
-__all__ = ["Cluster", "KernelRates", "Model", "Prediction", "feasible", "main", "predict", "validation_rows"]
-
-REPO = Path(__file__).resolve().parent.parent  # benchmarks/ there: a repository checkout only
-BWD_FLOPS = 2.5  # backward FLOPs / forward FLOPs (FlashAttention-2's accounting: 5 matmuls vs 2)
+__all__ = ["Cluster", "KernelRates", "Model", "Prediction", "feasible", "main", "plan", "predict", "recommend"]
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,7 @@ class Cluster:
 
     Defaults: H100/H200 SXM nodes: NVLink 4 at 900 GB/s both ways (450 one way) of which NCCL p2p
     reaches ~80%; one 400 Gb/s InfiniBand NIC per GPU (50 GB/s, ~85% reached); latencies of a
-    small NCCL message; `step_overhead_us`: per ring step and direction (launches, waits);
+    small NCCL message; `step_overhead_us`: per ring step or all-gather chunk and direction;
     `nccl_sm_slowdown`: attention's slowdown while an NCCL transfer kernel holds SMs.
     """
 
@@ -73,90 +75,19 @@ class Cluster:
         default=0.8, metadata={"help": "all-to-all bandwidth / point-to-point bandwidth (NCCL's, on NVLink)"}
     )
     step_overhead_us: float = field(
-        default=60.0, metadata={"help": "fixed cost of a ring step per direction (launches, waits), µs"}
+        default=60.0, metadata={"help": "µs per direction of each ring step or all-gather chunk (launches, waits)"}
     )
     nccl_sm_slowdown: float = field(
         default=0.05, metadata={"help": "attention's slowdown while an NCCL transfer kernel holds SMs"}
     )
+    memory_gib: float = field(
+        default=8.0, metadata={"help": "GiB per GPU an attention call's buffers may take beyond its inputs and "
+                               "outputs (the rest holds weights and activations); the recommendation keeps within it"}
+    )  # fmt: skip
 
     @property
     def gpus(self) -> int:
         return self.gpus_per_node * self.nodes
-
-
-@dataclass
-class KernelRates:
-    """Kernel TFLOP/s by (head dim, causal, direction), tabulated over lengths N (log-interpolated).
-
-    `from_records` takes ringflash's rows of the newest dense kernels.jsonl records (bf16, one H100 or
-    H200: their kernels run within a few percent of each other),
-    the median of the newest `POOLED` at each shape: one run's kernels read up to 5% off another's.
-    """
-
-    table: dict[tuple[int, bool, str], list[tuple[int, float]]] = field(default_factory=dict)
-    POOLED = 5
-
-    @classmethod
-    def from_records(cls, path: Path = REPO / "benchmarks" / "kernels.jsonl") -> KernelRates:
-        records = _records(path)
-        # Dense MHA tables only: a GQA run (args.group) covers one head dim and its own tiles.
-        records = [r for r in records if (r.get("args") or {}).get("group", 1) == 1
-                   and any(x.get("impl") == "ringflash" and "N" in x for x in r.get("results", []))]
-        samples: dict = {}
-        for record in sorted(records, key=lambda r: r["date"])[-cls.POOLED:]:
-            for x in record["results"]:
-                if x.get("impl") != "ringflash":
-                    continue
-                for direction in ("fwd", "bwd"):
-                    by_n = samples.setdefault((x["D"], x["causal"] == "yes", direction), {})
-                    by_n.setdefault(x["N"], []).append(float(x[f"{direction} TFLOP/s"]))
-        return cls({k: sorted((n, statistics.median(v)) for n, v in by_n.items()) for k, by_n in samples.items()})
-
-    @classmethod
-    def default(cls) -> KernelRates:
-        """The rates shipped with the package (ringflash/kernel_rates.json, `from_records` of the
-        repository's benchmarks/kernels.jsonl when it was last regenerated)."""
-        return cls.load(importlib.resources.files("ringflash") / "kernel_rates.json")
-
-    @classmethod
-    def load(cls, path) -> KernelRates:
-        """Rates saved by `save`, or (a `.jsonl` path) `from_records` of a kernels.jsonl."""
-        if str(path).endswith(".jsonl"):
-            return cls.from_records(Path(path))
-        text = path.read_text() if hasattr(path, "read_text") else Path(path).read_text()
-        rows = json.loads(text)["rates"]
-        return cls({(r["head_dim"], r["causal"], r["direction"]): [tuple(pt) for pt in r["points"]] for r in rows})
-
-    def save(self, path: Path) -> None:
-        """Write the table as JSON (regenerate the shipped one: docs/planner.md)."""
-        rows = [{"head_dim": d, "causal": c, "direction": k, "points": [list(pt) for pt in pts]}
-                for (d, c, k), pts in sorted(self.table.items())]  # fmt: skip
-        source = f"KernelRates.from_records: the median of the newest {self.POOLED} dense records per shape"
-        Path(path).write_text(json.dumps({"source": source, "rates": rows}, indent=1) + "\n")
-
-    @classmethod
-    def constant(cls, fwd: float, bwd: float) -> KernelRates:
-        """The same rate at every shape (tests, what-ifs)."""
-        return cls({(0, c, d): [(1, r)] for c in (False, True) for d, r in (("fwd", fwd), ("bwd", bwd))})
-
-    def rate(self, head_dim: int, n: float, causal: bool, direction: str) -> float:
-        """TFLOP/s at block length n: nearest recorded head dim; log-linear between recorded lengths,
-        below the shortest extrapolated along the first segment's slope (small blocks run slower),
-        above the longest held flat."""
-        dims = sorted({d for d, _, _ in self.table})
-        d = min(dims, key=lambda x: abs(math.log2(max(x, 1)) - math.log2(head_dim)))
-        pts = self.table[(d, causal, direction)]
-        if len(pts) == 1 or n >= pts[-1][0]:
-            return pts[-1][1] if n >= pts[-1][0] else pts[0][1]
-        i = max(0, next((j for j, (m, _) in enumerate(pts) if m > n), len(pts) - 1) - 1)
-        (n0, r0), (n1, r1) = pts[i], pts[i + 1]
-        t = (math.log(max(n, 1)) - math.log(n0)) / (math.log(n1) - math.log(n0))
-        return max(r0 + t * (r1 - r0), 0.05 * r0)
-
-    def best(self, head_dim: int) -> float:
-        """The best recorded fwd+bwd rate at this head dim, causal or not: the single-GPU ideal."""
-        f, b = (max(self.rate(head_dim, 1e9, c, d) for c in (False, True)) for d in ("fwd", "bwd"))
-        return (1 + BWD_FLOPS) / (1 / f + BWD_FLOPS / b)
 
 
 @dataclass(frozen=True)
@@ -166,10 +97,19 @@ class Prediction:
     transport: str
     layout: str
     compute_s: float  # kernel time on the critical rank (fwd + bwd), no communication
-    ring_s: float  # the ring's steps, transfers overlapped (fwd + bwd), compute included
+    ring_s: float  # the scheme's part across the r ranks, transfers overlapped (fwd + bwd), compute included
     a2a_s: float  # the head all-to-alls, exposed
     time_s: float  # one layer, fwd + bwd
     efficiency: float
+    scheme: str = "ring"
+    memory_bytes: float = 0.0  # per GPU, beyond the call's inputs and outputs (module docstring)
+
+    def describe(self) -> str:
+        """The layout in one phrase: `allgather`, `ring (copy-engine)`, `head-parallel u=8`, `ring, u=2 × r=4`."""
+        across = self.scheme + (f" ({self.transport})" if self.scheme == "ring" and self.transport != "nccl" else "")
+        if self.r == 1:
+            return f"head-parallel u={self.u}"
+        return across if self.u == 1 else f"{across}, u={self.u} × r={self.r}"
 
 
 def _flops(m: Model, h: int, nq: float, nk: float, causal_diag: bool) -> float:
@@ -186,18 +126,10 @@ def _steps(m: Model, r: int, n: float, layout: str) -> list[tuple[float, float, 
     return [(n, n, True)] + [(n, n, False)] * (r - 1)  # contiguous: the last rank sees every block whole
 
 
-def predict(m: Model, seqlen: int, c: Cluster, u: int, r: int, transport: str = "nccl", layout: str = "zigzag",
-            rates: KernelRates | None = None) -> Prediction:  # fmt: skip
-    """One layer's fwd + bwd time on a grid of u head ranks × r ring ranks (module docstring)."""
-    rates = rates or KernelRates.default()
-    h, hkv = m.heads // u, kv_heads_per_rank(m.heads, m.kv_heads, u)
-    n = seqlen / r  # tokens of a ring shard (each head rank holds all of them after the all-to-all)
-    one_node = u * r <= c.gpus_per_node
-    bw = (c.nvlink_gbs if one_node else c.ib_gbs) * 1e9
-    lat = (c.nvlink_lat_us if one_node else c.ib_lat_us) * 1e-6
+def _ring(m, rates, c, h, hkv, n, r, layout, slow, bw, lat) -> tuple[float, float]:
+    """(compute, time) of the ring's r steps, forward and backward."""
     kv_bytes = 2 * m.batch * n * hkv * m.head_dim * m.dtype_bytes
     dkv_bytes = 2 * m.batch * n * hkv * m.head_dim * 4  # float32 sums travel behind their block
-    slow = 1 + (c.nccl_sm_slowdown if transport == "nccl" and r > 1 else 0.0)
     overhead = c.step_overhead_us * 1e-6 if r > 1 else 0.0
     compute = ring = 0.0
     for direction, flops_x, comm_bytes in (("fwd", 1.0, kv_bytes), ("bwd", BWD_FLOPS, kv_bytes + dkv_bytes)):
@@ -208,26 +140,97 @@ def predict(m: Model, seqlen: int, c: Cluster, u: int, r: int, transport: str = 
             in_flight = s < r - 1 or (direction == "bwd" and r > 1)  # the backward's last dK/dV hop too
             hop = lat + (comm_bytes if s < r - 1 else kv_bytes) / bw
             ring += (max(t * slow, hop) if in_flight else t) + overhead
+    return compute, ring
+
+
+def _allgather(m, rates, c, h, hkv, n, r, stride, slow, bw, lat) -> tuple[float, float]:
+    """(compute, time) of the all-gather's chunks, forward and backward (module docstring)."""
+    n_global = n * r
+    chunks = [min(stride, hkv - i) for i in range(0, hkv, stride)]  # K/V heads per chunk
+    per_head = m.batch * n * m.head_dim * (r - 1)  # elements of one K/V head arriving from the other ranks
+    # This rank's rows see 1/r of the whole sequence's visible pairs (the layout balances any mask),
+    # in one kernel call over all N keys: its tiles are the whole causal problem's, rows cut r ways.
+    pairs = n_global * n_global / (2 if m.causal else 1) / r
+    compute = total = 0.0
+    for direction, flops_x in (("fwd", 1.0), ("bwd", BWD_FLOPS)):
+        rate = rates.rate(m.head_dim, n_global, m.causal, direction) * 1e12
+        ts = [flops_x * 4.0 * m.batch * s * (h // hkv) * m.head_dim * pairs / rate for s in chunks]
+        gathers = [lat + 2 * per_head * s * m.dtype_bytes / bw for s in chunks]
+        scatters = [lat + 2 * per_head * s * 4 / bw if direction == "bwd" else 0.0 for s in chunks]
+        compute += sum(ts)
+        total += gathers[0] + scatters[-1] + len(chunks) * c.step_overhead_us * 1e-6
+        for i, t in enumerate(ts):  # the next gather and the previous reduce-scatter share the link
+            comm = (gathers[i + 1] if i + 1 < len(ts) else 0.0) + (scatters[i - 1] if i else 0.0)
+            total += max(t * slow, comm) if comm else t
+    return compute, total
+
+
+def _a2a(m, c, hkv, seqlen, u, r) -> float:
+    """The head all-to-alls' exposed time (u > 1)."""
+    if u == 1:
+        return 0.0
     a2a = 0.0
-    if u > 1:
-        n_loc = seqlen / (u * r)
-        elems = m.batch * n_loc * m.head_dim * m.dtype_bytes * (u - 1) / u  # bytes per head sent away
-        calls = [m.heads + 2 * hkv * u, m.heads, m.heads, m.heads + 2 * hkv * u]  # qkv, o; do, dqkv
-        intra = min(u, c.gpus_per_node) / u  # share of peers inside the node (heads are the inner dim)
-        for heads in calls:
-            b = elems * heads
-            t_nvl = b * intra / (c.nvlink_gbs * c.a2a_efficiency * 1e9)
-            t_ib = b * (1 - intra) / (c.ib_gbs * c.a2a_efficiency * 1e9) if intra < 1 else 0.0
-            a2a += max(t_nvl, t_ib) + (c.nvlink_lat_us if intra == 1 else c.ib_lat_us) * 1e-6
-    time = ring + a2a
+    n_loc = seqlen / (u * r)
+    elems = m.batch * n_loc * m.head_dim * m.dtype_bytes * (u - 1) / u  # bytes per head sent away
+    calls = [m.heads + 2 * hkv * u, m.heads, m.heads, m.heads + 2 * hkv * u]  # qkv, o; do, dqkv
+    intra = min(u, c.gpus_per_node) / u  # share of peers inside the node (heads are the inner dim)
+    for heads in calls:
+        b = elems * heads
+        t_nvl = b * intra / (c.nvlink_gbs * c.a2a_efficiency * 1e9)
+        t_ib = b * (1 - intra) / (c.ib_gbs * c.a2a_efficiency * 1e9) if intra < 1 else 0.0
+        a2a += max(t_nvl, t_ib) + (c.nvlink_lat_us if intra == 1 else c.ib_lat_us) * 1e-6
+    return a2a
+
+
+def memory_bytes(m: Model, seqlen: int, u: int, r: int, scheme: str = "ring", heads_k_stride: int = 1) -> float:
+    """Bytes per GPU one attention call holds beyond its inputs and outputs, at its peak (the backward).
+
+    Ring (r > 1), per token of the n = N/r ring shard: K/V blocks in flight (two at most), the
+    float32 dK/dV sums computed and travelling, the float32 output/dQ accumulators, the bf16
+    partial output and the packed K/V sent (docs/memory.md's ring term). All-gather: per chunk of
+    s K/V heads, two gathered chunks and the global-order copy of one (bf16), and the float32
+    dK/dV of the whole sequence three times (the kernel's, stacked, cut per rank). u > 1: the
+    head-layout copies of q, k, v, o and their gradients."""
+    h, hkv = m.heads // u, kv_heads_per_rank(m.heads, m.kv_heads, u)
+    n, d, b = m.batch * seqlen / r, m.head_dim, m.dtype_bytes
+    out = 2 * n * (2 * h + 2 * hkv) * d * b if u > 1 else 0.0
+    if r == 1:
+        return out
+    if scheme == "ring":
+        kv_block = 2 * hkv * d * b
+        return out + n * (min(2, r - 1) * kv_block + 2 * (2 * hkv * d * 4) + 4 * h * d + b * h * d + 2 * kv_block)
+    s = min(heads_k_stride, hkv)
+    return out + 2 * (n * r) * s * d * (3 * b + 3 * 4)
+
+
+def predict(m: Model, seqlen: int, c: Cluster, u: int, r: int, transport: str = "nccl", layout: str = "zigzag",
+            rates: KernelRates | None = None, scheme: str = "ring", heads_k_stride: int = 1) -> Prediction:  # fmt: skip
+    """One layer's fwd + bwd time on a grid of u head ranks × r ranks running `scheme` (module docstring)."""
+    if scheme not in ("ring", "allgather"):
+        raise ValueError(f"scheme must be 'ring' or 'allgather', got {scheme!r}")
+    rates = rates or KernelRates.default()
+    h, hkv = m.heads // u, kv_heads_per_rank(m.heads, m.kv_heads, u)
+    n = seqlen / r  # tokens of a ring shard (each head rank holds all of them after the all-to-all)
+    one_node = u * r <= c.gpus_per_node
+    bw = (c.nvlink_gbs if one_node else c.ib_gbs) * 1e9
+    lat = (c.nvlink_lat_us if one_node else c.ib_lat_us) * 1e-6
+    slow = 1 + (c.nccl_sm_slowdown if transport == "nccl" and r > 1 else 0.0)
+    if scheme == "allgather" and r > 1:
+        compute, across = _allgather(m, rates, c, h, hkv, n, r, heads_k_stride, slow, bw, lat)
+    else:
+        compute, across = _ring(m, rates, c, h, hkv, n, r, layout, slow, bw, lat)
+    a2a = _a2a(m, c, hkv, seqlen, u, r)
+    time = across + a2a
     ideal_flops = (1 + BWD_FLOPS) * _flops(m, m.heads, seqlen, seqlen, m.causal)
     eff = ideal_flops / (u * r * time * rates.best(m.head_dim) * 1e12)
-    return Prediction(u, r, transport, layout, compute, ring, a2a, time, eff)
+    mem = memory_bytes(m, seqlen, u, r, scheme, heads_k_stride)
+    return Prediction(u, r, transport, layout, compute, across, a2a, time, eff, scheme, mem)
 
 
-def feasible(m: Model, c: Cluster) -> list[tuple[int, int, str]]:
-    """Every (u, r, transport) the grid can run on all of the cluster's GPUs: u divides H, the K/V
-    heads split or replicate (`kv_heads_per_rank`), copy engines only for a ring inside one node."""
+def feasible(m: Model, c: Cluster) -> list[tuple[int, int, str, str]]:
+    """Every (u, r, transport, scheme) that can run on all of the cluster's GPUs: u divides H, the
+    K/V heads split or replicate (`kv_heads_per_rank`), copy engines only for a ring inside one
+    node; pure head parallelism (r = 1) has no scheme and is listed once, as the ring."""
     out = []
     for u in range(1, c.gpus + 1):
         if c.gpus % u:
@@ -237,76 +240,43 @@ def feasible(m: Model, c: Cluster) -> list[tuple[int, int, str]]:
         except ValueError:
             continue
         r = c.gpus // u
-        out.append((u, r, "nccl"))
+        out.append((u, r, "nccl", "ring"))
         if r > 1 and u * r <= c.gpus_per_node:
-            out.append((u, r, "copy-engine"))
+            out.append((u, r, "copy-engine", "ring"))
+        if r > 1:
+            out.append((u, r, "nccl", "allgather"))
     return out
 
 
-def plan(
-    m: Model, seqlen: int, c: Cluster, layout: str = "zigzag", rates: KernelRates | None = None
-) -> list[Prediction]:
-    """Predictions of every feasible grid, fastest first."""
+def plan(m: Model, seqlen: int, c: Cluster, layout: str = "zigzag", rates: KernelRates | None = None,
+         heads_k_stride: int = 1) -> list[Prediction]:  # fmt: skip
+    """Predictions of every feasible layout (`feasible`), fastest first."""
     rates = rates or KernelRates.default()
-    preds = [predict(m, seqlen, c, u, r, t, layout, rates) for u, r, t in feasible(m, c)]
+    preds = [predict(m, seqlen, c, u, r, t, layout, rates, scheme, heads_k_stride)
+             for u, r, t, scheme in feasible(m, c)]  # fmt: skip
     return sorted(preds, key=lambda p: p.time_s)
 
 
-# ---- validation against the recorded ring runs -------------------------------------------------
-
-
-def validation_rows(path: Path = REPO / "benchmarks" / "ring.jsonl", c: Cluster | None = None,
-                    rates: KernelRates | None = None,
-                    scaling: Path | None = REPO / "benchmarks" / "scaling.jsonl") -> list[dict]:  # fmt: skip
-    """Predicted vs measured fwd+bwd ms for every multi-GPU ringflash row of benchmarks/ring.jsonl
-    (dense masks only; rows without a shape take the records' common one, B=1 H=16 Hkv=16 D=128),
-    then for every ring, head-parallel and hybrid row of `scaling` (launch/bench_scaling.py)."""
-    c, rates = c or Cluster(), rates or KernelRates.default()
-    rows = []
-
-    def row(source, i, rec, m, world, u, layout, tokens, measured):
-        ms = predict(m, tokens * world, c, u, world // u, "nccl", layout, rates).time_s * 1e3
-        rows.append(dict(source=source, record=i, date=rec.get("date", "")[:10], W=world, grid=f"{u}×{world // u}",
-                         shape=f"{m.heads}/{m.kv_heads}/{m.head_dim}", layout=layout, tokens=tokens,
-                         measured=measured, predicted=round(ms, 2), error=round((ms - measured) / measured, 3)))
-
-    for i, rec in enumerate(_records(path)):
-        a = rec.get("args", {})
-        for x in rec.get("results", []):
-            if "fwd+bwd ms" not in x or "tokens/rank" not in x or x.get("impl", "ringflash") != "ringflash":
-                continue
-            if x.get("mask", "dense causal") != "dense causal":
-                continue
-            world = x.get("W") or a.get("world") or int(rec["title"].split(" ranks")[0].split()[-1])
-            m = Model(a.get("heads", 16), a.get("kv_heads", 16), a.get("head_dim", 128), batch=a.get("batch", 1),
-                      causal=a.get("causal", True))  # fmt: skip
-            row("ring", i, rec, m, world, 1, x.get("layout", "zigzag"), x["tokens/rank"], x["fwd+bwd ms"])
-    for i, rec in enumerate(_records(scaling) if scaling is not None and Path(scaling).exists() else []):
-        a = rec["args"]
-        if a.get("smoke"):
-            continue
-        for x in rec["results"]:
-            if x["impl"] not in ("ring", "head-parallel", "hybrid"):
-                continue
-            m = Model(*a["shapes"][x["shape"]], causal=a.get("causal", True))
-            row("scaling", i, rec, m, x["W"], x["u"], a.get("layout", "zigzag"), x["tokens/GPU"], x["fwd+bwd ms"])
-    return rows
-
-
-def _records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-
-
-def validation_table(rows: list[dict]) -> str:
-    errs = sorted(abs(r["error"]) for r in rows)
-    cols = ("source", "record", "date", "W", "grid", "shape", "layout", "tokens")
-    lines = ["| source | record | date | W | grid u×r | H/Hkv/D | layout | tokens/GPU | measured ms | predicted ms "
-             "| error |", "|" + "---|" * 11]  # fmt: skip
-    lines += ["| " + " | ".join(str(r[k]) for k in cols)
-              + f" | {r['measured']} | {r['predicted']} | {r['error']:+.1%} |" for r in rows]  # fmt: skip
-    lines.append(f"\n{len(rows)} rows: median |error| {errs[len(errs) // 2]:.1%}, "
-                 f"90th percentile {errs[int(0.9 * (len(errs) - 1))]:.1%}, max {errs[-1]:.1%}.")  # fmt: skip
-    return "\n".join(lines)
+def recommend(preds: list[Prediction], c: Cluster) -> tuple[Prediction | None, str]:
+    """The fastest of `preds` whose buffers fit `c.memory_gib`, and why, in one sentence (None: none fits)."""
+    budget = c.memory_gib * 2**30
+    fits = [p for p in preds if p.memory_bytes <= budget]
+    if not fits:
+        least = min(preds, key=lambda p: p.memory_bytes)
+        return None, (f"no layout's buffers fit memory_gib = {c.memory_gib:g}: the least, {least.describe()}, needs "
+                      f"{least.memory_bytes / 2**30:.1f} GiB")  # fmt: skip
+    best = fits[0]
+    why = [f"{best.describe()} is the fastest within {c.memory_gib:g} GiB of attention buffers "
+           f"({best.time_s * 1e3:.2f} ms per layer, {best.memory_bytes / 2**30:.2f} GiB; communication exposed "
+           f"{(best.time_s - best.compute_s) * 1e3:.2f} ms)"]  # fmt: skip
+    other = next((p for p in fits if (p.scheme, p.u == 1, p.r == 1) != (best.scheme, best.u == 1, best.r == 1)), None)
+    if other is not None:
+        why.append(f"next, {other.describe()}: {other.time_s * 1e3:.2f} ms (+{other.time_s / best.time_s - 1:.1%})")
+    faster = [p for p in preds if p.time_s < best.time_s]
+    if faster:
+        why.append(f"{faster[0].describe()} would take {faster[0].time_s * 1e3:.2f} ms but needs "
+                   f"{faster[0].memory_bytes / 2**30:.1f} GiB")  # fmt: skip
+    return best, "; ".join(why)
 
 
 # ---- command line ------------------------------------------------------------------------------
@@ -323,10 +293,11 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
         return action.help if action.default in (None, False) else super()._get_help_string(action)
 
 
-_COLUMNS = """columns: u head-parallel ranks x r ring ranks and the ring's transport; layer ms: one attention
-layer's forward + backward; a2a ms: its all-to-alls (exposed); model s: layer ms x --layers, the
-attention of one training step (no MLPs, no optimizer); efficiency: the unsharded attention's FLOPs
-/ (GPUs x time x the kernel's best rate)."""
+_COLUMNS = """columns: scheme across the r ranks (ring or allgather; r = 1 has none), u head-parallel ranks x r
+ranks, the ring's transport; layer ms: one attention layer's forward + backward; a2a ms: its
+all-to-alls (exposed); buffers GiB: what one attention call holds per GPU beyond its inputs and
+outputs; model s: layer ms x --layers, the attention of one training step (no MLPs, no optimizer);
+efficiency: the unsharded attention's FLOPs / (GPUs x time x the kernel's best rate)."""
 
 
 def _positive(s: str) -> int:
@@ -352,6 +323,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seqlen", type=_tokens, default="1M", help="global tokens per sequence, e.g. 131072, 128k, 1M")
     p.add_argument("--layout", default="zigzag", choices=("zigzag", "contiguous"), help="how the ring cuts a sequence")
     p.add_argument("--non-causal", action="store_true", help="full attention instead of causal")
+    p.add_argument("--heads-k-stride", type=_positive, default=1, help="allgather: K/V heads gathered per chunk")
     p.add_argument("--kernels", metavar="PATH", help="a kernels.jsonl to take the kernel rates from "
                    "(without: those shipped in ringflash/kernel_rates.json)")  # fmt: skip
     p.add_argument("--validate", action="store_true", help="print predicted vs measured for benchmarks/ring.jsonl "
@@ -382,24 +354,31 @@ def main(argv: list[str] | None = None) -> None:
     if a.validate:
         if not (REPO / "benchmarks" / "ring.jsonl").exists():
             p.error(f"--validate reads benchmarks/ring.jsonl of a repository checkout; {REPO} has none")
+        from ringflash.plan_validation import validation_rows, validation_table
+
         print(validation_table(validation_rows(c=c, rates=rates)))
         return
     m = Model(a.heads, a.kv_heads, a.head_dim, a.layers, a.batch, not a.non_causal)
-    preds = plan(m, a.seqlen, c, a.layout, rates)
+    preds = plan(m, a.seqlen, c, a.layout, rates, a.heads_k_stride)
     print(f"H={m.heads} Hkv={m.kv_heads} D={m.head_dim} layers={m.layers} B={m.batch} N={a.seqlen} on "
           f"{c.nodes}x{c.gpus_per_node} GPUs ({a.layout}, {'causal' if m.causal else 'non-causal'})")  # fmt: skip
-    print(f"{'u':>5} {'r':>5} {'transport':>12} {'layer ms':>10} {'a2a ms':>8} {'model s':>9} {'efficiency':>10}")
+    print(f"{'scheme':>10} {'u':>5} {'r':>5} {'transport':>12} {'layer ms':>10} {'a2a ms':>8} {'buffers GiB':>11} "
+          f"{'model s':>9} {'efficiency':>10}")  # fmt: skip
     for q in preds:
-        print(f"{q.u:>5} {q.r:>5} {q.transport:>12} {q.time_s * 1e3:>10.2f} {q.a2a_s * 1e3:>8.2f} "
-              f"{q.time_s * m.layers:>9.3f} {q.efficiency:>10.1%}")  # fmt: skip
+        print(f"{q.scheme if q.r > 1 else '-':>10} {q.u:>5} {q.r:>5} {q.transport:>12} {q.time_s * 1e3:>10.2f} "
+              f"{q.a2a_s * 1e3:>8.2f} {q.memory_bytes / 2**30:>11.2f} {q.time_s * m.layers:>9.3f} "
+              f"{q.efficiency:>10.1%}")  # fmt: skip
     if not preds:
         print("no feasible grid (u must divide H and split or replicate the K/V heads)")
         return
-    best = preds[0]
-    print(
-        f"recommended: u={best.u} head-parallel x r={best.r} ring, transport {best.transport} "
-        f"(parallel.cp_heads={best.u}, cp={best.u * best.r})"
-    )
+    best, why = recommend(preds, c)
+    if best is None:
+        print(f"no recommendation: {why} (raise --memory-gib, or more GPUs)")
+        return
+    scheme = best.scheme if best.r > 1 else "ring"
+    print(f"recommended: u={best.u} head-parallel x r={best.r}, scheme {scheme}, transport {best.transport} "
+          f"(parallel.cp_heads={best.u}, parallel.cp_scheme={scheme}, cp={best.u * best.r})")  # fmt: skip
+    print(f"why: {why}")
     print("model s = layer ms x layers: attention only, forward + backward of one step (--help explains each column)")
 
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import importlib.util
 import multiprocessing as mp
 import os
 import shutil
@@ -55,7 +56,7 @@ import torch
 import torch.distributed as dist
 import torch.fx.experimental.symbolic_shapes  # (see above: inherited by forked ranks)
 
-__all__ = ["REPO", "RankFailure", "run_ranks", "torchrun"]
+__all__ = ["REPO", "RankFailure", "launch_script", "run_ranks", "torchrun"]
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -157,6 +158,14 @@ def run_ranks(
         for c in conns:
             c.close()
         shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def launch_script(name: str):
+    """launch/<name>.py as a module (launch/ is a folder of scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"launch_{name}", REPO / "launch" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def torchrun(

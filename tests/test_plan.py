@@ -1,4 +1,5 @@
-"""ringflash.plan: the cost model's arithmetic on hand-checked cases, feasibility, and the validation table."""
+"""ringflash.plan: the cost model's arithmetic on hand-checked cases, feasibility, the recommendation
+among ring, all-gather and the hybrids, and the validation table."""
 
 from __future__ import annotations
 
@@ -19,11 +20,13 @@ from ringflash.plan import (
     Model,
     feasible,
     main,
+    memory_bytes,
     parser,
+    plan,
     predict,
-    validation_rows,
-    validation_table,
+    recommend,
 )
+from ringflash.plan_validation import validation_rows, validation_table
 
 try:
     import tomllib
@@ -63,13 +66,73 @@ def test_all_to_all_hand_checked():
 
 def test_feasible_rules():
     c = Cluster(gpus_per_node=8, nodes=1)
-    grids = {(u, r) for u, r, _ in feasible(Model(32, 8, 128), c)}
-    assert grids == {(1, 8), (2, 4), (4, 2), (8, 1)}
+    layouts = feasible(Model(32, 8, 128), c)
+    assert {(u, r) for u, r, _, _ in layouts} == {(1, 8), (2, 4), (4, 2), (8, 1)}
+    # Both schemes on every grid with r > 1; pure head parallelism once (it has no scheme).
+    assert {(u, s) for u, r, t, s in layouts if t == "nccl"} == {
+        (u, s) for u in (1, 2, 4) for s in ("ring", "allgather")
+    } | {(8, "ring")}
     # H=12: u=8 does not divide the heads; Hkv=3 with u=2 or u=4 neither splits nor replicates.
-    assert {(u, r) for u, r, _ in feasible(Model(12, 3, 128), c)} == {(1, 8)}
+    assert {(u, r) for u, r, _, _ in feasible(Model(12, 3, 128), c)} == {(1, 8)}
     # Copy engines only for a ring inside one node.
-    assert "copy-engine" in {t for u, r, t in feasible(Model(32, 8, 128), c) if r > 1}
-    assert all(t == "nccl" for _, _, t in feasible(Model(32, 8, 128), Cluster(nodes=2)))
+    assert {s for u, r, t, s in layouts if t == "copy-engine"} == {"ring"}
+    assert all(t == "nccl" for _, _, t, _ in feasible(Model(32, 8, 128), Cluster(nodes=2)))
+
+
+def test_allgather_hand_checked():
+    # B=1, H=Hkv=1, D=100, N=2000 on r=2: this rank's 1000 queries see 1/2 of the 2000²/2 causal pairs.
+    m = Model(heads=1, kv_heads=1, head_dim=100)
+    c = Cluster(nvlink_gbs=1.0, nvlink_lat_us=0.0, step_overhead_us=0.0, nccl_sm_slowdown=0.0)
+    p = predict(m, 2000, c, u=1, r=2, rates=RATES, scheme="allgather")
+    fwd = 4 * 100 * 2000 * 2000 / 2 / 2 / 100e12  # 4e-6 s
+    bwd = 2.5 * 4 * 100 * 2000 * 2000 / 2 / 2 / 40e12
+    assert p.compute_s == pytest.approx(fwd + bwd)
+    # One chunk: nothing to overlap. Gather 1000 tokens · 100 · (K, V) · 2 bytes = 4e5 B at 1 GB/s,
+    # in both directions; the backward's float32 dK/dV reduce-scatter, 8e5 B, after its compute.
+    assert p.ring_s == pytest.approx(4e-4 + fwd + 4e-4 + bwd + 8e-4)
+    assert p.scheme == "allgather" and p.a2a_s == 0
+
+
+def test_allgather_overlaps_the_next_chunk():
+    # Hkv = 4 heads in chunks of 1: the gathers after the first hide behind compute when it is slower.
+    m = Model(heads=4, kv_heads=4, head_dim=128)
+    fast_links = Cluster(nvlink_gbs=1e6, nvlink_lat_us=0.0, step_overhead_us=0.0, nccl_sm_slowdown=0.0)
+    p = predict(m, 65536, fast_links, u=1, r=4, rates=RATES, scheme="allgather")
+    assert p.ring_s == pytest.approx(p.compute_s, rel=1e-3)
+    wider = predict(m, 65536, fast_links, u=1, r=4, rates=RATES, scheme="allgather", heads_k_stride=4)
+    assert wider.compute_s == pytest.approx(p.compute_s) and wider.memory_bytes == pytest.approx(4 * p.memory_bytes)
+
+
+def test_memory_of_the_gathered_chunk_grows_with_the_sequence_not_the_ranks():
+    m = Model(32, 8, 128)
+    ring = [memory_bytes(m, 2**22, 1, r, "ring") for r in (8, 64)]
+    gathered = [memory_bytes(m, 2**22, 1, r, "allgather") for r in (8, 64)]
+    assert ring[1] == pytest.approx(ring[0] / 8)  # per local token: shrinks with the ranks
+    assert gathered[1] == gathered[0] == 2 * 2**22 * 128 * (3 * 2 + 3 * 4)  # one K/V head of the whole sequence
+    assert memory_bytes(m, 2**22, 8, 1) < ring[0]  # head parallelism alone: the head-layout copies only
+    with pytest.raises(ValueError, match="scheme must be 'ring' or 'allgather', got 'stripe'"):
+        predict(m, 2**20, Cluster(), 1, 8, scheme="stripe")
+
+
+def test_recommendation_picks_allgather_where_kv_are_small():
+    # One K/V head (K/V 1/32 of Q) at 16k tokens on 8 GPUs: the gather costs little, one kernel call
+    # per direction beats eight ring steps of small blocks.
+    c = Cluster()
+    best, why = recommend(plan(Model(32, 1, 128), 16384, c), c)
+    assert (best.scheme, best.u, best.r) == ("allgather", 1, 8)
+    assert why.startswith("allgather is the fastest within 8 GiB of attention buffers")
+
+
+def test_recommendation_picks_the_ring_where_the_sequence_is_huge_and_memory_tight():
+    # 4M tokens on 64 GPUs: a gathered K/V head of the whole sequence takes 18 GiB; the ring's buffers
+    # shrink with the ranks.
+    m, c = Model(32, 8, 128), Cluster(nodes=8)
+    preds = plan(m, 2**22, c)
+    best, why = recommend(preds, c)
+    assert best.scheme == "ring" and best.memory_bytes <= 8 * 2**30 and "is the fastest within 8 GiB" in why
+    assert all(p.memory_bytes > 8 * 2**30 for p in preds if p.scheme == "allgather" and p.r > 1)
+    none, why_none = recommend(preds, Cluster(nodes=8, memory_gib=0.01))
+    assert none is None and why_none.startswith("no layout's buffers fit memory_gib = 0.01: the least, ")
 
 
 def test_validation_table_reproduced_from_data():
@@ -150,7 +213,7 @@ def test_cli_help_documents_every_option():
     assert all(action.help for action in p._actions)
     # Every option with a value shows its default (flags and --gpus/--kernels say what absence means).
     with_default = [a for a in p._actions if a.default not in (None, False, argparse.SUPPRESS)]
-    assert text.count("(default: ") == len(with_default) == 16
+    assert text.count("(default: ") == len(with_default) == 18
     for shown in [
         "--heads HEADS query heads (default: 32)",
         "e.g. 131072, 128k, 1M (default: 1M)",

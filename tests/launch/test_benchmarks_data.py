@@ -7,24 +7,14 @@ sides rely on, on CPU and without a GPU run.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 
 from ringflash.bench import RECORD_KEYS, record
-from tests.dist_utils import REPO
+from tests.dist_utils import REPO, launch_script
 
-
-def _script(name: str):
-    """launch/<name>.py as a module (launch/ is a folder of scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location(f"launch_{name}", REPO / "launch" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-benchmarks_md = _script("benchmarks_md")
+benchmarks_md = launch_script("benchmarks_md")
 
 
 def test_record_appends_json_lines_with_every_key(tmp_path, capsys):

@@ -1,0 +1,99 @@
+"""Kernel TFLOP/s by head dim, causality and direction, over block lengths: the planner's compute rates.
+
+Shipped as ringflash/kernel_rates.json (so an installed package needs no repository), made by
+`KernelRates.from_records()` from benchmarks/kernels.jsonl of a repository checkout.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import json
+import math
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["BWD_FLOPS", "REPO", "KernelRates", "records"]
+
+REPO = Path(__file__).resolve().parent.parent  # benchmarks/ there: a repository checkout only
+BWD_FLOPS = 2.5  # backward FLOPs / forward FLOPs (FlashAttention-2's accounting: 5 matmuls vs 2)
+
+
+def records(path: Path) -> list[dict]:
+    """The JSON-lines records of a benchmarks/<name>.jsonl."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+@dataclass
+class KernelRates:
+    """Kernel TFLOP/s by (head dim, causal, direction), tabulated over lengths N (log-interpolated).
+
+    `from_records` takes ringflash's rows of the newest dense kernels.jsonl records (bf16, one H100 or
+    H200: their kernels run within a few percent of each other),
+    the median of the newest `POOLED` at each shape: one run's kernels read up to 5% off another's.
+    """
+
+    table: dict[tuple[int, bool, str], list[tuple[int, float]]] = field(default_factory=dict)
+    POOLED = 5
+
+    @classmethod
+    def from_records(cls, path: Path = REPO / "benchmarks" / "kernels.jsonl") -> KernelRates:
+        recs = records(path)
+        # Dense MHA tables only: a GQA run (args.group) covers one head dim and its own tiles.
+        recs = [r for r in recs if (r.get("args") or {}).get("group", 1) == 1
+                   and any(x.get("impl") == "ringflash" and "N" in x for x in r.get("results", []))]  # fmt: skip
+        samples: dict = {}
+        for record in sorted(recs, key=lambda r: r["date"])[-cls.POOLED :]:
+            for x in record["results"]:
+                if x.get("impl") != "ringflash":
+                    continue
+                for direction in ("fwd", "bwd"):
+                    by_n = samples.setdefault((x["D"], x["causal"] == "yes", direction), {})
+                    by_n.setdefault(x["N"], []).append(float(x[f"{direction} TFLOP/s"]))
+        return cls({k: sorted((n, statistics.median(v)) for n, v in by_n.items()) for k, by_n in samples.items()})
+
+    @classmethod
+    def default(cls) -> KernelRates:
+        """The rates shipped with the package (ringflash/kernel_rates.json, `from_records` of the
+        repository's benchmarks/kernels.jsonl when it was last regenerated)."""
+        return cls.load(importlib.resources.files("ringflash") / "kernel_rates.json")
+
+    @classmethod
+    def load(cls, path) -> KernelRates:
+        """Rates saved by `save`, or (a `.jsonl` path) `from_records` of a kernels.jsonl."""
+        if str(path).endswith(".jsonl"):
+            return cls.from_records(Path(path))
+        text = path.read_text() if hasattr(path, "read_text") else Path(path).read_text()
+        rows = json.loads(text)["rates"]
+        return cls({(r["head_dim"], r["causal"], r["direction"]): [tuple(pt) for pt in r["points"]] for r in rows})
+
+    def save(self, path: Path) -> None:
+        """Write the table as JSON (regenerate the shipped one: docs/planner.md)."""
+        rows = [{"head_dim": d, "causal": c, "direction": k, "points": [list(pt) for pt in pts]}
+                for (d, c, k), pts in sorted(self.table.items())]  # fmt: skip
+        source = f"KernelRates.from_records: the median of the newest {self.POOLED} dense records per shape"
+        Path(path).write_text(json.dumps({"source": source, "rates": rows}, indent=1) + "\n")
+
+    @classmethod
+    def constant(cls, fwd: float, bwd: float) -> KernelRates:
+        """The same rate at every shape (tests, what-ifs)."""
+        return cls({(0, c, d): [(1, r)] for c in (False, True) for d, r in (("fwd", fwd), ("bwd", bwd))})
+
+    def rate(self, head_dim: int, n: float, causal: bool, direction: str) -> float:
+        """TFLOP/s at block length n: nearest recorded head dim; log-linear between recorded lengths,
+        below the shortest extrapolated along the first segment's slope (small blocks run slower),
+        above the longest held flat."""
+        dims = sorted({d for d, _, _ in self.table})
+        d = min(dims, key=lambda x: abs(math.log2(max(x, 1)) - math.log2(head_dim)))
+        pts = self.table[(d, causal, direction)]
+        if len(pts) == 1 or n >= pts[-1][0]:
+            return pts[-1][1] if n >= pts[-1][0] else pts[0][1]
+        i = max(0, next((j for j, (m, _) in enumerate(pts) if m > n), len(pts) - 1) - 1)
+        (n0, r0), (n1, r1) = pts[i], pts[i + 1]
+        t = (math.log(max(n, 1)) - math.log(n0)) / (math.log(n1) - math.log(n0))
+        return max(r0 + t * (r1 - r0), 0.05 * r0)
+
+    def best(self, head_dim: int) -> float:
+        """The best recorded fwd+bwd rate at this head dim, causal or not: the single-GPU ideal."""
+        f, b = (max(self.rate(head_dim, 1e9, c, d) for c in (False, True)) for d in ("fwd", "bwd"))
+        return (1 + BWD_FLOPS) / (1 / f + BWD_FLOPS / b)
