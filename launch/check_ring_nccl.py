@@ -313,7 +313,7 @@ def main() -> int:
         ql, kl, vl = (sh(t, 1) for t in (q, k, v))
         half = ql.shape[1] // 2 if rank == 0 else ql.shape[1]
         disagreements = [("q.shape", half, "nccl")]
-        if cuda and u == 1:  # hybrid: ranks 0 and 1 are in different rings (see the docstring)
+        if cuda and u == 1 and args.scheme == "ring":  # hybrid: ranks 0 and 1 in different rings (docstring)
             disagreements.append(("transport", ql.shape[1], "copy-engine" if rank == 0 else "nccl"))
         o_causal = attn_fwd(q, k, v, causal=True, backend=backend)[0]
         for field, cut, transport in disagreements:
