@@ -169,8 +169,6 @@ def ring_backward(do, q, kv, o, lse, plan: list[Step | None], *, scale: float, k
         home = comm.buffer("home", kv.shape, kv.dtype, kv.device)
         sent = comm.send_recv(dkv_out, home, _DKV_TAG)
 
-    if _DEFERRED and partials == torch.float32:
-        return _backward_deferred(do, q, kv, o, lse, plan, scale, kernels, comm, buf, dkv, dq, partials)
     for s, step in enumerate(plan):
         cur = buf(s)
         kv_transfer = comm.send_recv(cur, buf(s + 1), _KV_TAG) if s < last else None
@@ -212,56 +210,6 @@ def ring_backward(do, q, kv, o, lse, plan: list[Step | None], *, scale: float, k
             kv_transfer.wait()
     sent.wait()
     _round_rest(dq_out, dq, _last_q_rows(plan))
-    return dq_out, comm.keep(home)
-
-
-import os  # noqa: E402
-
-_DEFERRED = os.environ.get("RINGFLASH_DKDV_DEFERRED", "1") == "1"
-
-
-def _backward_deferred(do, q, kv, o, lse, plan, scale, kernels, comm, buf, dkv, dq, partials):
-    """Steps s >= 1 compute their dK/dV into a scratch block, independent of the accumulator the
-    previous rank is still sending, and add it to that accumulator once it has arrived: the hop
-    travels during this step's kernels instead of before them."""
-    last = comm.world - 1
-    part_buf = torch.empty(kv.shape, dtype=partials, device=kv.device)  # not sent: a plain allocation
-    sent = home = None
-    dkv_out = torch.empty(kv.shape, dtype=kv.dtype, device=kv.device)
-    for s, step in enumerate(plan):
-        cur = buf(s)
-        kv_transfer = comm.send_recv(cur, buf(s + 1), _KV_TAG) if s < last else None
-        acc = dkv[s % 2]
-        rows = None if step is None else step.kv
-        if step is not None:
-            qs, ks = step.q, step.kv
-            if s == 0:
-                out = (dq[:, qs], acc[0][:, ks], acc[1][:, ks])
-                grad_acc = None
-            else:
-                part = part_buf[:, :, : len(range(*ks.indices(kv.shape[2])))]
-                part.zero_()
-                out = grad_acc = (dq[:, qs], part[0], part[1])
-            kernels.bwd_step(do[:, qs], q[:, qs], cur[0][:, ks], cur[1][:, ks], o[:, qs], lse[:, :, qs], step.spec,
-                             scale, grad_dtype=partials, out=out, acc=grad_acc)  # fmt: skip
-        if sent is not None:
-            sent.wait()  # this block's accumulator, from the previous rank
-        if s < last:
-            if step is not None and s > 0:
-                acc[:, :, ks].add_(part)
-            sent = comm.send_recv(acc, dkv[(s + 1) % 2], _DKV_TAG)
-        else:
-            for g in range(2):
-                if step is not None:
-                    dkv_out[g][:, ks].copy_(acc[g][:, ks].float() + part[g])
-                _round_rest(dkv_out[g], acc[g], rows)
-            home = comm.buffer("home", kv.shape, kv.dtype, kv.device)
-            sent = comm.send_recv(dkv_out, home, _DKV_TAG)
-        if kv_transfer is not None:
-            kv_transfer.wait()
-    sent.wait()
-    dq_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dq_out.copy_(dq)
     return dq_out, comm.keep(home)
 
 
