@@ -36,7 +36,8 @@ skipped steps or rows) recompiles; the tensors are inputs and change freely.
 Softcap (`softcap=`) goes to every step's `AttnSpec`, which the kernels read. A learnable sink
 (`learnable_sink (H,)` float32, the 5th input) is one more logit per head with a zero value: it
 joins each row's softmax once, after the ring's merge, `lse' = logaddexp(lse, sink)`,
-`o' = o·exp(lse − lse')`, and (o', lse') are saved, so the ring's backward (which recomputes P
+`o' = o·exp(lse − lse')` on the float32 o (rounded to q's dtype once, after it, as o is without a
+sink), and (o', lse') are saved, so the ring's backward (which recomputes P
 from the lse it is given and `delta = rowsum(dO·O')`) gives the exact dq, dk, dv. Its gradient,
 `dsink_h = −Σ_rows exp(sink_h − lse')·rowsum(dO·O')`, sums this rank's rows only: the sink is
 replicated over the context-parallel group, and whoever reduces the model's gradients over that
@@ -123,11 +124,12 @@ def check_sink(sink, q) -> None:
         raise ValueError(f"learnable_sink must be on q's device {q.device}, got {sink.device}")
 
 
-def _add_sink(o: Tensor, lse: Tensor, sink: Tensor) -> tuple[Tensor, Tensor]:
-    """`(o', lse')`: the sink `(H,)` joins each row's softmax (o `(B, N, H, Dv)`, lse `(B, H, N)`)."""
+def _add_sink(o: Tensor, lse: Tensor, sink: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """`(o', lse')`: the sink `(H,)` joins each row's softmax (o `(B, N, H, Dv)` float32, lse `(B, H, N)`),
+    o' rounded to `dtype` once."""
     new = torch.logaddexp(lse, sink.float().view(1, -1, 1))  # finite wherever the sink is
     weight = torch.exp(lse - new).transpose(1, 2).unsqueeze(-1)  # (B, N, H, 1); 0 for rows that saw no key
-    return (o.float() * weight).to(o.dtype), new
+    return (o * weight).to(dtype), new
 
 
 def _sink_grad(do: Tensor, o: Tensor, lse: Tensor, sink: Tensor) -> Tensor:
@@ -184,9 +186,10 @@ def _ring_attn(
         # float32 einsums must not be recast to half precision.
         with torch.autocast(q.device.type, enabled=False):
             kern = get_backend(backend, q.device)
-            o, lse, kv = ring_forward(q, k, v, plan, scale=softmax_scale, kernels=kern, comm=comm)
+            o, lse, kv = ring_forward(q, k, v, plan, scale=softmax_scale, kernels=kern, comm=comm,
+                                      out_dtype=None if learnable_sink is None else torch.float32)
             if learnable_sink is not None:  # once per row, after the merge of every ring step
-                o, lse = _add_sink(o, lse, learnable_sink)
+                o, lse = _add_sink(o, lse, learnable_sink, q.dtype)
     return o.contiguous(), lse.contiguous(), kv if comm.world > 1 else q.new_empty(0)
 
 

@@ -87,11 +87,12 @@ def _check_plan(plan: list[Step | None], comm) -> None:
         raise ValueError(f"a ring plan needs {comm.world} steps, step 0 computed; got {len(plan)}")
 
 
-def ring_forward(q, k, v, plan: list[Step | None], *, scale: float, kernels: Backend, comm):
+def ring_forward(q, k, v, plan: list[Step | None], *, scale: float, kernels: Backend, comm, out_dtype=None):
     """Ring attention forward, no autograd.
 
     q `(B, N, H, D)`, k `(B, N, Hkv, D)`, v `(B, N, Hkv, Dv)`: this rank's shard (N local tokens).
-    Returns `(o, lse, kv)`: `o (B, N, H, Dv)` in q's dtype and `lse (B, H, N)` float32, natural log,
+    Returns `(o, lse, kv)`: `o (B, N, H, Dv)` in `out_dtype` (default q's; float32 for a caller that
+    transforms the merged result before rounding it once) and `lse (B, H, N)` float32, natural log,
     both over the whole sequence, and what `ring_backward` takes for k and v: the block the ring
     sent (`pack_kv`: k and v packed, one message a step), or `(k, v)` on one rank.
     `plan`: a `Step` per ring step or None (skipped): `layout.ring_schedule` or `RingMask.steps`.
@@ -100,15 +101,15 @@ def ring_forward(q, k, v, plan: list[Step | None], *, scale: float, kernels: Bac
     """
     _check_plan(plan, comm)
     if comm.world == 1:
-        return *kernels.fwd_step(q, k, v, plan[0].spec, scale, ), (k, v)
+        return *kernels.fwd_step(q, k, v, plan[0].spec, scale, out_dtype=out_dtype), (k, v)
     kv = pack_kv(k, v)
     comm.reserve(kv)
     d = k.shape[3]
     buf = _ring_buffers(kv, comm)
     last = comm.world - 1
     o = lse = None
-    # o rounded to q's dtype (contiguous, whatever q's strides): the last step's kernel writes its rows.
-    out = torch.empty((*q.shape[:3], v.shape[3]), dtype=q.dtype, device=q.device)
+    # o rounded to out_dtype (contiguous, whatever q's strides): the last step's kernel writes its rows.
+    out = torch.empty((*q.shape[:3], v.shape[3]), dtype=out_dtype or q.dtype, device=q.device)
     partials = _step0_dtype(kernels, q, comm.world)
     for s, step in enumerate(plan):
         cur = kv_views(buf(s), d)
