@@ -472,6 +472,11 @@ GPU_CASES = [
 ] + [  # q, k, v as views of a fused QKV projection's output (descriptor loads with its strides)
     make_case(2, "zigzag", True, B=1, n_local=2000, H=8, Hkv=2, D=128, dtype=torch.bfloat16, backend="triton",
               device="cuda", strided=True)
+] + [  # a value head dim of its own (DeepSeek's MLA): Triton's kernels, and hopper's fallback to them
+    make_case(w, layout, True, B=1, n_local=4000 // w, H=8, Hkv=8, D=d, Dv=dv, dtype=torch.bfloat16, backend=b,
+              device="cuda")
+    for w, layout, d, dv, b in ((2, "zigzag", 192, 128, "triton"), (4, "contiguous", 128, 256, "triton"),
+                                (2, "zigzag", 192, 128, "hopper"))
 ]
 
 
