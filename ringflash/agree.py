@@ -142,6 +142,8 @@ def _show(name: str, v: tuple[int, ...]):
         return None if v[0] == -1 else v
     if name == "window_size":
         return v
+    if name == "v.shape[3]":
+        return None if x == -1 else x
     if name == "learnable_sink":
         return {-1: None, -2: "not a (H,) tensor"}.get(x, f"({x},)")
     if x == -1 and name not in ("window", "mask"):
