@@ -4,8 +4,9 @@
     dq, dk, dv = attn_bwd(do, q, k, v, o, lse, causal=True)
     o, lse = attn_varlen_fwd(q, k, v, cu_seqlens, causal=True)   # packed documents
 
-Conventions: q `(B, Nq, H, D)`, k and v `(B, Nk, Hkv, D)` with H % Hkv == 0, any strides with a
-contiguous last dim; lse `(B, H, Nq)` float32, natural log. Rows with no visible key give o = 0
+Conventions: q `(B, Nq, H, D)`, k `(B, Nk, Hkv, D)` and v `(B, Nk, Hkv, Dv)` with H % Hkv == 0 (v's
+head dim may differ: DeepSeek's MLA), any strides with a contiguous last dim; o `(B, Nq, H, Dv)`;
+lse `(B, H, Nq)` float32, natural log. Rows with no visible key give o = 0
 and lse = -inf; NaN or Inf in the inputs propagate as in SDPA.
 
 What each query sees is an `AttnSpec` (kernels/spec.py), built here from `causal=` / `window=`.
@@ -53,7 +54,7 @@ def attn_fwd(
     """Attention forward.
 
     Args:
-        q: `(B, Nq, H, D)`; k, v: `(B, Nk, Hkv, D)`, H % Hkv == 0; fp16, bf16 or fp32.
+        q: `(B, Nq, H, D)`; k: `(B, Nk, Hkv, D)`; v: `(B, Nk, Hkv, Dv)`, H % Hkv == 0; fp16, bf16 or fp32.
         causal: query i sees key j <= i (needs Nq == Nk).
         softmax_scale: default `1/sqrt(D)`.
         window: causal sliding window, w keys counting the diagonal (flash_attn's
@@ -62,7 +63,7 @@ def attn_fwd(
         backend: `BACKENDS` name; None reads `RINGFLASH_KERNEL_BACKEND` (default auto).
         softcap: scores `c·tanh(s/c)` before the mask (flash_attn's); 0.0: none.
     Returns:
-        o: `(B, Nq, H, D)` in q's dtype; lse: `(B, H, Nq)` float32, natural log.
+        o: `(B, Nq, H, Dv)` in q's dtype; lse: `(B, H, Nq)` float32, natural log.
     """
     with device_guard(q):
         return get_backend(backend, q.device).fwd_step(q, k, v, _spec(causal, window, spec, softcap), softmax_scale)
@@ -86,11 +87,11 @@ def attn_bwd(
     """Attention backward: the gradients of `attn_fwd` with the same mask arguments.
 
     Args:
-        do, o: like q; lse: `(B, H, Nq)` float32. o and lse may be global ones (a ring's merged
+        do, o: `(B, Nq, H, Dv)`; lse: `(B, H, Nq)` float32. o and lse may be global ones (a ring's merged
             result): P and rowsum(do·o) are recomputed from them.
         causal, softmax_scale, window, spec, backend, softcap: as given to `attn_fwd`.
     Returns:
-        dq like q; dk, dv like k, in q's dtype.
+        dq, dk, dv like q, k, v, in q's dtype.
     """
     with device_guard(q):
         spec = _spec(causal, window, spec, softcap)

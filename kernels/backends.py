@@ -68,8 +68,8 @@ class Backend:
         What is not known yet (a config checked before any tensor exists) may be None."""
         return None
 
-    def check(self, q: torch.Tensor, k: torch.Tensor, spec: AttnSpec) -> None:
-        """Raise (naming the argument) if this backend cannot run attention of q over k under
+    def check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec) -> None:
+        """Raise (naming the argument) if this backend cannot run attention of q over k, v under
         `spec`: what a caller checks before starting work it cannot undo (a ring's transfers)."""
 
     def partial_dtype(self, dtype: torch.dtype) -> torch.dtype:
@@ -111,7 +111,7 @@ class _Hopper(_Triton):
         from ringflash.kernels.hopper_fwd import hopper_attn_fwd, hopper_fwd_unsupported
 
         check_qkv(q, k, v)  # before the support check reads their attributes
-        run = hopper_attn_fwd if hopper_fwd_unsupported(q, k, spec) is None else super().fwd_step
+        run = hopper_attn_fwd if hopper_fwd_unsupported(q, k, v, spec) is None else super().fwd_step
         return run(q, k, v, spec, scale, out_dtype=out_dtype, acc=acc, out=out)
 
     def bwd_step(self, do, q, k, v, o, lse, spec, scale, *, grad_dtype=None, out=None, accumulate=False, acc=None,
@@ -119,7 +119,7 @@ class _Hopper(_Triton):
         from ringflash.kernels.hopper_bwd import hopper_attn_bwd, hopper_bwd_unsupported
 
         check_qkv(q, k, v)
-        run = hopper_attn_bwd if hopper_bwd_unsupported(q, k, spec) is None else super().bwd_step
+        run = hopper_attn_bwd if hopper_bwd_unsupported(q, k, v, spec) is None else super().bwd_step
         return run(do, q, k, v, o, lse, spec, scale, grad_dtype=grad_dtype, out=out, accumulate=accumulate, acc=acc,
                    after_dkdv=after_dkdv)
 
@@ -141,7 +141,7 @@ class _Unfused(Backend):
                  after_dkdv=None):
         summed = acc is not None or accumulate
         if out is not None or summed:  # before the work, as the Triton path checks
-            check_grad_out(out, accumulate, q, k, grad_dtype or q.dtype, acc)
+            check_grad_out(out, accumulate, q, k, v, grad_dtype or q.dtype, acc)
         # Added to a sum: rounded after the sum, once, as on chip.
         grads = self._grads(do, q, k, v, o, lse, spec, scale, torch.float32 if summed else grad_dtype)
         if out is None:
@@ -183,10 +183,10 @@ class _Cudnn(_Unfused):
 
         return cudnn_limits(kind, dtype, head_dim, device)
 
-    def check(self, q, k, spec):
+    def check(self, q, k, v, spec):
         from ringflash.kernels.cudnn import check_cudnn
 
-        check_cudnn(q, k, spec)
+        check_cudnn(q, k, v, spec)
 
     def partial_dtype(self, dtype):
         return dtype  # cuDNN rounds its results to the inputs' dtype: float32 would hold the same values

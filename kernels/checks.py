@@ -22,7 +22,8 @@ def interpreting() -> bool:
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Check q `(B, Nq, H, D)` and k, v `(B, Nk, Hkv, D)` against the kernel contract."""
+    """Check q `(B, Nq, H, D)`, k `(B, Nk, Hkv, D)` and v `(B, Nk, Hkv, Dv)` against the kernel
+    contract: v's head dim may differ from q's and k's (DeepSeek's MLA: 192 and 128)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -38,8 +39,10 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         if t.device != q.device:
             raise ValueError(f"{name} must be on q's device ({q.device}), got {t.device}")
     B, _, H, D = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(
+            f"v.shape[:3] (batch, seqlen, heads) must equal k's {tuple(k.shape[:3])}, got v {tuple(v.shape)}"
+        )
     Bk, _, Hkv, Dk = k.shape
     if Bk != B:
         raise ValueError(f"k.shape[0] (batch) must equal q.shape[0] = {B}, got {Bk}")
@@ -47,6 +50,8 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"k.shape[3] (head_dim) must equal q.shape[3] = {D}, got {Dk}")
     if not 1 <= D <= MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be in [1, {MAX_HEAD_DIM}], got {D}")
+    if not 1 <= v.shape[3] <= MAX_HEAD_DIM:
+        raise ValueError(f"v.shape[3] (value head_dim) must be in [1, {MAX_HEAD_DIM}], got {v.shape[3]}")
     if Hkv == 0 or H % Hkv != 0:
         raise ValueError(
             f"the number of query heads (q.shape[2] = {H}) must be a multiple of the number of "
@@ -54,12 +59,18 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         )
 
 
+def out_shape(q: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int]:
+    """`(B, Nq, H, Dv)`: the shape of o (and of do) for q `(B, Nq, H, D)` and v `(B, Nk, Hkv, Dv)`."""
+    return (*q.shape[:3], v.shape[3])
+
+
 def check_bwd(
-    do: torch.Tensor, q: torch.Tensor, o: torch.Tensor, lse: torch.Tensor
+    do: torch.Tensor, q: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor
 ) -> None:
-    """Check the backward's extra inputs: `do` and `o` like `q`, `lse (B, H, Nq)` float32."""
+    """Check the backward's extra inputs: `do` and `o` shaped `(B, Nq, H, Dv)` (`out_shape`),
+    `lse (B, H, Nq)` float32."""
     for name, t in (("do", do), ("o", o)):
-        _check_like_q(name, t, q)
+        _check_like_o(name, t, q, v)
     B, Nq, H, _ = q.shape
     if not isinstance(lse, torch.Tensor):
         raise TypeError(f"lse must be a torch.Tensor, got {type(lse).__name__}")
@@ -76,10 +87,11 @@ def check_grad_out(
     accumulate: bool,
     q: torch.Tensor,
     k: torch.Tensor,
+    v: torch.Tensor,
     grad_dtype: torch.dtype,
     acc: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """Check the backward's optional output buffers `out = (dq, dk, dv)`: q's and k's shapes,
+    """Check the backward's optional output buffers `out = (dq, dk, dv)`: q's, k's and v's shapes,
     `grad_dtype`, q's device, contiguous last dim (views of larger tensors are fine); and the
     sums `acc = (dq_acc, dk_acc, dv_acc)` to add to: the same, in float32 (running sums, which may
     be `out` itself), or in q's dtype where they are one rounded block result (cuDNN's, which float32
@@ -92,10 +104,10 @@ def check_grad_out(
         if acc is not None:
             raise ValueError("acc= needs out=(dq, dk, dv): the buffers to write the sums into")
         return
-    _check_grads("out", out, q, k, (grad_dtype,), f"have the gradient dtype {grad_dtype}")
+    _check_grads("out", out, (q, k, v), (grad_dtype,), f"have the gradient dtype {grad_dtype}")
     if acc is not None:
         rule = "be float32 (running sums)" + _or_q_dtype(q, "only read")
-        _check_grads("acc", acc, q, k, (torch.float32, q.dtype), rule)
+        _check_grads("acc", acc, (q, k, v), (torch.float32, q.dtype), rule)
         for name, a, o in zip(("dq", "dk", "dv"), acc, out):
             if a.dtype != torch.float32 and aliases(a, o):
                 raise ValueError(f"acc {name} in {a.dtype} is only read: summing into it in place (out {name} "
@@ -103,12 +115,13 @@ def check_grad_out(
 
 
 def _check_grads(
-    what: str, ts: tuple[torch.Tensor, torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor,
+    what: str, ts: tuple[torch.Tensor, torch.Tensor, torch.Tensor], qkv: tuple[torch.Tensor, ...],
     dtypes: tuple[torch.dtype, ...], dtype_rule: str,
 ) -> None:
     if not isinstance(ts, (tuple, list)) or len(ts) != 3:
         raise TypeError(f"{what} must be a tuple (dq, dk, dv) of tensors, got {type(ts).__name__}")
-    for name, t, like in (("dq", ts[0], q), ("dk", ts[1], k), ("dv", ts[2], k)):
+    q = qkv[0]
+    for name, t, like in zip(("dq", "dk", "dv"), ts, qkv):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{what} {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.shape != like.shape:
@@ -134,17 +147,18 @@ def _or_q_dtype(q: torch.Tensor, when: str) -> str:
 def check_acc(
     acc: tuple[torch.Tensor, torch.Tensor],
     q: torch.Tensor,
+    v: torch.Tensor,
     out_dtype: torch.dtype | None = None,
     read_only: bool = False,
 ) -> None:
-    """Check the forward's running accumulator `acc = (o_acc, lse_acc)`: float32 `(B, Nq, H, D)`
+    """Check the forward's running accumulator `acc = (o_acc, lse_acc)`: float32 `(B, Nq, H, Dv)`
     with a contiguous last dim and float32 `(B, H, Nq)`, on q's device (views are fine).
     `read_only` (the merged o goes to `out=`, other memory): o_acc may also be in q's dtype, one
     backend's rounded result (cuDNN's), which a float32 copy would hold unchanged."""
     if not isinstance(acc, (tuple, list)) or len(acc) != 2:
         raise TypeError(f"acc must be a tuple (o_acc, lse_acc) of tensors, got {type(acc).__name__}")
     B, Nq, H, _ = q.shape
-    for name, t, shape in (("o_acc", acc[0], tuple(q.shape)), ("lse_acc", acc[1], (B, H, Nq))):
+    for name, t, shape in (("o_acc", acc[0], out_shape(q, v)), ("lse_acc", acc[1], (B, H, Nq))):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"acc {name} must be a torch.Tensor, got {type(t).__name__}")
         if tuple(t.shape) != shape:
@@ -160,17 +174,17 @@ def check_acc(
         raise ValueError(f"out_dtype must be None or float32 with acc= (the accumulator is float32), got {out_dtype}")
 
 
-def check_fwd_out(out: torch.Tensor, q: torch.Tensor) -> None:
-    """Check the forward's optional output buffer `out`: q's shape and device, a supported dtype,
-    a contiguous last dim (a view of a larger tensor is fine)."""
-    _check_like_q("out", out, q)
+def check_fwd_out(out: torch.Tensor, q: torch.Tensor, v: torch.Tensor) -> None:
+    """Check the forward's optional output buffer `out`: shape `(B, Nq, H, Dv)` (`out_shape`), q's
+    device, a supported dtype, a contiguous last dim (a view of a larger tensor is fine)."""
+    _check_like_o("out", out, q, v)
 
 
-def _check_like_q(name: str, t: torch.Tensor, q: torch.Tensor) -> None:
+def _check_like_o(name: str, t: torch.Tensor, q: torch.Tensor, v: torch.Tensor) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.shape != q.shape:
-        raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(t.shape)}")
+    if tuple(t.shape) != out_shape(q, v):
+        raise ValueError(f"{name} must have shape (B, Nq, H, Dv) = {out_shape(q, v)}, got {tuple(t.shape)}")
     if t.device != q.device:
         raise ValueError(f"{name} must be on q's device ({q.device}), got {t.device}")
     if t.dtype not in SUPPORTED_DTYPES:
@@ -180,21 +194,21 @@ def _check_like_q(name: str, t: torch.Tensor, q: torch.Tensor) -> None:
 
 
 def resolve_fwd_outputs(
-    q: torch.Tensor, out_dtype: torch.dtype | None, acc: tuple[torch.Tensor, torch.Tensor] | None,
+    q: torch.Tensor, v: torch.Tensor, out_dtype: torch.dtype | None, acc: tuple[torch.Tensor, torch.Tensor] | None,
     out: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where the forward writes `(o, lse)`, checked: o to `out`, else o_acc, else a new tensor in
-    `out_dtype` (default q's); lse to lse_acc, else a new float32 `(B, H, Nq)`."""
+    """Where the forward writes `(o, lse)`, checked: o to `out`, else o_acc, else a new `(B, Nq, H, Dv)`
+    tensor in `out_dtype` (default q's); lse to lse_acc, else a new float32 `(B, H, Nq)`."""
     if acc is not None:
         read_only = out is not None and not aliases(out, acc[0])
-        check_acc(acc, q, None if out is not None else out_dtype, read_only)
+        check_acc(acc, q, v, None if out is not None else out_dtype, read_only)
     if out is not None:
-        check_fwd_out(out, q)
+        check_fwd_out(out, q, v)
         if out_dtype not in (None, out.dtype):
             raise ValueError(f"out_dtype {out_dtype} differs from out's dtype {out.dtype}; give one of them")
     B, Nq, H, _ = q.shape
     if out is None:
-        out = acc[0] if acc is not None else torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
+        out = acc[0] if acc is not None else torch.empty(out_shape(q, v), dtype=out_dtype or q.dtype, device=q.device)
     lse = acc[1] if acc is not None else torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
     return out, lse
 

@@ -8,9 +8,10 @@ tensors, with `(o, lse)` in and out as the contract wants, so the ring can run i
 
 What differs from the Triton backend:
 - Causal and full attention only: the op takes no per-row key intervals, so windows and document
-  masks raise. float16 and bfloat16 only, on an sm80+ GPU, with cuDNN ≥ 9, head dims that are
-  multiples of 8 up to 128 (256 on Hopper with cuDNN ≥ 9.10): checked here (`check_cudnn`), with
-  errors that name the argument, rather than left to fail inside cuDNN.
+  masks raise, and so does a value head dim other than q's (not claimed: untested here). float16
+  and bfloat16 only, on an sm80+ GPU, with cuDNN ≥ 9, head dims that are multiples of 8 up to 128
+  (256 on Hopper with cuDNN ≥ 9.10): checked here (`check_cudnn`), with errors that name
+  the argument, rather than left to fail inside cuDNN.
 - A block's o and gradients come out of cuDNN rounded to the input dtype, whatever `out_dtype` or
   `grad_dtype` asks for. With `acc=` or `accumulate=` they are then merged into the float32
   accumulator or added to the float32 sums in a separate pass (where the Triton kernels do it on
@@ -62,8 +63,13 @@ def cudnn_limits(kind: str | None, dtype: torch.dtype | None, head_dim: int | No
     return None
 
 
-def check_cudnn(q: torch.Tensor, k: torch.Tensor, spec: AttnSpec | None = None) -> None:
+def check_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec | None = None) -> None:
     """Reject what the cuDNN backend cannot run, before any work, naming the argument."""
+    if v.shape[-1] != q.shape[-1]:
+        raise ValueError(
+            f"backend='cudnn' needs v.shape[3] (value head_dim) equal to q.shape[3] = {q.shape[-1]}, got "
+            f"{v.shape[-1]}; use 'triton' or 'auto'"
+        )
     if spec is not None and spec.softcap:
         raise ValueError(f"softcap={spec.softcap}: backend='cudnn' has no logit softcapping; use 'triton' or 'auto'")
     if spec is not None and not spec.dense:
@@ -128,12 +134,12 @@ def cudnn_attn_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`Backend.fwd_step` on cuDNN: same arguments and results (see the module docstring)."""
     check_qkv(q, k, v)
-    check_cudnn(q, k, spec)
+    check_cudnn(q, k, v, spec)
     spec.intervals_for(q, k)  # the diagonal check
     causal = spec.causal
     # cuDNN's own o and lse are the result unless they are to go elsewhere: no copy.
     own = acc is None and out is None and out_dtype in (None, q.dtype)
-    o_out, lse_out = (None, None) if own else resolve_fwd_outputs(q, out_dtype, acc, out)
+    o_out, lse_out = (None, None) if own else resolve_fwd_outputs(q, v, out_dtype, acc, out)
     scale = resolve_scale(softmax_scale, q.shape[-1])
     B, Nq, H, _ = q.shape
     if _empty(q, k):
@@ -168,10 +174,10 @@ def cudnn_attn_bwd(
     rowsum(do·o) from o, as the Triton kernels do, so per-block gradients sum to the full ones.
     """
     check_qkv(q, k, v)
-    check_cudnn(q, k, spec)
+    check_cudnn(q, k, v, spec)
     spec.intervals_for(q, k)
     causal = spec.causal
-    check_bwd(do, q, o, lse)
+    check_bwd(do, q, v, o, lse)
     scale = resolve_scale(softmax_scale, q.shape[-1])
     if _empty(q, k):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)

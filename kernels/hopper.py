@@ -57,14 +57,16 @@ def slot_barriers(STAGES: gl.constexpr, RELEASES: gl.constexpr):
     return ready, empty
 
 
-def unsupported(q: torch.Tensor, k: torch.Tensor, spec: AttnSpec) -> str | None:
-    """None if the Hopper kernels run attention of q over k under `spec`, else why not."""
+def unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec) -> str | None:
+    """None if the Hopper kernels run attention of q over k, v under `spec`, else why not."""
     if not q.is_cuda or _capability(q.device) != (9, 0):
         return "needs an sm_90 GPU (H100, H200): wgmma and TMA"
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"needs fp16 or bf16 inputs, got {q.dtype}"
     if q.shape[-1] not in HEAD_DIMS:
         return f"needs a head dim in {HEAD_DIMS}, got {q.shape[-1]}"
+    if v.shape[-1] != q.shape[-1]:
+        return f"needs v.shape[3] == q.shape[3] (one head dim), got {v.shape[-1]} and {q.shape[-1]}"
     if spec.kind not in ("full", "causal"):
         return f"runs full or causal attention, not {spec.kind}"
     if spec.softcap:

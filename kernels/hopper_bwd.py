@@ -213,12 +213,12 @@ def _hopper_bwd(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, 
              mask=in_range)
 
 
-def hopper_bwd_unsupported(q: torch.Tensor, k: torch.Tensor, spec: AttnSpec) -> str | None:
+def hopper_bwd_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec) -> str | None:
     """None if `hopper_attn_bwd` runs this case, else why not (the caller falls back to the
     deterministic kernels)."""
     if torch.are_deterministic_algorithms_enabled():
         return "torch.use_deterministic_algorithms(True) is set: dQ's atomic sums are not reproducible"
-    return unsupported(q, k, spec)
+    return unsupported(q, k, v, spec)
 
 
 def _stats(lse: torch.Tensor, delta: torch.Tensor, block_m: int) -> tuple[TensorDescriptor, TensorDescriptor]:
@@ -259,20 +259,20 @@ def hopper_attn_bwd(
 
     check_qkv(q, k, v)
     spec.intervals_for(q, k)  # raises for causal with Nq != Nk, as the Triton kernels do
-    check_bwd(do, q, o, lse)
-    why = hopper_bwd_unsupported(q, k, spec)
+    check_bwd(do, q, v, o, lse)
+    why = hopper_bwd_unsupported(q, k, v, spec)
     if why is not None:
         raise ValueError(f"hopper backward: {why}")
     scale = resolve_scale(softmax_scale, q.shape[-1])
     out_dtype = grad_dtype or q.dtype
-    check_grad_out(out, accumulate, q, k, out_dtype, acc)
+    check_grad_out(out, accumulate, q, k, v, out_dtype, acc)
     B, Nq, H, D = q.shape
     Nk, Hkv = k.shape[1], k.shape[2]
     if out is None:
         out = tuple(torch.empty(t.shape, dtype=out_dtype, device=q.device) for t in (q, k, v))
     dq, dk, dv = out
     sums = out if accumulate else acc
-    q, k, v, do = (t if _descriptor_fits(t, D) else t.contiguous() for t in (q, k, v, do))
+    q, k, v, do = (t if _descriptor_fits(t) else t.contiguous() for t in (q, k, v, do))
     block_m = BLOCK_M[D]
     lse_desc, delta_desc = _stats(lse, row_deltas(o, do), block_m)
     in_place = dq.dtype == torch.float32 and dq.is_contiguous() and dq.data_ptr() % 16 == 0

@@ -274,10 +274,10 @@ def _hopper_fwd(q_desc, k_desc, v_desc, o_desc, O, OA, LSE, stride_ob, stride_on
             worker_num_warps=[4, 4, 1], worker_num_regs=[CONSUMER_REGS, CONSUMER_REGS, 24])
 
 
-def hopper_fwd_unsupported(q: torch.Tensor, k: torch.Tensor, spec: AttnSpec) -> str | None:
+def hopper_fwd_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec) -> str | None:
     """None if `hopper_attn_fwd` runs attention of q over k under `spec`, else why not (the caller
     runs the Triton kernel)."""
-    return unsupported(q, k, spec)
+    return unsupported(q, k, v, spec)
 
 
 def hopper_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
@@ -289,16 +289,16 @@ def hopper_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Att
     this block merged into `acc=(o_acc, lse_acc)` in place."""
     check_qkv(q, k, v)
     spec.intervals_for(q, k)  # raises for causal with Nq != Nk, as the Triton kernel does
-    o, lse = resolve_fwd_outputs(q, out_dtype, acc, out)
-    why = hopper_fwd_unsupported(q, k, spec)
+    o, lse = resolve_fwd_outputs(q, v, out_dtype, acc, out)
+    why = hopper_fwd_unsupported(q, k, v, spec)
     if why is not None:
         raise ValueError(f"hopper forward: {why}")
     scale = resolve_scale(softmax_scale, q.shape[-1])
     B, Nq, H, D = q.shape
     Nk, Hkv = k.shape[1], k.shape[2]
-    q, k, v = (t if _descriptor_fits(t, D) else t.contiguous() for t in (q, k, v))
+    q, k, v = (t if _descriptor_fits(t) else t.contiguous() for t in (q, k, v))
     # A fresh o in q's dtype goes out by TMA; merges, float32 partials and views by pointer stores.
-    tma_out = acc is None and o.dtype == q.dtype and _descriptor_fits(o, D)
+    tma_out = acc is None and o.dtype == q.dtype and _descriptor_fits(o)
     o_acc = o if acc is None else acc[0]  # never read without acc
     wgs, regs, overlap = WARPGROUPS[D]
     _hopper_fwd[(triton.cdiv(Nq, wgs * WG_ROWS), B * H)](

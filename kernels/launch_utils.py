@@ -46,21 +46,21 @@ def bhnd_strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def tma_ok(*ts: torch.Tensor, block_d: int) -> bool:
+def tma_ok(*ts: torch.Tensor) -> bool:
     """Whether the kernels may load these `(B, N, H, D)` tensors through tensor descriptors.
 
     A descriptor (TMA on Hopper) sees the tensor as `(B, N, H·D)` and loads a tile of one head's
     rows with one instruction instead of per-thread address arithmetic. It needs: Hopper or newer
     (or the interpreter, so the CPU tests run this path), 16-bit inputs (the measured case;
-    float32 keeps the pointer loads), heads packed along the last two dims, a head dim that is
-    its own block (no masked columns), 16-byte aligned rows and base, and rows to load.
+    float32 keeps the pointer loads), heads packed along the last two dims, head dims that are
+    their own blocks (`block_d`: no masked columns), 16-byte aligned rows and base, and rows to load.
     `RINGFLASH_TMA=0` turns it off.
     """
     if TensorDescriptor is None or os.environ.get("RINGFLASH_TMA", "1") == "0":
         return False
     if not interpreting() and not (ts[0].is_cuda and _hopper_or_newer(ts[0].device)):
         return False
-    return all(_descriptor_fits(t, block_d) for t in ts)
+    return all(_descriptor_fits(t) for t in ts)
 
 
 @functools.cache
@@ -68,8 +68,8 @@ def _hopper_or_newer(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def _descriptor_fits(t: torch.Tensor, block_d: int) -> bool:
-    packed = t.stride(3) == 1 and t.stride(2) == t.shape[3] == block_d
+def _descriptor_fits(t: torch.Tensor) -> bool:
+    packed = t.stride(3) == 1 and t.stride(2) == t.shape[3] == block_d(t.shape[3])
     aligned = t.data_ptr() % 16 == 0 and all(s > 0 and s * t.element_size() % 16 == 0 for s in _row_strides(t))
     return t.element_size() == 2 and packed and aligned and t.shape[1] > 0
 
@@ -90,13 +90,14 @@ def row_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
 
 def kernel_inputs(kernel: str, tensors: tuple[torch.Tensor, ...], tile: Tile | None,
                   block_d: int) -> tuple[tuple, Tile | None, bool]:
-    """One kernel's `(q, k, v[, do])` arguments, its tile and its TMA flag.
+    """One kernel's `(q, k, v[, do])` arguments, its tile and its TMA flag; `block_d` the larger
+    of the kernel's two head dims' blocks (q·k's and v's), which sizes its tiles.
 
     Descriptors sized for the kernel's tile (from `tile_for`, with q's heads per K/V head and length) where
     `tma_ok`, else the tensors themselves. A descriptor serves one tile shape, so there are none
     while autotuning picks among several.
     """
-    if (tile is None and autotuning()) or not tma_ok(*tensors, block_d=block_d):
+    if (tile is None and autotuning()) or not tma_ok(*tensors):
         return tensors, tile, False
     q, k = tensors[:2]
     tile = tile or tile_for(kernel, block_d, descriptors=True, group=q.shape[2] // k.shape[2], queries=q.shape[1])

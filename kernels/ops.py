@@ -39,7 +39,7 @@ def attn_fwd(
     backend: str | None = None,
     softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
-    """`kernels.attn_fwd` as an op: `o (B, Nq, H, D)` like q, `lse (B, H, Nq)` float32."""
+    """`kernels.attn_fwd` as an op: `o (B, Nq, H, Dv)` in q's dtype, `lse (B, H, Nq)` float32."""
     # Autocast must not recast the reference's float32 math (the op gets no autocast rule, so its
     # inputs arrive as the caller made them, but ops inside would still be autocast).
     with torch.autocast(q.device.type, enabled=False), device_guard(q):
@@ -57,7 +57,7 @@ def _spec(causal: bool, window: int | None, intervals: list[Tensor], softcap: fl
 @attn_fwd.register_fake
 def _(q, k, v, intervals, *, causal=False, softmax_scale=None, window=None, backend=None, softcap=0.0):
     B, Nq, H, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((B, H, Nq), dtype=torch.float32)
+    return q.new_empty((B, Nq, H, v.shape[3])), q.new_empty((B, H, Nq), dtype=torch.float32)
 
 
 @torch.library.custom_op("ringflash::attn_bwd", mutates_args=())
@@ -76,7 +76,7 @@ def attn_bwd(
     backend: str | None = None,
     softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """`kernels.attn_bwd` as an op: `dq` like q, `dk`, `dv` like k, in q's dtype."""
+    """`kernels.attn_bwd` as an op: `dq`, `dk`, `dv` shaped like q, k, v, in q's dtype."""
     with torch.autocast(q.device.type, enabled=False), device_guard(q):
         grads = get_backend(backend, q.device).bwd_step(
             do, q, k, v, o, lse, _spec(causal, window, intervals, softcap), softmax_scale
@@ -86,7 +86,7 @@ def attn_bwd(
 
 @attn_bwd.register_fake
 def _(do, q, k, v, o, lse, intervals, *, causal=False, softmax_scale=None, window=None, backend=None, softcap=0.0):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(v.shape)
 
 
 def _fwd_setup_context(ctx, inputs, keyword_only_inputs, output):

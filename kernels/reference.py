@@ -64,9 +64,9 @@ def ref_attn_fwd(
     acc: tuple[torch.Tensor, torch.Tensor] | None = None,
     out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of `q (B, Nq, H, D)` over `k, v (B, Nk, Hkv, D)`.
+    """Attention of `q (B, Nq, H, D)` over `k (B, Nk, Hkv, D)`, `v (B, Nk, Hkv, Dv)`.
 
-    Returns `o (B, Nq, H, D)` in `out_dtype` (default q's dtype) and `lse (B, H, Nq)` float32 (natural log).
+    Returns `o (B, Nq, H, Dv)` in `out_dtype` (default q's dtype) and `lse (B, H, Nq)` float32 (natural log).
     Rows with no visible key give `o = 0` and `lse = -inf`. With `acc=(o_acc, lse_acc)` (float32)
     the result is merged into the accumulator in place (`ref_merge`) and `acc` is returned.
     `out`: where o goes instead (o_acc is then only read, and may be in q's dtype; `(out, lse)`
@@ -74,7 +74,7 @@ def ref_attn_fwd(
     """
     check_qkv(q, k, v)
     vis = spec.intervals_for(q, k)
-    o_out, lse_out = resolve_fwd_outputs(q, out_dtype, acc, out)
+    o_out, lse_out = resolve_fwd_outputs(q, v, out_dtype, acc, out)
     scale = resolve_scale(softmax_scale, q.shape[-1])
     B, Nq, H, _ = q.shape
     s = _scores(q, k, spec.causal, scale, vis, spec.softcap)  # (B, Hkv, G, Nq, Nk)
@@ -155,11 +155,11 @@ def ref_attn_bwd(
     `o` and `lse` may be the global ones of a ring merge rather than the ones this block
     produced: P is recomputed as `exp(S·scale − lse)` and `delta = rowsum(do·o)`, which is
     exactly what makes per-block gradients sum to the full gradient.
-    Returns `dq (B, Nq, H, D)`, `dk, dv (B, Nk, Hkv, D)` in `grad_dtype` (default: q's dtype).
+    Returns `dq`, `dk`, `dv` shaped like q, k, v, in `grad_dtype` (default: q's dtype).
     """
     check_qkv(q, k, v)
     vis = spec.intervals_for(q, k)
-    check_bwd(do, q, o, lse)
+    check_bwd(do, q, v, o, lse)
     scale = resolve_scale(softmax_scale, q.shape[-1])
     out_dtype = grad_dtype or q.dtype
     B, Nq, H, _ = q.shape

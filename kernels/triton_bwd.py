@@ -89,23 +89,24 @@ def _load_lse2(LSE, rows, Nq):
 @triton.jit
 def _dkdv_inner(
     dk, dv, k, v, Q, DO, LSE, Delta,
-    KV_LO, KV_HI, stride_qn, stride_don, off_b, q_col, offs_n, offs_d, lo, hi, Nq, qk_scale, cap,
+    KV_LO, KV_HI, stride_qn, stride_don, off_b, off_h, offs_n, offs_d, offs_dv, lo, hi, Nq, qk_scale, cap,
     CAUSAL: tl.constexpr, RANGES: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
-    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Accumulate dK, dV of one key block over query blocks [lo, hi) of one query head.
 
     Works on transposed scores `S^T (BLOCK_N, BLOCK_M)` so that dV = P^T·dO and dK = dS^T·Q are
-    plain products with the key block as rows. `Q, DO`: the query head's `head_base`, rows at
-    column `q_col`.
+    plain products with the key block as rows. `Q, DO`: query head `off_h`'s `head_base`.
     """
     offs_m0 = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m0
         # Query rows past Nq load as zeros with lse = +inf, so they contribute exactly nothing.
-        q = head_rows(Q, stride_qn, off_b, start_m, q_col, offs_d, Nq, True, TMA, BLOCK_M, HEAD_DIM, BLOCK_D)
-        do = head_rows(DO, stride_don, off_b, start_m, q_col, offs_d, Nq, True, TMA, BLOCK_M, HEAD_DIM, BLOCK_D)
+        q = head_rows(Q, stride_qn, off_b, start_m, off_h * HEAD_DIM, offs_d, Nq, True, TMA, BLOCK_M, HEAD_DIM,
+                      BLOCK_D)
+        do = head_rows(DO, stride_don, off_b, start_m, off_h * HEAD_DIM_V, offs_dv, Nq, True, TMA, BLOCK_M,
+                       HEAD_DIM_V, BLOCK_DV)
         if UPCAST:
             q = q.to(tl.float32)
             do = do.to(tl.float32)
@@ -141,24 +142,25 @@ def _dkdv_block(
     stride_dkab, stride_dkan, stride_dkah, stride_dvab, stride_dvan, stride_dvah,
     KV_LO, KV_HI, Q_LO, Q_HI, stride_rqb, stride_rkb,
     Hkv, Nq, Nk, qk_scale, cap, softmax_scale,
-    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, RANGES: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, TMA: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr,
+    RANGES: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, TMA: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """dK, dV of the key block at `start_n` of K/V head `off_hkv`: computed and stored."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = tl.arange(0, BLOCK_D)  # q and k's head dim
+    offs_dv = tl.arange(0, BLOCK_DV)  # v, o and do's
 
-    kv_col = off_hkv * HEAD_DIM
-    k = head_rows(head_base(K, off_b, off_hkv, stride_kb, stride_kh, TMA), stride_kn, off_b, start_n, kv_col, offs_d,
-                  Nk, True, TMA, BLOCK_N, HEAD_DIM, BLOCK_D)
-    v = head_rows(head_base(V, off_b, off_hkv, stride_vb, stride_vh, TMA), stride_vn, off_b, start_n, kv_col, offs_d,
-                  Nk, True, TMA, BLOCK_N, HEAD_DIM, BLOCK_D)
+    k = head_rows(head_base(K, off_b, off_hkv, stride_kb, stride_kh, TMA), stride_kn, off_b, start_n,
+                  off_hkv * HEAD_DIM, offs_d, Nk, True, TMA, BLOCK_N, HEAD_DIM, BLOCK_D)
+    v = head_rows(head_base(V, off_b, off_hkv, stride_vb, stride_vh, TMA), stride_vn, off_b, start_n,
+                  off_hkv * HEAD_DIM_V, offs_dv, Nk, True, TMA, BLOCK_N, HEAD_DIM_V, BLOCK_DV)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
     kv_lo_ptr = KV_LO + off_b * stride_rqb
     kv_hi_ptr = KV_HI + off_b * stride_rqb
@@ -181,18 +183,20 @@ def _dkdv_block(
         off_h = off_hkv * GROUP + g
         q_base = head_base(Q, off_b, off_h, stride_qb, stride_qh, TMA)
         do_base = head_base(DO, off_b, off_h, stride_dob, stride_doh, TMA)
-        q_col = off_h * HEAD_DIM
         row_base = (off_b * Hkv * GROUP + off_h) * Nq
         dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, Delta + row_base, kv_lo_ptr, kv_hi_ptr,
-                             stride_qn, stride_don, off_b, q_col, offs_n, offs_d, lo, split, Nq, qk_scale, cap,
-                             CAUSAL, RANGES, True, UPCAST, TMA, BLOCK_M, HEAD_DIM, BLOCK_D, PRECISION, SOFTCAP)
+                             stride_qn, stride_don, off_b, off_h, offs_n, offs_d, offs_dv, lo, split, Nq, qk_scale, cap,
+                             CAUSAL, RANGES, True, UPCAST, TMA, BLOCK_M, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV,
+                             PRECISION, SOFTCAP)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, Delta + row_base, kv_lo_ptr, kv_hi_ptr,
-                             stride_qn, stride_don, off_b, q_col, offs_n, offs_d, split, split2, Nq, qk_scale, cap,
-                             CAUSAL, RANGES, False, UPCAST, TMA, BLOCK_M, HEAD_DIM, BLOCK_D, PRECISION, SOFTCAP)
+                             stride_qn, stride_don, off_b, off_h, offs_n, offs_d, offs_dv, split, split2, Nq,
+                             qk_scale, cap, CAUSAL, RANGES, False, UPCAST, TMA, BLOCK_M, HEAD_DIM, BLOCK_D,
+                             HEAD_DIM_V, BLOCK_DV, PRECISION, SOFTCAP)
         if RANGES:
             dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, Delta + row_base, kv_lo_ptr, kv_hi_ptr,
-                                 stride_qn, stride_don, off_b, q_col, offs_n, offs_d, split2, hi, Nq, qk_scale, cap,
-                                 CAUSAL, RANGES, True, UPCAST, TMA, BLOCK_M, HEAD_DIM, BLOCK_D, PRECISION, SOFTCAP)
+                                 stride_qn, stride_don, off_b, off_h, offs_n, offs_d, offs_dv, split2, hi, Nq,
+                                 qk_scale, cap, CAUSAL, RANGES, True, UPCAST, TMA, BLOCK_M, HEAD_DIM, BLOCK_D,
+                                 HEAD_DIM_V, BLOCK_DV, PRECISION, SOFTCAP)
 
     # ptxas's register allocation for this kernel swings its speed by 10%+ with small changes
     # (float32 stores without the causal mask compile to a slow loop; adding into DK/DV does not):
@@ -202,12 +206,12 @@ def _dkdv_block(
     if ACCUMULATE:  # add the sums in DKA, DVA: DK, DV themselves (accumulate=True) or others (acc=)
         dk += load_tile(tile_ptrs(DKA, off_b, off_hkv, offs_n, offs_d, stride_dkab, stride_dkan, stride_dkah),
                         offs_n, offs_d, Nk, True, HEAD_DIM, BLOCK_D).to(tl.float32)
-        dv += load_tile(tile_ptrs(DVA, off_b, off_hkv, offs_n, offs_d, stride_dvab, stride_dvan, stride_dvah),
-                        offs_n, offs_d, Nk, True, HEAD_DIM, BLOCK_D).to(tl.float32)
+        dv += load_tile(tile_ptrs(DVA, off_b, off_hkv, offs_n, offs_dv, stride_dvab, stride_dvan, stride_dvah),
+                        offs_n, offs_dv, Nk, True, HEAD_DIM_V, BLOCK_DV).to(tl.float32)
     store_tile(tile_ptrs(DK, off_b, off_hkv, offs_n, offs_d, stride_dkb, stride_dkn, stride_dkh),
                dk.to(DK.dtype.element_ty), offs_n, offs_d, Nk, HEAD_DIM, BLOCK_D)
-    store_tile(tile_ptrs(DV, off_b, off_hkv, offs_n, offs_d, stride_dvb, stride_dvn, stride_dvh),
-               dv.to(DV.dtype.element_ty), offs_n, offs_d, Nk, HEAD_DIM, BLOCK_D)
+    store_tile(tile_ptrs(DV, off_b, off_hkv, offs_n, offs_dv, stride_dvb, stride_dvn, stride_dvh),
+               dv.to(DV.dtype.element_ty), offs_n, offs_dv, Nk, HEAD_DIM_V, BLOCK_DV)
 
 
 @triton.jit
@@ -219,10 +223,10 @@ def _bwd_dkdv(
     stride_dkab, stride_dkan, stride_dkah, stride_dvab, stride_dvan, stride_dvah,
     KV_LO, KV_HI, Q_LO, Q_HI, stride_rqb, stride_rkb,
     Hkv, Nq, Nk, qk_scale, cap, softmax_scale, n_sms,
-    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, RANGES: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, TMA: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr,
+    RANGES: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, TMA: tl.constexpr,
     PAIRED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    BLOCK_DV: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     # PAIRED (causal): program i takes key blocks i and n-1-i, which together see n+1 query
     # blocks' worth of rows: every program is equally long and the grid ends without a tail.
@@ -241,26 +245,28 @@ def _bwd_dkdv(
                         stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
                         stride_dkab, stride_dkan, stride_dkah, stride_dvab, stride_dvan, stride_dvah,
                         KV_LO, KV_HI, Q_LO, Q_HI, stride_rqb, stride_rkb, Hkv, Nq, Nk, qk_scale, cap,
-                        softmax_scale, HEAD_DIM, GROUP, CAUSAL, RANGES, UPCAST, PRECISION, ACCUMULATE, TMA, BLOCK_N,
-                        BLOCK_M, BLOCK_D, SOFTCAP)
+                        softmax_scale, HEAD_DIM, HEAD_DIM_V, GROUP, CAUSAL, RANGES, UPCAST, PRECISION, ACCUMULATE,
+                        TMA, BLOCK_N, BLOCK_M, BLOCK_D, BLOCK_DV, SOFTCAP)
 
 
 @triton.jit
 def _dq_inner(
-    dq, q, do, lse2, delta, K, V, stride_kn, stride_vn, off_b, kv_col, offs_m, offs_d, kv_lo, kv_hi, lo, hi, Nk,
-    qk_scale, cap, CAUSAL: tl.constexpr, RANGES: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr,
-    TMA: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    dq, q, do, lse2, delta, K, V, stride_kn, stride_vn, off_b, off_hkv, offs_m, offs_d, offs_dv, kv_lo, kv_hi, lo, hi,
+    Nk, qk_scale, cap, CAUSAL: tl.constexpr, RANGES: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr,
+    TMA: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Accumulate dQ of one query block over key blocks [lo, hi).
 
-    `K, V`: the kv head's `head_base`, rows at column `kv_col`."""
+    `K, V`: kv head `off_hkv`'s `head_base`."""
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n0
         # Keys past Nk read as zeros (only MASKED blocks reach them); the mask hides them.
-        k = head_rows(K, stride_kn, off_b, start_n, kv_col, offs_d, Nk, MASKED, TMA, BLOCK_N, HEAD_DIM, BLOCK_D)
-        v = head_rows(V, stride_vn, off_b, start_n, kv_col, offs_d, Nk, MASKED, TMA, BLOCK_N, HEAD_DIM, BLOCK_D)
+        k = head_rows(K, stride_kn, off_b, start_n, off_hkv * HEAD_DIM, offs_d, Nk, MASKED, TMA, BLOCK_N, HEAD_DIM,
+                      BLOCK_D)
+        v = head_rows(V, stride_vn, off_b, start_n, off_hkv * HEAD_DIM_V, offs_dv, Nk, MASKED, TMA, BLOCK_N,
+                      HEAD_DIM_V, BLOCK_DV)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -288,9 +294,10 @@ def _bwd_dq(
     stride_dqb, stride_dqn, stride_dqh, stride_dqab, stride_dqan, stride_dqah,
     KV_LO, KV_HI, stride_rqb,
     H, Nq, Nk, qk_scale, cap, softmax_scale, n_sms,
-    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, RANGES: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, TMA: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr,
+    RANGES: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     rank, off_bh = heaviest_first(n_sms)
     start_m = (tl.num_programs(0) - 1 - rank) * BLOCK_M  # last query blocks first: they see the most keys
@@ -298,14 +305,13 @@ def _bwd_dq(
     off_h = off_bh % H
     off_hkv = off_h // GROUP
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = tl.arange(0, BLOCK_D)  # q and k's head dim
+    offs_dv = tl.arange(0, BLOCK_DV)  # v and do's
 
-    kv_col = off_hkv * HEAD_DIM
-    q_col = off_h * HEAD_DIM
-    q = head_rows(head_base(Q, off_b, off_h, stride_qb, stride_qh, TMA), stride_qn, off_b, start_m, q_col, offs_d,
-                  Nq, True, TMA, BLOCK_M, HEAD_DIM, BLOCK_D)
-    do = head_rows(head_base(DO, off_b, off_h, stride_dob, stride_doh, TMA), stride_don, off_b, start_m, q_col,
-                   offs_d, Nq, True, TMA, BLOCK_M, HEAD_DIM, BLOCK_D)
+    q = head_rows(head_base(Q, off_b, off_h, stride_qb, stride_qh, TMA), stride_qn, off_b, start_m, off_h * HEAD_DIM,
+                  offs_d, Nq, True, TMA, BLOCK_M, HEAD_DIM, BLOCK_D)
+    do = head_rows(head_base(DO, off_b, off_h, stride_dob, stride_doh, TMA), stride_don, off_b, start_m,
+                   off_h * HEAD_DIM_V, offs_dv, Nq, True, TMA, BLOCK_M, HEAD_DIM_V, BLOCK_DV)
     k_base = head_base(K, off_b, off_hkv, stride_kb, stride_kh, TMA)
     v_base = head_base(V, off_b, off_hkv, stride_vb, stride_vh, TMA)
     if UPCAST:
@@ -320,15 +326,15 @@ def _bwd_dq(
         kv_lo = tl.maximum(tl.load(KV_LO + off_b * stride_rqb + offs_m, mask=row_ok, other=0), 0)
         kv_hi = tl.minimum(tl.load(KV_HI + off_b * stride_rqb + offs_m, mask=row_ok, other=0), Nk)
         lo, split, split2, hi = block_bounds(kv_lo, kv_hi, row_ok, Nk, BLOCK_N)
-        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, off_b, kv_col, offs_m, offs_d,
-                       kv_lo, kv_hi, split, split2, Nk, qk_scale, cap, False, True, False, UPCAST, TMA, BLOCK_N,
-                       HEAD_DIM, BLOCK_D, PRECISION, SOFTCAP)
-        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, off_b, kv_col, offs_m, offs_d,
-                       kv_lo, kv_hi, lo, split, Nk, qk_scale, cap, False, True, True, UPCAST, TMA, BLOCK_N,
-                       HEAD_DIM, BLOCK_D, PRECISION, SOFTCAP)
-        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, off_b, kv_col, offs_m, offs_d,
-                       kv_lo, kv_hi, split2, hi, Nk, qk_scale, cap, False, True, True, UPCAST, TMA, BLOCK_N,
-                       HEAD_DIM, BLOCK_D, PRECISION, SOFTCAP)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, off_b, off_hkv, offs_m,
+                       offs_d, offs_dv, kv_lo, kv_hi, split, split2, Nk, qk_scale, cap, False, True, False, UPCAST,
+                       TMA, BLOCK_N, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, PRECISION, SOFTCAP)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, off_b, off_hkv, offs_m,
+                       offs_d, offs_dv, kv_lo, kv_hi, lo, split, Nk, qk_scale, cap, False, True, True, UPCAST,
+                       TMA, BLOCK_N, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, PRECISION, SOFTCAP)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, off_b, off_hkv, offs_m,
+                       offs_d, offs_dv, kv_lo, kv_hi, split2, hi, Nk, qk_scale, cap, False, True, True, UPCAST,
+                       TMA, BLOCK_N, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, PRECISION, SOFTCAP)
     else:
         if CAUSAL:
             split = start_m  # BLOCK_M is a multiple of BLOCK_N: keys before the block are all visible
@@ -336,12 +342,12 @@ def _bwd_dq(
         else:
             split = (Nk // BLOCK_N) * BLOCK_N
             hi = Nk
-        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, off_b, kv_col, offs_m, offs_d,
-                       offs_m, offs_m, 0, split, Nk, qk_scale, cap, CAUSAL, False, False, UPCAST, TMA, BLOCK_N,
-                       HEAD_DIM, BLOCK_D, PRECISION, SOFTCAP)
-        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, off_b, kv_col, offs_m, offs_d,
-                       offs_m, offs_m, split, hi, Nk, qk_scale, cap, CAUSAL, False, True, UPCAST, TMA, BLOCK_N,
-                       HEAD_DIM, BLOCK_D, PRECISION, SOFTCAP)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, off_b, off_hkv, offs_m,
+                       offs_d, offs_dv, offs_m, offs_m, 0, split, Nk, qk_scale, cap, CAUSAL, False, False, UPCAST,
+                       TMA, BLOCK_N, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, PRECISION, SOFTCAP)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, off_b, off_hkv, offs_m,
+                       offs_d, offs_dv, offs_m, offs_m, split, hi, Nk, qk_scale, cap, CAUSAL, False, True, UPCAST,
+                       TMA, BLOCK_N, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, PRECISION, SOFTCAP)
 
     dq = dq * softmax_scale
     if ACCUMULATE:  # add the sums in DQA: DQ itself (accumulate=True) or another (acc=)
@@ -361,7 +367,7 @@ def _copy_or_zero(t: torch.Tensor, src: torch.Tensor | None) -> None:
 
 def row_deltas(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
     """`rowsum(do·o)` per query row, `(B, H, Nq)` float32: the backward's D_i."""
-    B, Nq, H, D = o.shape
+    B, Nq, H, D = o.shape  # D: v's head dim
     delta = torch.empty((B, H, Nq), dtype=torch.float32, device=o.device)
     _bwd_preprocess[(triton.cdiv(Nq, 64), B * H)](
         o, do, delta, *bhnd_strides(o), *bhnd_strides(do), H, Nq, HEAD_DIM=D, BLOCK_M=64, BLOCK_D=block_d(D),
@@ -388,8 +394,8 @@ def triton_attn_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of attention with the Triton kernels.
 
-    `do, o` like `q (B, Nq, H, D)`; `k, v (B, Nk, Hkv, D)`; `lse (B, H, Nq)` float32 natural log.
-    Returns `dq (B, Nq, H, D)`, `dk, dv (B, Nk, Hkv, D)` in `grad_dtype` (default q's dtype; the
+    `q (B, Nq, H, D)`; `k (B, Nk, Hkv, D)`; `v (B, Nk, Hkv, Dv)`; `do, o (B, Nq, H, Dv)`; `lse (B, H, Nq)`
+    float32 natural log. Returns `dq`, `dk`, `dv` shaped like q, k, v in `grad_dtype` (default q's dtype; the
     ring asks for float32 to accumulate across steps): new tensors, or `out`'s (any strides), added
     to what they hold instead of written when `accumulate`, or to what `acc` holds (see
     `kernels.attn_bwd`).
@@ -398,10 +404,10 @@ def triton_attn_bwd(
     """
     check_qkv(q, k, v)
     vis = spec.intervals_for(q, k)
-    check_bwd(do, q, o, lse)
+    check_bwd(do, q, v, o, lse)
     scale = resolve_scale(softmax_scale, q.shape[-1])
     out_dtype = grad_dtype or q.dtype
-    check_grad_out(out, accumulate, q, k, out_dtype, acc)
+    check_grad_out(out, accumulate, q, k, v, out_dtype, acc)
     B, Nq, H, D = q.shape
     Nk, Hkv = k.shape[1], k.shape[2]
     if out is None:
@@ -418,10 +424,11 @@ def triton_attn_bwd(
         return dq, dk, dv
     lse = lse.contiguous()
     delta = row_deltas(o, do)
-    BD = block_d(D)
+    BD, BDV = block_d(D), block_d(v.shape[3])
     common = dict(
-        HEAD_DIM=D, GROUP=H // Hkv, CAUSAL=spec.causal and vis is None, RANGES=vis is not None,
-        UPCAST=upcast_dots(q.dtype), PRECISION=dot_precision(q.dtype), BLOCK_D=BD, SOFTCAP=bool(spec.softcap),
+        HEAD_DIM=D, HEAD_DIM_V=v.shape[3], GROUP=H // Hkv, CAUSAL=spec.causal and vis is None, RANGES=vis is not None,
+        UPCAST=upcast_dots(q.dtype), PRECISION=dot_precision(q.dtype), BLOCK_D=BD, BLOCK_DV=BDV,
+        SOFTCAP=bool(spec.softcap),
     )
     if vis is None:  # placeholders, never read
         kv_ranges, q_ranges = (q, q, 0), (q, q, 0)
@@ -431,8 +438,8 @@ def triton_attn_bwd(
     strides_in = (*bhnd_strides(q), *bhnd_strides(k), *bhnd_strides(v), *bhnd_strides(do))
     tiles = tiles or {}
     dqa, dka, dva = sums or out  # placeholders, never read, without sums
-    srcs, tile, tma = kernel_inputs("dkdv", (q, k, v, do), tiles.get("dkdv"), BD)
-    paired = pairs_dkdv(common["CAUSAL"], H // Hkv, BD)
+    srcs, tile, tma = kernel_inputs("dkdv", (q, k, v, do), tiles.get("dkdv"), max(BD, BDV))
+    paired = pairs_dkdv(common["CAUSAL"], H // Hkv, max(BD, BDV))
     launch("dkdv", _bwd_dkdv, lambda meta: (triton.cdiv(triton.cdiv(Nk, meta["BLOCK_N"]), 1 + paired), B * Hkv),
            (*srcs, lse, delta, dk, dv, dka, dva, *strides_in, *bhnd_strides(dk), *bhnd_strides(dv),
             *bhnd_strides(dka), *bhnd_strides(dva), *kv_ranges[:2], *q_ranges[:2], kv_ranges[2], q_ranges[2],
@@ -440,7 +447,7 @@ def triton_attn_bwd(
            dict(common, ACCUMULATE=sums is not None, TMA=tma, PAIRED=paired), tile)
     if after_dkdv is not None:
         after_dkdv()
-    srcs, tile, tma = kernel_inputs("dq", (q, k, v, do), tiles.get("dq"), BD)
+    srcs, tile, tma = kernel_inputs("dq", (q, k, v, do), tiles.get("dq"), max(BD, BDV))
     launch("dq", _bwd_dq, lambda meta: (triton.cdiv(Nq, meta["BLOCK_M"]), B * H),
            (*srcs, lse, delta, dq, dqa, *strides_in, *bhnd_strides(dq), *bhnd_strides(dqa), *kv_ranges,
             H, Nq, Nk, *score_args(scale, spec.softcap), scale, num_sms(q.device)),

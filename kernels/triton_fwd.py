@@ -77,22 +77,24 @@ def score_args(scale: float, softcap: float) -> tuple[float, float]:
 @triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q,
-    k_src, v_src, stride_kn, stride_vn, off_b, kv_col,
-    offs_m, offs_n, offs_d, kv_lo, kv_hi, lo, hi, Nk, qk_scale, cap,
+    k_src, v_src, stride_kn, stride_vn, off_b, off_hkv,
+    offs_m, offs_n, offs_d, offs_dv, kv_lo, kv_hi, lo, hi, Nk, qk_scale, cap,
     CAUSAL: tl.constexpr, RANGES: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Fold key/value blocks [lo, hi) into the online-softmax state (acc, l_i, m_i).
 
     MASKED blocks hide keys past Nk and, by the causal diagonal or the rows' intervals
     [kv_lo, kv_hi) (RANGES; they lie within [0, Nk)), the keys a row does not see.
-    `k_src, v_src`: the kv head's `head_base`, rows at column `kv_col`."""
+    `k_src, v_src`: the kv head `off_hkv`'s `head_base`."""
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         # Keys past Nk read as zeros (only MASKED blocks reach them); the mask hides them.
-        k = head_rows(k_src, stride_kn, off_b, start_n, kv_col, offs_d, Nk, MASKED, TMA, BLOCK_N, HEAD_DIM, BLOCK_D)
-        v = head_rows(v_src, stride_vn, off_b, start_n, kv_col, offs_d, Nk, MASKED, TMA, BLOCK_N, HEAD_DIM, BLOCK_D)
+        k = head_rows(k_src, stride_kn, off_b, start_n, off_hkv * HEAD_DIM, offs_d, Nk, MASKED, TMA, BLOCK_N,
+                      HEAD_DIM, BLOCK_D)
+        v = head_rows(v_src, stride_vn, off_b, start_n, off_hkv * HEAD_DIM_V, offs_dv, Nk, MASKED, TMA, BLOCK_N,
+                      HEAD_DIM_V, BLOCK_DV)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -161,9 +163,10 @@ def _attn_fwd_kernel(
     stride_lb, stride_lh, stride_ln,
     KV_LO, KV_HI, stride_rb,
     H, Nq, Nk, qk_scale, cap, n_sms,
-    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, RANGES: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, MERGE: tl.constexpr, TMA: tl.constexpr, SOFTCAP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr,
+    RANGES: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, MERGE: tl.constexpr, TMA: tl.constexpr,
+    SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
     # Last query blocks first: under a causal mask they see the most keys.
     rank, off_bh = heaviest_first(n_sms)
@@ -174,9 +177,9 @@ def _attn_fwd_kernel(
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = tl.arange(0, BLOCK_D)  # q and k's head dim
+    offs_dv = tl.arange(0, BLOCK_DV)  # v and o's
 
-    kv_col = off_hkv * HEAD_DIM
     q = head_rows(head_base(Q, off_b, off_h, stride_qb, stride_qh, TMA), stride_qn, off_b, start_m * BLOCK_M,
                   off_h * HEAD_DIM, offs_d, Nq, True, TMA, BLOCK_M, HEAD_DIM, BLOCK_D)
     k_src = head_base(K, off_b, off_hkv, stride_kb, stride_kh, TMA)
@@ -186,7 +189,7 @@ def _attn_fwd_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
     if RANGES:
         # Masked blocks where the rows' intervals begin, unmasked ones all rows see, masked ones
@@ -197,15 +200,18 @@ def _attn_fwd_kernel(
         kv_lo = tl.maximum(kv_lo, 0)
         kv_hi = tl.minimum(kv_hi, Nk)
         lo, split, split2, hi = block_bounds(kv_lo, kv_hi, row_ok, Nk, BLOCK_N)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, off_b, kv_col,
-                                   offs_m, offs_n, offs_d, kv_lo, kv_hi, split, split2, Nk, qk_scale, cap,
-                                   False, True, False, UPCAST, TMA, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION, SOFTCAP)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, off_b, kv_col,
-                                   offs_m, offs_n, offs_d, kv_lo, kv_hi, lo, split, Nk, qk_scale, cap,
-                                   False, True, True, UPCAST, TMA, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION, SOFTCAP)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, off_b, kv_col,
-                                   offs_m, offs_n, offs_d, kv_lo, kv_hi, split2, hi, Nk, qk_scale, cap,
-                                   False, True, True, UPCAST, TMA, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION, SOFTCAP)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, off_b, off_hkv,
+                                   offs_m, offs_n, offs_d, offs_dv, kv_lo, kv_hi, split, split2, Nk, qk_scale, cap,
+                                   False, True, False, UPCAST, TMA, BLOCK_N, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV,
+                                   PRECISION, SOFTCAP)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, off_b, off_hkv,
+                                   offs_m, offs_n, offs_d, offs_dv, kv_lo, kv_hi, lo, split, Nk, qk_scale, cap,
+                                   False, True, True, UPCAST, TMA, BLOCK_N, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV,
+                                   PRECISION, SOFTCAP)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, off_b, off_hkv,
+                                   offs_m, offs_n, offs_d, offs_dv, kv_lo, kv_hi, split2, hi, Nk, qk_scale, cap,
+                                   False, True, True, UPCAST, TMA, BLOCK_N, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV,
+                                   PRECISION, SOFTCAP)
     else:
         if CAUSAL:
             # Keys before this query block are visible to all of it; the block on the diagonal is
@@ -215,12 +221,14 @@ def _attn_fwd_kernel(
         else:
             split = (Nk // BLOCK_N) * BLOCK_N  # full key blocks, then a ragged tail
             hi = Nk
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, off_b, kv_col,
-                                   offs_m, offs_n, offs_d, offs_m, offs_m, 0, split, Nk, qk_scale, cap,
-                                   CAUSAL, False, False, UPCAST, TMA, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION, SOFTCAP)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, off_b, kv_col,
-                                   offs_m, offs_n, offs_d, offs_m, offs_m, split, hi, Nk, qk_scale, cap,
-                                   CAUSAL, False, True, UPCAST, TMA, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION, SOFTCAP)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, off_b, off_hkv,
+                                   offs_m, offs_n, offs_d, offs_dv, offs_m, offs_m, 0, split, Nk, qk_scale, cap,
+                                   CAUSAL, False, False, UPCAST, TMA, BLOCK_N, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV,
+                                   PRECISION, SOFTCAP)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, off_b, off_hkv,
+                                   offs_m, offs_n, offs_d, offs_dv, offs_m, offs_m, split, hi, Nk, qk_scale, cap,
+                                   CAUSAL, False, True, UPCAST, TMA, BLOCK_N, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV,
+                                   PRECISION, SOFTCAP)
 
     # Rows that saw no key (l_i == 0) get o = 0 and lse = -inf rather than 0/0.
     empty = l_i == 0.0
@@ -230,10 +238,10 @@ def _attn_fwd_kernel(
 
     lse_ptrs = LSE + off_b * stride_lb + off_h * stride_lh + offs_m * stride_ln
     if MERGE:  # OA, LSE hold the running accumulator: merge into it; o goes to O (OA itself, or out=)
-        oa_ptrs = tile_ptrs(OA, off_b, off_h, offs_m, offs_d, stride_oab, stride_oan, stride_oah)
-        o, lse = _merge_into(o, lse, oa_ptrs, lse_ptrs, offs_m, offs_d, Nq, HEAD_DIM, BLOCK_D)
-    store_tile(tile_ptrs(O, off_b, off_h, offs_m, offs_d, stride_ob, stride_on, stride_oh), o.to(O.dtype.element_ty),
-               offs_m, offs_d, Nq, HEAD_DIM, BLOCK_D)
+        oa_ptrs = tile_ptrs(OA, off_b, off_h, offs_m, offs_dv, stride_oab, stride_oan, stride_oah)
+        o, lse = _merge_into(o, lse, oa_ptrs, lse_ptrs, offs_m, offs_dv, Nq, HEAD_DIM_V, BLOCK_DV)
+    store_tile(tile_ptrs(O, off_b, off_h, offs_m, offs_dv, stride_ob, stride_on, stride_oh), o.to(O.dtype.element_ty),
+               offs_m, offs_dv, Nq, HEAD_DIM_V, BLOCK_DV)
     tl.store(lse_ptrs, lse, mask=offs_m < Nq)
 
 
@@ -249,14 +257,14 @@ def triton_attn_fwd(
     out: torch.Tensor | None = None,
     tile: Tile | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of `q (B, Nq, H, D)` over `k, v (B, Nk, Hkv, D)` with the Triton kernel.
+    """Attention of `q (B, Nq, H, D)` over `k (B, Nk, Hkv, D)`, `v (B, Nk, Hkv, Dv)` with the Triton kernel.
 
-    Returns `o (B, Nq, H, D)` (new and contiguous in `out_dtype`, default q's; or `out`) and `lse (B, H, Nq)`
+    Returns `o (B, Nq, H, Dv)` (new and contiguous in `out_dtype`, default q's; or `out`) and `lse (B, H, Nq)`
     float32, natural log.
-    With `acc=(o_acc, lse_acc)` (float32 `(B, Nq, H, D)` and `(B, H, Nq)`, any strides with a
+    With `acc=(o_acc, lse_acc)` (float32 `(B, Nq, H, Dv)` and `(B, H, Nq)`, any strides with a
     contiguous last dim of o_acc) this block's result is merged into them in place and they are returned
     (o_acc may be in q's dtype where `out=` is given: `kernels.attn_fwd`).
-    `out`: where o goes (shaped like q, its own dtype; a view of a larger tensor is fine) instead of
+    `out`: where o goes (shaped like o, its own dtype; a view of a larger tensor is fine) instead of
     a new tensor or, with `acc`, o_acc (then only read): the ring's last step rounds its merged o
     to q's dtype this way, without a separate cast.
     `spec`: which keys each query sees (kernels/spec.py).
@@ -266,18 +274,18 @@ def triton_attn_fwd(
     scale = resolve_scale(softmax_scale, q.shape[-1])
     B, Nq, H, D = q.shape
     Nk, Hkv = k.shape[1], k.shape[2]
-    o, lse = resolve_fwd_outputs(q, out_dtype, acc, out)
+    o, lse = resolve_fwd_outputs(q, v, out_dtype, acc, out)
     if Nq == 0 or B * H == 0:
         return o, lse
-    BD = block_d(D)
-    srcs, tile, tma = kernel_inputs("fwd", (q, k, v), tile, BD)
+    BD, BDV = block_d(D), block_d(v.shape[3])
+    srcs, tile, tma = kernel_inputs("fwd", (q, k, v), tile, max(BD, BDV))
     o_acc = o if acc is None else acc[0]  # never read without acc
     args = (*srcs, o, lse, o_acc, *bhnd_strides(q), *bhnd_strides(k), *bhnd_strides(v), *bhnd_strides(o),
             *bhnd_strides(o_acc),
             *lse.stride(), *_ranges_args(vis, q), H, Nq, Nk, *score_args(scale, spec.softcap), num_sms(q.device))
-    consts = dict(HEAD_DIM=D, GROUP=H // Hkv, CAUSAL=spec.causal and vis is None, RANGES=vis is not None,
-                  UPCAST=upcast_dots(q.dtype), PRECISION=dot_precision(q.dtype), MERGE=acc is not None,
-                  TMA=tma, BLOCK_D=BD, SOFTCAP=bool(spec.softcap))
+    consts = dict(HEAD_DIM=D, HEAD_DIM_V=v.shape[3], GROUP=H // Hkv, CAUSAL=spec.causal and vis is None,
+                  RANGES=vis is not None, UPCAST=upcast_dots(q.dtype), PRECISION=dot_precision(q.dtype),
+                  MERGE=acc is not None, TMA=tma, BLOCK_D=BD, BLOCK_DV=BDV, SOFTCAP=bool(spec.softcap))
     launch("fwd", _attn_fwd_kernel, lambda meta: (triton.cdiv(Nq, meta["BLOCK_M"]), B * H), args, consts, tile)
     return o, lse
 

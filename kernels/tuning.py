@@ -108,14 +108,15 @@ _autotuned: dict[tuple[str, int], Callable] = {}
 
 def launch(kernel: str, jit_fn, grid: Callable[[dict], tuple], args: tuple, consts: dict,
            tile: Tile | None = None) -> None:
-    """Launch `jit_fn` with the tile for `kernel` (or `tile`, as the tuning script does)."""
-    block_d = consts["BLOCK_D"]
+    """Launch `jit_fn` with the tile for `kernel` (or `tile`, as the tuning script does), chosen by
+    the larger of its head dims' blocks (q·k's `BLOCK_D`, v's `BLOCK_DV`): both tiles' shared memory counts."""
+    block_d = max(consts["BLOCK_D"], consts["BLOCK_DV"])
     if tile is None and autotuning():
         key = (kernel, block_d)
         if key not in _autotuned:
             configs = [tile_config(kernel, t) for t in candidates(kernel, block_d)]
             _autotuned[key] = triton.autotune(
-                configs=configs, key=["Nq", "Nk", "CAUSAL", "RANGES", "GROUP", "HEAD_DIM"])(jit_fn)
+                configs=configs, key=["Nq", "Nk", "CAUSAL", "RANGES", "GROUP", "HEAD_DIM", "HEAD_DIM_V"])(jit_fn)
         _autotuned[key][grid](*args, **consts)
         return
     config = tile_config(kernel, tile or tile_for(kernel, block_d))  # descriptor loads always pass theirs

@@ -53,7 +53,7 @@ def attn_varlen_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention within packed documents.
 
-    q `(total, H, D)`, k, v `(total, Hkv, D)` (H % Hkv == 0), fp16/bf16/fp32, any strides with a
+    q `(total, H, D)`, k `(total, Hkv, D)`, v `(total, Hkv, Dv)` (H % Hkv == 0), fp16/bf16/fp32, any strides with a
     contiguous last dim; cu_seqlens `(n_docs + 1,)` int32/int64 on q's device.
     causal: within a document, token i sees j <= i (False, the default as in flash_attn: the whole
     document).
@@ -61,7 +61,7 @@ def attn_varlen_fwd(
     needs causal=True.
     spec: the `AttnSpec.documents(cu_seqlens, total, causal=, window=)` of an earlier call, to skip
     rebuilding it (the backward needs the same one).
-    Returns `o (total, H, D)` like q and `lse (H, total)` float32, natural log.
+    Returns `o (total, H, Dv)` in q's dtype and `lse (H, total)` float32, natural log.
     """
     del max_seqlen  # the grid spans the packed tokens
     _check_packed(q=q, k=k, v=v)
@@ -86,10 +86,10 @@ def attn_varlen_bwd(
     spec: AttnSpec | None = None,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of `attn_varlen_fwd`: do, o like q `(total, H, D)`; lse `(H, total)` float32;
+    """Gradients of `attn_varlen_fwd`: do, o `(total, H, Dv)`; lse `(H, total)` float32;
     `causal`, `window`, `softmax_scale` as given to the forward.
 
-    Returns `dq (total, H, D)`, `dk, dv (total, Hkv, D)` in q's dtype.
+    Returns `dq`, `dk`, `dv` shaped like q, k, v, in q's dtype.
     Tokens whose lse is −inf (no visible key) get zero gradients.
     """
     del max_seqlen

@@ -37,7 +37,7 @@ def _ours(backend):
         # kernels their native contiguous layout instead, as SDPA gets its own.
         q, k, v, do = (t.transpose(1, 2).contiguous() for t in (q, k, v, do))
         kern, spec = backend_named(backend), AttnSpec(causal=causal)
-        why = hopper_bwd_unsupported(q, k, spec) if backend == "hopper" else None
+        why = hopper_bwd_unsupported(q, k, v, spec) if backend == "hopper" else None
         if why is not None:
             raise RuntimeError(f"hopper backward: {why}")  # a row of it, not a second Triton row
         o, lse = kern.fwd_step(q, k, v, spec, None)

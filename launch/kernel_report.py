@@ -2,9 +2,11 @@
 
     python launch/kernel_report.py
     python launch/kernel_report.py --kernels dkdv --head-dims 128 --causal 1 --tiles 128,64,8,3 128,64,8,2
+    python launch/kernel_report.py --kernels fwd dkdv dq --head-dims 192 --dv 128   # DeepSeek's MLA
 
 Triton compiles for a named target without a device, with the ptxas its wheel bundles. Each kernel
-is built as an H100 runs it (tensor-descriptor loads, bf16 inputs, dense mask) at its tuned tile
+is built as an H100 runs it (tensor-descriptor loads where the head dims allow them, bf16 inputs,
+dense mask) at its tuned tile
 or the `--tiles` given, and ptxas reports registers per thread, bytes spilled to local memory, and
 whether it serialised the asynchronous matrix multiplies (warning C7514: an instruction touches a
 wgmma's accumulator while it is in flight). A kernel that spills or serialises is slow before it
@@ -29,6 +31,7 @@ from triton.experimental.gluon import language as gl
 
 from ringflash.kernels import hopper_bwd, hopper_fwd, interpreting, triton_bwd, triton_fwd
 from ringflash.kernels.hopper import smem_layout
+from ringflash.kernels.launch_utils import block_d
 from ringflash.kernels.tuning import KERNELS, Tile, pairs_dkdv, tile_config, tile_for
 
 JIT_FNS = {"fwd": triton_fwd._attn_fwd_kernel, "dkdv": triton_bwd._bwd_dkdv, "dq": triton_bwd._bwd_dq}
@@ -36,12 +39,17 @@ DESCRIPTORS = ("Q", "K", "V", "DO")  # loaded through tensor descriptors on Hopp
 SM90 = GPUTarget("cuda", 90, 32)
 
 
-def constexprs(kernel: str, head_dim: int, causal: bool, group: int, tile: Tile, softcap: bool = False) -> dict:
+def constexprs(kernel: str, head_dim: int, causal: bool, group: int, tile: Tile, softcap: bool = False,
+               dv: int | None = None) -> dict:
     """The compile-time arguments the launchers in kernels/ pass, for the dense bf16 case (with a
-    logit softcap if asked)."""
-    consts = dict(HEAD_DIM=head_dim, GROUP=group, CAUSAL=causal, RANGES=False, UPCAST=False, PRECISION="tf32",
-                  TMA=True, BLOCK_D=head_dim, MERGE=False, ACCUMULATE=False, SOFTCAP=softcap,
-                  PAIRED=pairs_dkdv(causal, group, head_dim), **tile_config(kernel, tile).kwargs)
+    logit softcap if asked; v's head dim `dv`, default `head_dim`). Descriptor loads where both
+    head dims are their own blocks, as `launch_utils.tma_ok` allows."""
+    dv = dv or head_dim
+    bd, bdv = block_d(head_dim), block_d(dv)
+    consts = dict(HEAD_DIM=head_dim, HEAD_DIM_V=dv, GROUP=group, CAUSAL=causal, RANGES=False, UPCAST=False,
+                  PRECISION="tf32", TMA=bd == head_dim and bdv == dv, BLOCK_D=bd, BLOCK_DV=bdv, MERGE=False,
+                  ACCUMULATE=False, SOFTCAP=softcap, PAIRED=pairs_dkdv(causal, group, max(bd, bdv)),
+                  **tile_config(kernel, tile).kwargs)
     fn = JIT_FNS[kernel]
     wanted = {fn.arg_names[i] for i in fn.constexprs}
     missing = wanted - consts.keys()
@@ -50,18 +58,19 @@ def constexprs(kernel: str, head_dim: int, causal: bool, group: int, tile: Tile,
     return {k: v for k, v in consts.items() if k in wanted}
 
 
-def signature(kernel: str, consts: dict, head_dim: int) -> tuple[dict, dict]:
+def signature(kernel: str, consts: dict) -> tuple[dict, dict]:
     """Argument types by the kernels' naming, and the divisibility a 16k launch would specialise on."""
     fn = JIT_FNS[kernel]
     q_rows, kv_rows = (consts["BLOCK_M"], consts["BLOCK_N"])
     rows = {"Q": q_rows, "DO": q_rows, "K": kv_rows, "V": kv_rows}
+    dims = {"Q": consts["HEAD_DIM"], "K": consts["HEAD_DIM"], "V": consts["HEAD_DIM_V"], "DO": consts["HEAD_DIM_V"]}
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in consts:
             sig[name] = "constexpr"
             continue
-        if name in DESCRIPTORS:
-            sig[name] = f"tensordesc<bf16[1,{rows[name]},{head_dim}]>"
+        if name in DESCRIPTORS and consts["TMA"]:
+            sig[name] = f"tensordesc<bf16[1,{rows[name]},{dims[name]}]>"
             continue
         if name in ("LSE", "Delta", "OA"):
             sig[name] = "*fp32"
@@ -92,9 +101,10 @@ def ptxas_info(compiled) -> dict:
                 shared_kb=compiled.metadata.shared / 1024, serialised="C7514" in log)
 
 
-def ptxas_report(kernel: str, head_dim: int, causal: bool, group: int, tile: Tile, softcap: bool = False) -> dict:
-    consts = constexprs(kernel, head_dim, causal, group, tile, softcap)
-    sig, attrs = signature(kernel, consts, head_dim)
+def ptxas_report(kernel: str, head_dim: int, causal: bool, group: int, tile: Tile, softcap: bool = False,
+                 dv: int | None = None) -> dict:
+    consts = constexprs(kernel, head_dim, causal, group, tile, softcap, dv)
+    sig, attrs = signature(kernel, consts)
     compiled = triton.compile(ASTSource(JIT_FNS[kernel], sig, consts, attrs), target=SM90,
                               options={"num_warps": tile[2], "num_stages": tile[3]})
     return ptxas_info(compiled)
@@ -154,7 +164,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     hopper = ("hopper_fwd", "hopper_fwd_step", "hopper_bwd")  # Gluon: their own tiles
     ap.add_argument("--kernels", nargs="+", choices=(*KERNELS, *hopper), default=[*KERNELS, *hopper])
-    ap.add_argument("--head-dims", type=int, nargs="+", choices=(32, 64, 128), default=[64, 128])
+    ap.add_argument("--head-dims", type=int, nargs="+", choices=(32, 64, 96, 128, 192, 256), default=[64, 128])
+    ap.add_argument("--dv", type=int, choices=(32, 64, 96, 128, 192, 256), default=None,
+                    help="v's head dim for the Triton kernels (default: each head dim's own)")
     ap.add_argument("--causal", type=int, nargs="+", choices=(0, 1), default=[1, 0])
     ap.add_argument("--group", type=int, default=1, help="query heads per K/V head (GQA)")
     ap.add_argument("--queries", type=int, default=16384, help="query rows, for the GQA tile rule")
@@ -164,8 +176,11 @@ def main(argv: list[str] | None = None) -> None:
     if interpreting():
         ap.error("TRITON_INTERPRET=1 turns the kernels into interpreted functions: unset it to compile them")
 
+    if args.dv and any(k in hopper for k in args.kernels):
+        ap.error("--dv: the Gluon kernels run one head dim (the hopper backend hands the rest to Triton)")
     cap = ", logit softcap" if args.softcap else ""
-    print(f"ptxas for sm_90 (Triton {triton.__version__}): dense bf16, descriptor loads{cap}\n")
+    dv = f", v head dim {args.dv}" if args.dv else ""
+    print(f"ptxas for sm_90 (Triton {triton.__version__}): dense bf16, descriptor loads where they fit{cap}{dv}\n")
     print("| kernel | D | causal | group | tile | registers | spilled (stores / loads, B) | shared KiB "
           "| wgmma serialised |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -179,13 +194,14 @@ def main(argv: list[str] | None = None) -> None:
                     hb = hopper_bwd
                     tiles = [(hb.BLOCK_N, hb.BLOCK_M[head_dim], hb.NUM_WARPS + 1, hb.STAGES)]
                 else:
-                    tiles = args.tiles or [tile_for(kernel, head_dim, descriptors=True, group=args.group,
+                    bd = max(block_d(head_dim), block_d(args.dv or head_dim))
+                    tiles = args.tiles or [tile_for(kernel, bd, descriptors=True, group=args.group,
                                                     queries=args.queries)]
                 for tile in tiles:
                     if kernel in hopper:
                         r = hopper_report(kernel, head_dim, causal)
                     else:
-                        r = ptxas_report(kernel, head_dim, causal, args.group, tile, args.softcap)
+                        r = ptxas_report(kernel, head_dim, causal, args.group, tile, args.softcap, args.dv)
                     print(f"| {kernel} | {head_dim} | {'yes' if causal else 'no'} | {args.group} | {tile} | "
                           f"{r['registers']} | {r['spill_stores']} / {r['spill_loads']} | {r['shared_kb']:.0f} | "
                           f"{'yes (C7514)' if r['serialised'] else 'no'} |", flush=True)

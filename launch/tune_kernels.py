@@ -66,7 +66,7 @@ def main() -> None:
                         print(f"  D={D} N={N} causal={causal} {kernel} {tile}: {ms:.3f} ms {tflops:.0f} TFLOP/s",
                               flush=True)
                     ms, tile = min(timed)
-                    default = tile_for(kernel, block_d(D), descriptors=tma_ok(q, k, v, block_d=block_d(D)),
+                    default = tile_for(kernel, block_d(D), descriptors=tma_ok(q, k, v),
                                        group=args.group, queries=N)
                     default_ms = next((m for m, t in timed if t == default), float("nan"))
                     best_rows.append((kernel, D, N, causal, str(tile), f"{ms:.3f}", str(default),

@@ -2,7 +2,7 @@
 
 Each rank all-gathers one fixed-length int64 row (`row`) describing its call: which call (ring
 attention, hybrid attention, shard_batch) over how many ranks and by which scheme (ring,
-all-gather), q/k shapes, dtype, device, layout, causal, softmax_scale (its exact bits), window,
+all-gather), q/k shapes and v's head dim, dtype, device, layout, causal, softmax_scale (its exact bits), window,
 window_size, softcap (exact bits), the learnable sink's presence and shape, the mask's digest,
 transport, and for a
 batch its shape and a digest of each field. Not the kernel backend: ranks on different kernels
@@ -40,9 +40,9 @@ _DEVICES = ("cpu", "cuda")
 
 # (field, width): the row after its leading ok flag. Unused fields hold -1 (or 0 for digests).
 _FIELDS = (
-    ("call", 3), ("scheme", 1), ("q.shape", 4), ("k.shape", 4), ("dtype", 1), ("device", 1), ("layout", 1),
-    ("causal", 1), ("softmax_scale", 1), ("window", 1), ("window_size", 2), ("softcap", 1), ("learnable_sink", 1),
-    ("mask", 1), ("transport", 1), ("input_ids shape", 2),
+    ("call", 3), ("scheme", 1), ("q.shape", 4), ("k.shape", 4), ("v.shape[3]", 1), ("dtype", 1), ("device", 1),
+    ("layout", 1), ("causal", 1), ("softmax_scale", 1), ("window", 1), ("window_size", 2), ("softcap", 1),
+    ("learnable_sink", 1), ("mask", 1), ("transport", 1), ("input_ids shape", 2),
     *((name, 1) for name in BATCH_FIELDS),
 )  # fmt: skip
 WIDTH = 1 + sum(w for _, w in _FIELDS)
@@ -74,6 +74,7 @@ def row(
     *,
     q=None,
     k=None,
+    v=None,
     causal=None,
     softmax_scale=None,
     layout=None,
@@ -97,7 +98,7 @@ def row(
         int(ok),
         CALLS.index(call), world, heads,
         _index(SCHEMES, scheme),
-        *_shape(q, 4), *_shape(k, 4),
+        *_shape(q, 4), *_shape(k, 4), _shape(v, 4)[3],
         _index(SUPPORTED_DTYPES, dtype),
         _index(_DEVICES, getattr(device, "type", None)) if device is not None else -1,
         _index(LAYOUTS, layout),
@@ -141,6 +142,8 @@ def _show(name: str, v: tuple[int, ...]):
         return None if v[0] == -1 else v
     if name == "window_size":
         return v
+    if name == "v.shape[3]":
+        return None if x == -1 else x
     if name == "learnable_sink":
         return {-1: None, -2: "not a (H,) tensor"}.get(x, f"({x},)")
     if x == -1 and name not in ("window", "mask"):

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from ringflash.kernels import FULL, AttnSpec, Backend, Visibility, check_window, visibility
 from ringflash.layout import check_layout, check_splittable, global_positions, shard, unshard
+from ringflash.ring import kv_views, pack_kv
 from ringflash.transport.p2p import _Transfer
 
 __all__ = ["GatherMask", "allgather_backward", "allgather_forward", "gather_mask", "gather_spec"]
@@ -180,20 +181,21 @@ def _post(comm, collective, out: torch.Tensor, inp: torch.Tensor) -> _Transfer:
 
 
 def _gather(k, v, heads: slice, comm):
-    """Post the all-gather of K/V heads `heads`: returns `(buffer (W, 2, B, n, s, D), transfer)`."""
-    kv = torch.stack((k[:, :, heads], v[:, :, heads]))  # one collective for K and V
+    """Post the all-gather of K/V heads `heads`: returns `(buffer (W, B, n, s, D + Dv), transfer)`,
+    each rank's K and V packed (`ring.pack_kv`): one collective for both."""
+    kv = pack_kv(k[:, :, heads], v[:, :, heads])
     if comm.world == 1:
         return kv[None], None
     buf = kv.new_empty((comm.world, *kv.shape))
     return buf, _post(comm, _all_gather, buf.view(-1, *kv.shape[1:]), kv)
 
 
-def _global(buf, layout) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gathered shards as global-order K, V `(B, N_global, s, D)`."""
-    if buf.shape[0] == 1:
-        return buf[0, 0], buf[0, 1]
-    kv = unshard(list(buf.unbind(0)), 2, layout)  # (2, B, N, s, D): dim 2 is the sequence
-    return kv[0], kv[1]
+def _global(buf, d: int, layout) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gathered shards as global-order K `(B, N_global, s, d)`, V `(B, N_global, s, Dv)`."""
+    parts = [kv_views(b, d) for b in buf.unbind(0)]
+    if len(parts) == 1:
+        return parts[0]
+    return tuple(unshard([p[i] for p in parts], 1, layout) for i in range(2))
 
 
 def _pipeline(k, v, stride, comm):
@@ -211,15 +213,15 @@ def _pipeline(k, v, stride, comm):
 
 def allgather_forward(q, k, v, spec: AttnSpec, *, scale: float, kernels: Backend, comm, layout: str,
                       heads_k_stride: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """q `(B, n, H, D)`, k, v `(B, n, Hkv, D)`: this rank's shard. Returns `o (B, n, H, D)` in q's
-    dtype and `lse (B, H, n)` float32, natural log, over the whole sequence. `spec`: `gather_spec`;
-    `comm`: the group's `RingComm` (ringflash.transport.ring_comm)."""
+    """q `(B, n, H, D)`, k `(B, n, Hkv, D)`, v `(B, n, Hkv, Dv)`: this rank's shard. Returns
+    `o (B, n, H, Dv)` in q's dtype and `lse (B, H, n)` float32, natural log, over the whole
+    sequence. `spec`: `gather_spec`; `comm`: the group's `RingComm` (ringflash.transport.ring_comm)."""
     g = q.shape[2] // k.shape[2]
-    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    o = torch.empty((*q.shape[:3], v.shape[3]), dtype=q.dtype, device=q.device)
     lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
     for heads, buf in _pipeline(k, v, heads_k_stride, comm):
         qh = slice(heads.start * g, heads.stop * g)  # query head h uses K/V head h // g
-        kg, vg = _global(buf, layout)
+        kg, vg = _global(buf, k.shape[3], layout)
         o_c, lse_c = kernels.fwd_step(q[:, :, qh], kg, vg, spec, scale)
         o[:, :, qh] = o_c
         lse[:, qh] = lse_c
@@ -243,20 +245,26 @@ def allgather_backward(do, q, k, v, o, lse, spec: AttnSpec, *, scale: float, ker
             work.wait()
         dk[:, :, heads], dv[:, :, heads] = sums  # rounded once, after the float32 sum over ranks
 
+    d = k.shape[3]
+
     world = comm.world
     for heads, buf in _pipeline(k, v, heads_k_stride, comm):
         qh = slice(heads.start * g, heads.stop * g)
-        kg, vg = _global(buf, layout)
+        kg, vg = _global(buf, d, layout)
         dq_c, dk_g, dv_g = kernels.bwd_step(do[:, :, qh], q[:, :, qh], kg, vg, o[:, :, qh], lse[:, qh], spec, scale,
                                             grad_dtype=torch.float32)  # fmt: skip
         dq[:, :, qh] = dq_c
-        grads = torch.stack((dk_g, dv_g))  # (2, B, N, s, D), global order
         if world == 1:
-            item = (heads, grads, None)
-        else:  # each rank's rows, rank-major, as reduce_scatter hands out
-            parts = torch.stack([shard(grads, 2, j, world, layout) for j in range(world)])
-            sums = grads.new_empty(parts.shape[1:])
-            item = (heads, sums, _post(comm, _reduce_scatter, sums, parts.view(-1, *parts.shape[2:])))
+            item = (heads, (dk_g, dv_g), None)
+        else:  # each rank's rows, rank-major, as reduce_scatter hands out, dK and dV packed as K and V
+            B, N, s, _ = dk_g.shape
+            parts = dk_g.new_empty((world, B, N // world, s, d + dv_g.shape[3]))
+            for j in range(world):
+                for dst, grad in zip(kv_views(parts[j], d), (dk_g, dv_g)):
+                    dst.copy_(shard(grad, 1, j, world, layout))
+            sums = parts.new_empty(parts.shape[1:])
+            work = _post(comm, _reduce_scatter, sums, parts.view(-1, *parts.shape[2:]))
+            item = (heads, kv_views(sums, d), work)
         if scattered is not None:
             land(scattered)
         scattered = item

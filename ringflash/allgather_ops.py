@@ -39,13 +39,15 @@ def _allgather_attn(
     group_name: str, backend: str | None, heads_k_stride: int, check_ranks: bool, window: int | None = None,
     mask_key: int = 0,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """`allgather_forward` over the group named `group_name`: `o` like q, `lse (B, H, N)` float32."""
+    """`allgather_forward` over the group named `group_name`: `o (B, N, H, Dv)` in q's dtype, `lse (B, H, N)`
+    float32."""
     with device_guard(q):
         comm = ops._comm(group_name)
         checker = agree.check_comm(comm.group) if check_ranks else None
         if checker is not None and checker.world > 1:
-            mine = agree.row(True, "ring attention", comm.world, q=q, k=k, causal=causal, softmax_scale=softmax_scale,
-                             layout=layout, window=window, mask_key=mask_key, scheme="allgather")  # fmt: skip
+            mine = agree.row(True, "ring attention", comm.world, q=q, k=k, v=v, causal=causal,
+                             softmax_scale=softmax_scale, layout=layout, window=window, mask_key=mask_key,
+                             scheme="allgather")  # fmt: skip
             agree.check(checker, mine)
         # Autocast off: float32 sums by design, as in the ring.
         with torch.autocast(q.device.type, enabled=False):
@@ -61,7 +63,7 @@ allgather_attn = torch.library.custom_op("ringflash::allgather_attn", _allgather
 @allgather_attn.register_fake
 def _(q, k, v, vis, **options):  # the settings of `_allgather_attn`, shapes only
     B, N, H, _ = q.shape
-    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, H, N), dtype=torch.float32)
+    return q.new_empty((B, N, H, v.shape[3])), q.new_empty((B, H, N), dtype=torch.float32)
 
 
 def _allgather_attn_bwd(
@@ -162,8 +164,7 @@ def attend(q, k, v, flash: tuple, softmax_scale, causal, group, *, layout, backe
         why = kern.supports("full" if dense else "intervals", q.dtype, q.shape[-1], q.device)
         if why:
             raise ValueError(why)
-        if spec is not None:
-            kern.check(q, k, spec)
+        kern.check(q, k, v, FULL if spec is None else spec)  # the head dims and dtypes, whatever the mask
         error = None
     except (TypeError, ValueError) as e:
         error = e

@@ -93,7 +93,8 @@ def ring_flash_attn_func(
     Positional order is flash_attn's and ring-flash-attention's; ringflash's own options are keywords.
     Args:
         q: `(B, N_local, H, D)`, this rank's shard of the queries; fp16, bf16 or fp32.
-        k, v: `(B, N_local, Hkv, D)`, same dtype and device; H % Hkv == 0 (GQA/MQA).
+        k, v: `(B, N_local, Hkv, D)` and `(B, N_local, Hkv, Dv)`, same dtype and device; H % Hkv == 0
+            (GQA/MQA); v's head dim may differ (DeepSeek's MLA: D = 192, Dv = 128).
         dropout_p: must be 0.0 (no attention dropout).
         softmax_scale: default `1/sqrt(D)`.
         causal: mask by global position, as on the unsharded sequence (None: the mask's, else False).
@@ -120,7 +121,7 @@ def ring_flash_attn_func(
             softmax with a zero value (gpt-oss). Differentiable; its gradient covers this rank's
             rows, to be reduced over `group` with the model's other replicated gradients.
     Returns:
-        o: `(B, N_local, H, D)` in q's dtype, or `(o, lse, None)`. Gradients flow to q, k, v.
+        o: `(B, N_local, H, Dv)` in q's dtype, or `(o, lse, None)`. Gradients flow to q, k, v.
     """
     options = dict(layout=layout, backend=backend, check_ranks=check_ranks, window=window, mask=mask,
                    transport=transport, softcap=softcap)  # fmt: skip
@@ -220,7 +221,7 @@ def _attend(
         if mask is not None:
             _check_mask(mask, q, causal, window, layout, world, None if compiling else comm.rank)
         for spec in _specs(causal, window, mask):
-            kern.check(q, k, spec.with_softcap(softcap))
+            kern.check(q, k, v, spec.with_softcap(softcap))
         if mask is None and window is not None:
             if compiling:  # building a mask is host work Dynamo cannot trace (ringflash/masks.py)
                 raise ValueError(
@@ -336,7 +337,8 @@ def _unpack(name: str, packed, n: int, heads: str, args: tuple, kwargs: dict) ->
 class RingFlashAttention(nn.Module):
     """`ring_flash_attn_func` as a module with fixed settings: `forward(q, k, v, mask=None) -> o`.
 
-    q `(B, N_local, H, D)`, k, v `(B, N_local, Hkv, D)`; o like q. Causal by default (language
+    q `(B, N_local, H, D)`, k `(B, N_local, Hkv, D)`, v `(B, N_local, Hkv, Dv)`; o `(B, N_local, H, Dv)` in
+    q's dtype. Causal by default (language
     models). With no group and no torch.distributed it is plain single-device attention, so a
     model can hold it unconditionally. `window`: a causal sliding window of w keys in every call
     (flash_attn's `window_size=(w - 1, 0)`; see `ring_flash_attn_func`); `forward(..., mask=)`:

@@ -104,30 +104,32 @@ def kv_heads_per_rank(heads: int, kv_heads: int, head_world: int) -> int:
 
 
 def _seq_to_heads(comm: Transport, xs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each `(B, n, u·h_i, D)` ("my tokens, all heads") to `(B, u·n, h_i, D)` ("the ring shard's
-    tokens, my heads"), every tensor in one all-to-all (same dtype)."""
+    """Each `(B, n, u·h_i, D_i)` ("my tokens, all heads") to `(B, u·n, h_i, D_i)` ("the ring shard's
+    tokens, my heads"), every tensor in one all-to-all (same dtype; head dims may differ: v's)."""
     u = comm.world
-    B, n, _, D = xs[0].shape
-    hs = [x.shape[2] // u for x in xs]
-    # (u, B, n, Σh, D): chunk j holds heads [j·h_i, (j+1)·h_i) of every x, for head rank j.
-    send = torch.cat([x.reshape(B, n, u, h, D) for x, h in zip(xs, hs)], 3).permute(2, 0, 1, 3, 4).contiguous()
+    B, n = xs[0].shape[:2]
+    hs, ds = [x.shape[2] // u for x in xs], [x.shape[3] for x in xs]
+    widths = [h * d for h, d in zip(hs, ds)]
+    # (u, B, n, Σh·D): chunk j holds heads [j·h_i, (j+1)·h_i) of every x, for head rank j.
+    send = torch.cat([x.reshape(B, n, u, w) for x, w in zip(xs, widths)], 3).permute(2, 0, 1, 3).contiguous()
     recv = torch.empty_like(send)
     comm.all_to_all(send, recv).wait()
     # recv chunk j: head rank j's tokens (piece j of the ring shard), my heads.
-    out = recv.permute(1, 0, 2, 3, 4).split(hs, 3)
-    return [t.reshape(B, u * n, h, D) for t, h in zip(out, hs)]
+    out = recv.permute(1, 0, 2, 3).split(widths, 3)
+    return [t.reshape(B, u * n, h, d) for t, h, d in zip(out, hs, ds)]
 
 
 def _heads_to_seq(comm: Transport, xs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Inverse of `_seq_to_heads`: each `(B, u·n, h_i, D)` back to `(B, n, u·h_i, D)`."""
+    """Inverse of `_seq_to_heads`: each `(B, u·n, h_i, D_i)` back to `(B, n, u·h_i, D_i)`."""
     u = comm.world
-    B, un, _, D = xs[0].shape
-    n, hs = un // u, [x.shape[2] for x in xs]
-    send = torch.cat([x.reshape(B, u, n, h, D) for x, h in zip(xs, hs)], 3).transpose(0, 1).contiguous()
+    B, un = xs[0].shape[:2]
+    n, hs, ds = un // u, [x.shape[2] for x in xs], [x.shape[3] for x in xs]
+    widths = [h * d for h, d in zip(hs, ds)]
+    send = torch.cat([x.reshape(B, u, n, w) for x, w in zip(xs, widths)], 3).transpose(0, 1).contiguous()
     recv = torch.empty_like(send)
     comm.all_to_all(send, recv).wait()
-    out = recv.permute(1, 2, 0, 3, 4).split(hs, 3)  # (B, n, u, h_i, D): chunk j = heads of rank j
-    return [t.reshape(B, n, u * h, D) for t, h in zip(out, hs)]
+    out = recv.permute(1, 2, 0, 3).split(widths, 3)  # (B, n, u, h_i·D_i): chunk j = heads of rank j
+    return [t.reshape(B, n, u * h, d) for t, h, d in zip(out, hs, ds)]
 
 
 def _lse_to_seq(comm: Transport, lse: torch.Tensor) -> torch.Tensor:
@@ -213,11 +215,11 @@ def hybrid_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Head-parallel × ring attention (module docstring); differentiable in q, k, v.
 
-    q `(B, n, H, D)`, k, v `(B, n, Hkv, D)`: this rank's piece (`shard(..., head_rank=,
+    q `(B, n, H, D)`, k `(B, n, Hkv, D)`, v `(B, n, Hkv, Dv)`: this rank's piece (`shard(..., head_rank=,
     head_world=)`). `ring(q, k, v) -> (o, lse)`: the ring over `group` on `(B, u·n, H/u, D)`
     blocks (the public API's, with every setting bound). `settings() -> dict`: the ring's other
     settings as `agree.row` takes them (softmax_scale, window, mask_key, transport),
-    raising TypeError/ValueError on bad ones. Returns o `(B, n, H, D)` in q's dtype and lse
+    raising TypeError/ValueError on bad ones. Returns o `(B, n, H, Dv)` in q's dtype and lse
     `(B, H, n)` float32, natural log (not differentiable).
 
     Before the first all-to-all every rank of the grid agrees on all of it (`agree.check`):
@@ -235,7 +237,7 @@ def hybrid_attention(
     if check_ranks:
         comms = _check_comms(head, ring_c)
         r = ring_c.world if ring_c is not None else -1
-        mine = agree.row(error is None, "hybrid attention", r, u, q=q, k=k, causal=causal, layout=layout, **fields)
+        mine = agree.row(error is None, "hybrid attention", r, u, q=q, k=k, v=v, causal=causal, layout=layout, **fields)
         try:
             agree.check(comms, mine)
         except ValueError as e:

@@ -36,7 +36,8 @@ skipped steps or rows) recompiles; the tensors are inputs and change freely.
 Softcap (`softcap=`) goes to every step's `AttnSpec`, which the kernels read. A learnable sink
 (`learnable_sink (H,)` float32, the 5th input) is one more logit per head with a zero value: it
 joins each row's softmax once, after the ring's merge, `lse' = logaddexp(lse, sink)`,
-`o' = o·exp(lse − lse')`, and (o', lse') are saved, so the ring's backward (which recomputes P
+`o' = o·exp(lse − lse')` on the float32 o (rounded to q's dtype once, after it, as o is without a
+sink), and (o', lse') are saved, so the ring's backward (which recomputes P
 from the lse it is given and `delta = rowsum(dO·O')`) gives the exact dq, dk, dv. Its gradient,
 `dsink_h = −Σ_rows exp(sink_h − lse')·rowsum(dO·O')`, sums this rank's rows only: the sink is
 replicated over the context-parallel group, and whoever reduces the model's gradients over that
@@ -55,7 +56,7 @@ from ringflash import agree
 from ringflash.kernels import device_guard, get_backend
 from ringflash.layout import ring_schedule
 from ringflash.masks import decode
-from ringflash.ring import ring_backward, ring_forward
+from ringflash.ring import kv_views, ring_backward, ring_forward
 from ringflash.transport import Transport, ring_comm
 
 __all__ = [
@@ -123,11 +124,12 @@ def check_sink(sink, q) -> None:
         raise ValueError(f"learnable_sink must be on q's device {q.device}, got {sink.device}")
 
 
-def _add_sink(o: Tensor, lse: Tensor, sink: Tensor) -> tuple[Tensor, Tensor]:
-    """`(o', lse')`: the sink `(H,)` joins each row's softmax (o `(B, N, H, D)`, lse `(B, H, N)`)."""
+def _add_sink(o: Tensor, lse: Tensor, sink: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """`(o', lse')`: the sink `(H,)` joins each row's softmax (o `(B, N, H, Dv)` float32, lse `(B, H, N)`),
+    o' rounded to `dtype` once."""
     new = torch.logaddexp(lse, sink.float().view(1, -1, 1))  # finite wherever the sink is
     weight = torch.exp(lse - new).transpose(1, 2).unsqueeze(-1)  # (B, N, H, 1); 0 for rows that saw no key
-    return (o.float() * weight).to(o.dtype), new
+    return (o * weight).to(dtype), new
 
 
 def _sink_grad(do: Tensor, o: Tensor, lse: Tensor, sink: Tensor) -> Tensor:
@@ -162,8 +164,8 @@ def _ring_attn(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """`ring.ring_forward` over the group named `group_name`.
 
-    Returns `o` like q, `lse (B, H, N)` float32, and what the backward needs of k and v: the
-    packed `(2, B, N, Hkv, D)` buffer the ring started from (saved so that the backward's ring
+    Returns `o (B, N, H, Dv)` in q's dtype, `lse (B, H, N)` float32, and what the backward needs
+    of k and v: the packed buffer the ring started from (`ring.pack_kv`) (saved so that the backward's ring
     need not pack again), or an empty tensor on one rank (the backward then takes k and v).
     `mask_vis`, `mask_plan`, `window`, `mask_key`: a `RingMask` (module docstring). `transport`:
     how the blocks travel (`ringflash.transport.TRANSPORTS`). `softcap`, `learnable_sink`: module
@@ -174,9 +176,9 @@ def _ring_attn(
         comm = _comm(group_name, transport)
         checker = agree.check_comm(comm.group) if check_ranks else None
         if checker is not None and checker.world > 1:  # the whole grid when the group is part of one: a ring of one too
-            mine = agree.row(True, "ring attention", comm.world, q=q, k=k, causal=causal, softmax_scale=softmax_scale,
-                             layout=layout, window=window, mask_key=mask_key, transport=comm.name,
-                             window_size=tuple(window_size or (-1, -1)), softcap=softcap,
+            mine = agree.row(True, "ring attention", comm.world, q=q, k=k, v=v, causal=causal,
+                             softmax_scale=softmax_scale, layout=layout, window=window, mask_key=mask_key,
+                             transport=comm.name, window_size=tuple(window_size or (-1, -1)), softcap=softcap,
                              learnable_sink=learnable_sink)  # fmt: skip
             agree.check(checker, mine)
         plan = _plan(comm, q, causal, layout, mask_plan, mask_vis, softcap)
@@ -184,9 +186,10 @@ def _ring_attn(
         # float32 einsums must not be recast to half precision.
         with torch.autocast(q.device.type, enabled=False):
             kern = get_backend(backend, q.device)
-            o, lse, kv = ring_forward(q, k, v, plan, scale=softmax_scale, kernels=kern, comm=comm)
+            o, lse, kv = ring_forward(q, k, v, plan, scale=softmax_scale, kernels=kern, comm=comm,
+                                      out_dtype=None if learnable_sink is None else torch.float32)
             if learnable_sink is not None:  # once per row, after the merge of every ring step
-                o, lse = _add_sink(o, lse, learnable_sink)
+                o, lse = _add_sink(o, lse, learnable_sink, q.dtype)
     return o.contiguous(), lse.contiguous(), kv if comm.world > 1 else q.new_empty(0)
 
 
@@ -198,10 +201,15 @@ def _(q, k, v, mask_vis, learnable_sink=None, **options):  # the settings of `_r
     B, N, H, _ = q.shape
     world = _comm(options["group_name"]).world  # a trace-time constant, like every shape here
     return (
-        torch.empty_like(q, memory_format=torch.contiguous_format),
+        q.new_empty((B, N, H, v.shape[3])),
         q.new_empty((B, H, N), dtype=torch.float32),
-        k.new_empty((2, *k.shape)) if world > 1 else q.new_empty(0),
+        k.new_empty(_packed_shape(k.shape, v.shape)) if world > 1 else q.new_empty(0),
     )
+
+
+def _packed_shape(kshape, vshape) -> tuple[int, ...]:
+    """The shape `ring.pack_kv` gives K and V (and dK and dV) packed."""
+    return (*kshape[:3], kshape[3] + vshape[3])
 
 
 def _ring_attn_bwd(
@@ -221,8 +229,9 @@ def _ring_attn_bwd(
     transport: str = "nccl",
     softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
-    """`ring.ring_backward`: `dq` like q and `dkv (2, B, N, Hkv, D)` (dK, dV packed, as they come
-    home in one message; the autograd formula splits them, outside the op, without a copy).
+    """`ring.ring_backward`: `dq` like q and `dkv` (dK, dV packed as `ring.pack_kv` packs K and V,
+    as they come home in one message; the autograd formula splits them, outside the op, without a
+    copy).
 
     `kv` is `[packed]` as `ring_attn` returned it, or `[k, v]` on one rank.
     """
@@ -240,8 +249,8 @@ ring_attn_bwd = torch.library.custom_op("ringflash::ring_attn_bwd", _ring_attn_b
 
 @ring_attn_bwd.register_fake
 def _(do, q, kv, o, lse, mask_vis, **options):  # the settings of `_ring_attn_bwd`, shapes only
-    kshape = kv[0].shape[1:] if len(kv) == 1 else kv[0].shape
-    return q.new_empty(q.shape), q.new_empty((2, *kshape))
+    shape = kv[0].shape if len(kv) == 1 else _packed_shape(kv[0].shape, kv[1].shape)
+    return q.new_empty(q.shape), q.new_empty(shape)
 
 
 def _setup_context(ctx, inputs, keyword_only_inputs, output):
@@ -273,7 +282,7 @@ def _grads(ctx, do, backward) -> tuple:
         return None, None, None, [None] * len(mask_vis), None
     dq, dkv = backward(do, q, kv, o, lse, mask_vis, **ctx.kwargs)
     dsink = _sink_grad(do, o, lse, sink[0]) if sink else None
-    return dq, dkv[0], dkv[1], [None] * len(mask_vis), dsink
+    return dq, *kv_views(dkv, q.shape[3]), [None] * len(mask_vis), dsink
 
 
 ring_attn.register_autograd(

@@ -28,8 +28,7 @@ Communication overlaps compute: the transfer for step s+1 is posted before step 
 s ≥ 1 adds into the accumulator that arrived from the previous rank (no scratch, no separate
 `+=`), which is sent on as soon as that kernel is queued, before step s's dQ kernel
 (`after_dkdv=`): each hop travels during a dQ kernel, even the last one, with no step after it.
-K and V travel packed in one contiguous `(2, B, N, Hkv, D)` block (`_pack`): one message per
-step, not two.
+K and V travel packed in one contiguous block (`pack_kv`): one message per step, not two.
 """
 
 from __future__ import annotations
@@ -41,18 +40,35 @@ import torch
 from ringflash.kernels import Backend
 from ringflash.layout import Step
 
-__all__ = ["ring_backward", "ring_forward"]
+__all__ = ["kv_views", "pack_kv", "ring_backward", "ring_forward"]
 
 _KV_TAG, _DKV_TAG = 0, 1  # K/V and dK/dV are in flight together in the backward
 
 
-def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """This rank's K and V as one `(2, B, N, Hkv, D)` block: one message per ring step, not two.
+def pack_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """This rank's K `(B, N, Hkv, D)` and V `(B, N, Hkv, Dv)` as one contiguous block: one message
+    per ring step, not two.
 
-    `ring_forward` returns it for the backward, which the ring op (ringflash/ops.py) saves instead
-    of k and v (same bytes): the backward's ring starts from it without packing again.
+    K's elements then V's, shaped `(B, N, Hkv, D + Dv)` so that the block carries both shapes
+    (its own indexing means nothing: `kv_views` gives K and V back, each contiguous; with Dv = D
+    the bytes are those of `torch.stack((k, v))`). `ring_forward` returns it for the backward,
+    which the ring op (ringflash/ops.py) saves instead of k and v (same bytes): the backward's
+    ring starts from it without packing again. dK/dV travel packed the same way.
     """
-    return torch.stack((k, v))
+    B, N, Hkv, D = k.shape
+    kv = torch.empty((B, N, Hkv, D + v.shape[3]), dtype=k.dtype, device=k.device)
+    for dst, src in zip(kv_views(kv, D), (k, v)):
+        dst.copy_(src)
+    return kv
+
+
+def kv_views(kv: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(k, v)`: the `(B, N, Hkv, d)` and `(B, N, Hkv, Dv)` views of a block `pack_kv` made (or a
+    buffer shaped like one), d being k's head dim."""
+    B, N, Hkv, width = kv.shape
+    flat = kv.view(-1)
+    n_k = B * N * Hkv * d
+    return flat[:n_k].view(B, N, Hkv, d), flat[n_k:].view(B, N, Hkv, width - d)
 
 
 def _ring_buffers(home: torch.Tensor, comm):
@@ -71,32 +87,34 @@ def _check_plan(plan: list[Step | None], comm) -> None:
         raise ValueError(f"a ring plan needs {comm.world} steps, step 0 computed; got {len(plan)}")
 
 
-def ring_forward(q, k, v, plan: list[Step | None], *, scale: float, kernels: Backend, comm):
+def ring_forward(q, k, v, plan: list[Step | None], *, scale: float, kernels: Backend, comm, out_dtype=None):
     """Ring attention forward, no autograd.
 
-    q `(B, N, H, D)`, k and v `(B, N, Hkv, D)`: this rank's shard (N local tokens). Returns
-    `(o, lse, kv)`: `o (B, N, H, D)` in q's dtype and `lse (B, H, N)` float32, natural log, both
-    over the whole sequence, and what `ring_backward` takes for k and v: the `(2, B, N, Hkv, D)`
-    block the ring sent (k and v packed, one message a step), or `(k, v)` on one rank.
+    q `(B, N, H, D)`, k `(B, N, Hkv, D)`, v `(B, N, Hkv, Dv)`: this rank's shard (N local tokens).
+    Returns `(o, lse, kv)`: `o (B, N, H, Dv)` in `out_dtype` (default q's; float32 for a caller that
+    transforms the merged result before rounding it once) and `lse (B, H, N)` float32, natural log,
+    both over the whole sequence, and what `ring_backward` takes for k and v: the block the ring
+    sent (`pack_kv`: k and v packed, one message a step), or `(k, v)` on one rank.
     `plan`: a `Step` per ring step or None (skipped): `layout.ring_schedule` or `RingMask.steps`.
     Step 0 must cover every row (it starts the accumulators). `kernels`: a `kernels.Backend`;
     `comm`: a transport (ringflash.transport).
     """
     _check_plan(plan, comm)
     if comm.world == 1:
-        return *kernels.fwd_step(q, k, v, plan[0].spec, scale), (k, v)
-    kv = _pack(k, v)
+        return *kernels.fwd_step(q, k, v, plan[0].spec, scale, out_dtype=out_dtype), (k, v)
+    kv = pack_kv(k, v)
     comm.reserve(kv)
+    d = k.shape[3]
     buf = _ring_buffers(kv, comm)
     last = comm.world - 1
     o = lse = None
-    # o rounded to q's dtype (contiguous, whatever q's strides): the last step's kernel writes its rows.
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    # o rounded to out_dtype (contiguous, whatever q's strides): the last step's kernel writes its rows.
+    out = torch.empty((*q.shape[:3], v.shape[3]), dtype=out_dtype or q.dtype, device=q.device)
     partials = _step0_dtype(kernels, q, comm.world)
     for s, step in enumerate(plan):
-        cur = buf(s)
+        cur = kv_views(buf(s), d)
         # Post the next block's transfer first so that it travels while this one is computed.
-        transfer = comm.send_recv(cur, buf(s + 1), _KV_TAG) if s < last else None
+        transfer = comm.send_recv(buf(s), buf(s + 1), _KV_TAG) if s < last else None
         if step is not None:
             # Step 0 (the diagonal, every query row) starts the accumulators (float32, or at W = 2
             # the backend's partial dtype); later steps merge into their rows inside the kernel
@@ -123,20 +141,23 @@ def ring_forward(q, k, v, plan: list[Step | None], *, scale: float, kernels: Bac
 def ring_backward(do, q, kv, o, lse, plan: list[Step | None], *, scale: float, kernels: Backend, comm):
     """Ring attention backward, no autograd.
 
-    do, q, o `(B, N, H, D)`; lse `(B, H, N)` float32; kv: what `ring_forward` returned with the
-    global `o` and `lse` (the block it sent, or `(k, v)` on one rank). Returns `dq` like q and
-    `dkv (2, B, N, Hkv, D)`, dK and dV packed like kv, in the input dtype, accumulated in float32
-    across the ring. (Packed because they come home as one message; callers split them.)
+    q `(B, N, H, D)`; do, o `(B, N, H, Dv)`; lse `(B, H, N)` float32; kv: what `ring_forward`
+    returned with the global `o` and `lse` (the block it sent, or `(k, v)` on one rank). Returns
+    `dq` like q and `dkv`, dK and dV packed as `pack_kv` packs K and V (`kv_views` splits it), in
+    the input dtype, accumulated in float32 across the ring. (Packed because they come home as
+    one message.)
     `plan`, `kernels`, `comm`: as in `ring_forward` (the same ones).
     """
     _check_plan(plan, comm)
     if comm.world == 1:
+        k, v = kv
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        dkv = torch.empty((2, *kv[0].shape), dtype=kv[0].dtype, device=q.device)
-        kernels.bwd_step(do, q, kv[0], kv[1], o, lse, plan[0].spec, scale, out=(dq, *dkv))
+        dkv = torch.empty((*k.shape[:3], k.shape[3] + v.shape[3]), dtype=k.dtype, device=q.device)
+        kernels.bwd_step(do, q, k, v, o, lse, plan[0].spec, scale, out=(dq, *kv_views(dkv, k.shape[3])))
         return dq, dkv
     world = comm.world
     last = world - 1
+    d = q.shape[3]
     comm.reserve(kv)
     buf = _ring_buffers(kv, comm)
     # dK/dV travel in float32: rounding each hop to bf16 would lose what the sum needs (at W = 2
@@ -164,14 +185,14 @@ def ring_backward(do, q, kv, o, lse, plan: list[Step | None], *, scale: float, k
         if s < last:
             sent = comm.send_recv(acc, dkv[(s + 1) % 2], _DKV_TAG)
             return
-        for grad in range(2):  # dK, dV apart: each a contiguous block (B = 1), which copies twice as fast
-            _round_rest(dkv_out[grad], acc[grad], kv_rows)
+        for out, grad in zip(kv_views(dkv_out, d), kv_views(acc, d)):  # apart: each contiguous, copied faster
+            _round_rest(out, grad, kv_rows)
         home = comm.buffer("home", kv.shape, kv.dtype, kv.device)
         sent = comm.send_recv(dkv_out, home, _DKV_TAG)
 
     for s, step in enumerate(plan):
-        cur = buf(s)
-        kv_transfer = comm.send_recv(cur, buf(s + 1), _KV_TAG) if s < last else None
+        cur = kv_views(buf(s), d)
+        kv_transfer = comm.send_recv(buf(s), buf(s + 1), _KV_TAG) if s < last else None
         if sent is not None:
             # This block's accumulator has arrived (and the other buffer has left, so it may
             # receive again). It travelled during the previous step's dQ. (Adding in the kernel
@@ -184,14 +205,15 @@ def ring_backward(do, q, kv, o, lse, plan: list[Step | None], *, scale: float, k
             pass_on(s, None)  # nothing to add, but the accumulator still travels on
         else:
             qs, ks = step.q, step.kv
-            acc = dkv[s % 2]  # ours at s = 0, where step 0 (the diagonal, every row) starts it
+            acc = kv_views(dkv[s % 2], d)  # ours at s = 0, where step 0 (the diagonal, every row) starts it
             # Step 0 writes dq and this block's dK/dV; later steps add theirs to the float32 sums,
             # in place, except the last, which writes the totals rounded.
             sums = (dq[:, qs], acc[0][:, ks], acc[1][:, ks])
             if s < last:
                 out, grad_dtype = sums, partials
             else:
-                out, grad_dtype = (dq_out[:, qs], dkv_out[0][:, ks], dkv_out[1][:, ks]), q.dtype
+                dk_out, dv_out = kv_views(dkv_out, d)
+                out, grad_dtype = (dq_out[:, qs], dk_out[:, ks], dv_out[:, ks]), q.dtype
             kernels.bwd_step(
                 do[:, qs],
                 q[:, qs],
@@ -225,7 +247,7 @@ def _last_q_rows(plan) -> slice | None:
 
 
 def _round_rest(out: torch.Tensor, sums: torch.Tensor, rows: slice | None) -> None:
-    """`out (B, N, H, D)` = `sums` (float32, or already in out's dtype) rounded, outside `rows` (the
+    """`out (B, N, H, D)` (any head dim) = `sums` (float32, or already in out's dtype) rounded, outside `rows` (the
     last step's kernels wrote those already; None: all of it)."""
     if rows is not None and rows.step not in (None, 1):
         raise ValueError(f"a ring step's rows are a contiguous slice, got {rows}")

@@ -59,7 +59,7 @@ class Transport(Protocol):
         ...
 
     def reserve(self, kv: torch.Tensor) -> None:
-        """Room for a ring call over `kv (2, B, N, Hkv, D)` blocks, made before anything is posted."""
+        """Room for a ring call over packed K/V blocks like `kv` (`ring.pack_kv`), made before anything is posted."""
         ...
 
     def all_to_all(self, send: torch.Tensor, recv: torch.Tensor, tag: int = 0) -> Transfer:

@@ -77,7 +77,7 @@ class _SymmetricRing:
         self._offsets: dict[str, int] = {}
 
     def reserve(self, kv: torch.Tensor) -> None:
-        """Lay out the heap for a ring call over `kv (2, B, N, Hkv, D)` blocks, growing it if needed.
+        """Lay out the heap for a ring call over packed K/V blocks like `kv`, growing it if needed.
 
         Called at the start of every ring call, before anything of it is posted. Growing is the
         transport's one collective step (synchronise the device, meet at a host barrier, allocate,

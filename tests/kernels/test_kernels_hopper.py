@@ -54,7 +54,7 @@ def test_as_close_to_float64_as_the_deterministic_kernels(shape, causal, dtype):
     truth = attention_f64(q, k, v, causal, do=do)
     o, lse = attn_fwd(q, k, v, causal=causal)
     spec = AttnSpec(causal=causal)
-    assert hopper_bwd_unsupported(q, k, spec) is None
+    assert hopper_bwd_unsupported(q, k, v, spec) is None
     got = hopper_attn_bwd(do, q, k, v, o, lse, spec)  # called directly: a fallback cannot pass for it
     ref = attn_bwd(do, q, k, v, o, lse, causal=causal, backend="triton")
     for name, g, r in zip(("dq", "dk", "dv"), got, ref):
@@ -74,7 +74,7 @@ def test_forward_as_close_to_float64_as_the_triton_kernel(shape, causal, dtype):
     q, k, v, _ = _inputs(*shape, dtype, seed=8)
     truth = attention_f64(q, k, v, causal)
     spec = AttnSpec(causal=causal)
-    assert hopper_fwd_unsupported(q, k, spec) is None
+    assert hopper_fwd_unsupported(q, k, v, spec) is None
     o, lse = hopper_attn_fwd(q, k, v, spec)  # called directly: a fallback cannot pass for it
     o_ref, lse_ref = attn_fwd(q, k, v, causal=causal, backend="triton")
     assert o.dtype == dtype and o.is_contiguous() and lse.shape == lse_ref.shape
@@ -109,7 +109,7 @@ def test_forward_ring_steps(shape):
     B, N, H, Hkv, D = shape
     q, k1, v1, _ = _inputs(B, N, N + 200, H, Hkv, D, torch.bfloat16, seed=9)
     _, k2, v2, _ = _inputs(B, N, 300, H, Hkv, D, torch.bfloat16, seed=10)
-    assert hopper_fwd_unsupported(q, k1, AttnSpec()) is None
+    assert hopper_fwd_unsupported(q, k1, v1, AttnSpec()) is None
     rows = slice(100, 400)
     truth = attention_f64(q[:, rows], torch.cat([k1, k2], 1), torch.cat([v1, v2], 1), False)
     results = {}
@@ -174,7 +174,7 @@ def test_the_ring_step_contract(sums_dtype):
     # into out's dq), or sums only read and the totals written rounded; after_dkdv runs once,
     # after dK and dV are final.
     q, k, v, do = _inputs(2, 300, 500, 4, 2, 128, torch.bfloat16, seed=5)
-    assert hopper_bwd_unsupported(q, k, AttnSpec()) is None  # not a fallback to the Triton kernels
+    assert hopper_bwd_unsupported(q, k, v, AttnSpec()) is None  # not a fallback to the Triton kernels
     o, lse = attn_fwd(q, k, v)
     grads = bwd_step(do, q, k, v, o, lse, grad_dtype=torch.float32, backend="triton")
     gen = torch.Generator().manual_seed(6)
@@ -205,8 +205,8 @@ def test_falls_back_where_it_does_not_run():
     # Where the Gluon kernels do not run (here: CPU tensors, float32, a window) the backend is the
     # Triton one, bit for bit; and the backward does not under torch.use_deterministic_algorithms.
     q, k, v, do = _inputs(1, 70, 70, 2, 1, 64, torch.float32, device="cpu", seed=1)
-    assert "sm_90" in hopper_bwd_unsupported(q, k, AttnSpec(causal=True))
-    assert "sm_90" in hopper_fwd_unsupported(q, k, AttnSpec(causal=True))
+    assert "sm_90" in hopper_bwd_unsupported(q, k, v, AttnSpec(causal=True))
+    assert "sm_90" in hopper_fwd_unsupported(q, k, v, AttnSpec(causal=True))
     o, lse = attn_fwd(q, k, v, causal=True, window=20, backend="hopper")
     got = attn_bwd(do, q, k, v, o, lse, causal=True, window=20, backend="hopper")
     ref = attn_bwd(do, q, k, v, o, lse, causal=True, window=20, backend="triton")
@@ -214,7 +214,7 @@ def test_falls_back_where_it_does_not_run():
     assert not get_backend("hopper", q.device).deterministic
     torch.use_deterministic_algorithms(True)
     try:
-        assert "use_deterministic_algorithms" in hopper_bwd_unsupported(q, k, AttnSpec(causal=True))
+        assert "use_deterministic_algorithms" in hopper_bwd_unsupported(q, k, v, AttnSpec(causal=True))
     finally:
         torch.use_deterministic_algorithms(False)
 
@@ -227,7 +227,7 @@ def test_refuses_what_the_triton_kernels_refuse():
     o, lse = attn_fwd(q, k, v, backend="reference")
     with pytest.raises(ValueError, match="causal=True needs as many queries as keys"):
         hopper_attn_bwd(do, q, k, v, o, lse, AttnSpec(causal=True))
-    with pytest.raises(ValueError, match="out must have q's shape"):
+    with pytest.raises(ValueError, match=r"out must have shape \(B, Nq, H, Dv\)"):
         hopper_attn_fwd(q, k, v, AttnSpec(), out=torch.empty(1, 41, 2, 64, dtype=torch.bfloat16))
 
 
@@ -235,10 +235,10 @@ def test_refuses_what_the_triton_kernels_refuse():
 @sm90
 def test_what_it_does_not_run_is_named():
     q, k, v, _ = _inputs(1, 128, 128, 2, 2, 96, torch.bfloat16)
-    assert "head dim in (64, 128), got 96" in hopper_bwd_unsupported(q, k, AttnSpec(causal=True))
-    assert "float32" in hopper_bwd_unsupported(q.float(), k.float(), AttnSpec(causal=True))
+    assert "head dim in (64, 128), got 96" in hopper_bwd_unsupported(q, k, v, AttnSpec(causal=True))
+    assert "float32" in hopper_bwd_unsupported(q.float(), k.float(), v.float(), AttnSpec(causal=True))
     q, k, v, do = _inputs(1, 128, 128, 2, 2, 64, torch.bfloat16)
-    assert "not window" in hopper_bwd_unsupported(q, k, AttnSpec(causal=True, window=16))
+    assert "not window" in hopper_bwd_unsupported(q, k, v, AttnSpec(causal=True, window=16))
     o, lse = attn_fwd(q, k, v, causal=True, window=16)
     with pytest.raises(ValueError, match="hopper backward: runs full or causal attention, not window"):
         hopper_attn_bwd(do, q, k, v, o, lse, AttnSpec(causal=True, window=16))
@@ -256,7 +256,7 @@ def test_where_dq_is_summed(monkeypatch, mode):
             return run
 
     monkeypatch.setattr(hopper_bwd, "_hopper_bwd", AddsOnes())
-    monkeypatch.setattr(hopper_bwd, "unsupported", lambda q, k, spec: None)
+    monkeypatch.setattr(hopper_bwd, "unsupported", lambda q, k, v, spec: None)
     q, k, v, do = _inputs(1, 40, 40, 2, 1, 64, torch.bfloat16, device="cpu", seed=2)
     o, lse = attn_fwd(q, k, v, causal=True, backend="reference")
     start = torch.randn(q.shape)

@@ -64,7 +64,7 @@ def test_backends_that_cannot_softcap_say_so():
     assert not spec.dense  # what cuDNN and the Gluon kernels run; hopper hands the rest to Triton
     q = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="softcap"):
-        check_cudnn(q, q, spec)
+        check_cudnn(q, q, q, spec)
 
 
 def test_kernel_op_takes_softcap():

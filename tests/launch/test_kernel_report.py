@@ -55,3 +55,14 @@ def test_tiles_given_are_reported_one_row_each_and_bad_ones_refused_by_name():
     assert [row[4] for row in _rows(out.stdout, "dkdv")] == ["(64, 64, 4, 3)", "(128, 32, 4, 3)"]
     bad = _report("--tiles", "128,64,8")
     assert bad.returncode == 2 and "--tiles: expected outer,inner,warps,stages" in bad.stderr, bad.stderr
+
+
+def test_value_head_dim_variant_compiles_for_sm90():
+    # DeepSeek's MLA shape: q·k over 192 (pointer loads, masked to 256), v and o over 128.
+    out = _report("--kernels", "fwd", "dkdv", "dq", "--head-dims", "192", "--dv", "128", "--causal", "1")
+    assert out.returncode == 0, out.stderr[-3000:]
+    for kernel in ("fwd", "dkdv", "dq"):
+        (row,) = _rows(out.stdout, kernel)
+        assert 0 < int(row[5]) <= 255 and 0 < int(row[7]) <= 228, row
+    bad = _report("--kernels", "hopper_fwd", "--dv", "128")
+    assert bad.returncode == 2 and "--dv: the Gluon kernels run one head dim" in bad.stderr, bad.stderr

@@ -26,15 +26,15 @@ N = 96
 
 
 def case(world, layout="zigzag", causal=True, docs=None, window=None, stride=1, B=2, H=4, Hkv=2, D=16,
-         dtype=torch.float32, backend="reference", module=False):  # fmt: skip
+         dtype=torch.float32, backend="reference", module=False, Dv=None):  # fmt: skip
     return dict(world=world, layout=layout, causal=causal, docs=docs, window=window, stride=stride, B=B, H=H, Hkv=Hkv,
-                D=D, dtype=dtype, backend=backend, module=module)  # fmt: skip
+                D=D, dtype=dtype, backend=backend, module=module, Dv=Dv or D)  # fmt: skip
 
 
 def worker(rank, world, c):
     g = torch.Generator().manual_seed(0)
     B, L = c["B"], c["layout"]
-    shapes = [(B, N, c["H"], c["D"]), (B, N, c["Hkv"], c["D"]), (B, N, c["Hkv"], c["D"]), (B, N, c["H"], c["D"])]
+    shapes = [(B, N, c["H"], c["D"]), (B, N, c["Hkv"], c["D"]), (B, N, c["Hkv"], c["Dv"]), (B, N, c["H"], c["Dv"])]
     q, k, v, do = (torch.randn(s, generator=g).to(c["dtype"]) for s in shapes)
     doc = doc_ids(c["docs"], B)
     truth = masked_attention_f64(q, k, v, do, allowed(doc, N, c["causal"], c["window"]))
@@ -54,7 +54,8 @@ def worker(rank, world, c):
         o, lse, _ = ring_flash_attn_func(ql, kl, vl, causal=c["causal"], return_attn_probs=True, **opts)
     o.backward(shard(do, 1, rank, world, L))
     got = {"o": o, "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}
-    assert all(x.dtype == c["dtype"] and x.shape == y.shape for x, y in zip(got.values(), (ql, ql, kl, vl)))
+    assert o.shape == (*ql.shape[:3], c["Dv"])
+    assert all(x.dtype == c["dtype"] and x.shape == y.shape for x, y in zip(got.values(), (o, ql, kl, vl)))
     errs = {name: rel_err(x, shard(truth[name], 1, rank, world, L)) for name, x in got.items()}
     if lse is not None:
         assert lse.dtype == torch.float32 and lse.shape == (B, c["H"], N // world)
@@ -71,6 +72,9 @@ CASES = [
     case(3, "zigzag", window=13, Hkv=4, stride=3),  # a ragged last chunk
     case(4, "stripe", causal=False, docs="many", H=4, Hkv=1),  # MQA, documents without causality
     case(2, "zigzag", docs="odd", window=17, dtype=torch.bfloat16, module=True),
+    # a value head dim of its own (DeepSeek's MLA), dense and with documents over head chunks
+    case(4, "zigzag", D=24, Dv=16),
+    case(3, "contiguous", causal=False, docs="odd", stride=2, D=8, Dv=24),
 ]
 
 
@@ -78,6 +82,7 @@ def _id(c):
     parts = [f"w{c['world']}", c["layout"], "causal" if c["causal"] else "full", f"docs-{c['docs']}"]
     parts += [f"win{c['window']}"] if c["window"] else []
     parts += [f"stride{c['stride']}", f"h{c['H']}kv{c['Hkv']}", str(c["dtype"]).removeprefix("torch.")]
+    parts += [f"d{c['D']}v{c['Dv']}"] if c["Dv"] != c["D"] else []
     return "-".join(parts + (["module"] if c["module"] else []))
 
 
@@ -90,6 +95,7 @@ def test_allgather_triton_kernels_interpreted():
     if not interpreting():
         pytest.skip("covered by the gpu tests")
     run_ranks(worker, 2, (case(2, "stripe", docs="odd", B=1, H=2, Hkv=2, D=32, backend="triton"),))
+    run_ranks(worker, 2, (case(2, "zigzag", B=1, H=2, Hkv=1, D=64, Dv=32, backend="triton"),))
 
 
 def test_allgather_equals_the_ring():

@@ -73,10 +73,11 @@ def test_kernel_ops_opcheck(backend):
     run_ranks(_kernel_opcheck_worker, 1, args=(backend, device), start_method=START, timeout_s=120)
 
 
-def _ring_opcheck_worker(rank, world):
+def _ring_opcheck_worker(rank, world, dv=16):
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 8, 4, 16, generator=g, requires_grad=True)
-    k, v = (torch.randn(1, 8, 2, 16, generator=g, requires_grad=True) for _ in range(2))
+    k = torch.randn(1, 8, 2, 16, generator=g, requires_grad=True)
+    v = torch.randn(1, 8, 2, dv, generator=g, requires_grad=True)
     opts = dict(causal=True, softmax_scale=0.25, layout="zigzag", group_name="", backend=None, check_ranks=False)
     torch.library.opcheck(torch.ops.ringflash.ring_attn.default, (q, k, v, []), opts)
 
@@ -84,6 +85,11 @@ def _ring_opcheck_worker(rank, world):
 def test_ring_op_opcheck_one_rank():
     # A group of one: the op's world-1 path (one kernel call, k and v saved unpacked).
     run_ranks(_ring_opcheck_worker, 1, start_method=START, timeout_s=120)
+
+
+def test_ring_op_opcheck_value_head_dim():
+    # v's own head dim: o, the packed K/V block and dK/dV shaped by the fakes as the ring makes them.
+    run_ranks(_ring_opcheck_worker, 2, args=(8,), start_method=START, timeout_s=120)
 
 
 def _compiled_model_worker(rank, world, compile_backend, layout, device="cpu", cfg=TINY, masked=False):

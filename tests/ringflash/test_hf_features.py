@@ -1,7 +1,8 @@
 """ringflash.hf with today's long-context attention: Gemma 2 and Gemma 3 (logit softcapping,
-sliding windows on alternate layers) and gpt-oss (learnable sinks, sliding windows) through the
-ring on 2 gloo ranks equal the same random-init tiny models with `attn_implementation="eager"`
-on the whole sequence: the loss and every parameter's gradient."""
+sliding windows on alternate layers), gpt-oss (learnable sinks, sliding windows) and DeepSeek V2
+and V3 (multi-head latent attention: a value head dim other than q's and k's) through the ring on 2
+(DeepSeek: and 4) gloo ranks equal the same random-init tiny models with
+`attn_implementation="eager"` on the whole sequence: the loss and every parameter's gradient."""
 
 from __future__ import annotations
 
@@ -30,6 +31,24 @@ def tiny_config(kind: str):
     if kind == "gemma3":
         return transformers.Gemma3TextConfig(**COMMON, sliding_window=9, final_logit_softcapping=None,
                                              sliding_window_pattern=2)  # fmt: skip
+    if kind in ("deepseek_v2", "deepseek_v3"):  # q·k over 16 + 8 (no RoPE + RoPE), v over 16; MoE from layer 2
+        config = transformers.DeepseekV2Config if kind == "deepseek_v2" else transformers.DeepseekV3Config
+        return config(
+            **{k: v for k, v in COMMON.items() if k not in ("head_dim", "num_key_value_heads")},
+            num_key_value_heads=4,  # MLA expands its latent to every head's K and V
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            kv_lora_rank=16,
+            q_lora_rank=None,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+        )
     if kind == "gpt_oss":
         return transformers.GptOssConfig(
             **{**COMMON, "intermediate_size": 32},
@@ -84,9 +103,13 @@ def _vs_eager(rank, world, kind, layout):
     return float(loss)
 
 
-@pytest.mark.parametrize(("kind", "layout"), [("gemma2", "zigzag"), ("gemma3", "contiguous"), ("gpt_oss", "zigzag")])
-def test_matches_eager(kind, layout):
-    losses = run_ranks(_vs_eager, 2, (kind, layout), timeout_s=120)
+@pytest.mark.parametrize(
+    ("kind", "layout", "world"),
+    [("gemma2", "zigzag", 2), ("gemma3", "contiguous", 2), ("gpt_oss", "zigzag", 2), ("deepseek_v3", "zigzag", 2),
+     ("deepseek_v3", "contiguous", 4), ("deepseek_v2", "zigzag", 2)],
+)  # fmt: skip
+def test_matches_eager(kind, layout, world):
+    losses = run_ranks(_vs_eager, world, (kind, layout), timeout_s=120)
     assert len(set(losses)) == 1
 
 

@@ -36,6 +36,8 @@ def _configs(u: int) -> list[dict]:
         dict(layout="contiguous", causal=False, H=4, Hkv=2, docs=True, window=None),
         dict(layout="zigzag", causal=True, H=4, Hkv=2, docs=False, window=5),
         dict(layout="contiguous", causal=True, H=4, Hkv=4, docs=True, window=7),
+        dict(layout="zigzag", causal=True, H=4, Hkv=2, docs=False, window=None, Dv=8),  # v's own head dim
+        dict(layout="contiguous", causal=False, H=4, Hkv=1, docs=True, window=None, Dv=24),
     ]
     return out
 
@@ -48,8 +50,9 @@ def grid_worker(rank, world, u):
     errs = []
     for i, c in enumerate(_configs(u)):
         g = torch.Generator().manual_seed(i)
-        q, do = (torch.randn(B, N, c["H"], D, generator=g) for _ in range(2))
-        k, v = (torch.randn(B, N, c["Hkv"], D, generator=g) for _ in range(2))
+        dv = c.get("Dv", D)
+        q, do = torch.randn(B, N, c["H"], D, generator=g), torch.randn(B, N, c["H"], dv, generator=g)
+        k, v = torch.randn(B, N, c["Hkv"], D, generator=g), torch.randn(B, N, c["Hkv"], dv, generator=g)
         doc = _doc_ids() if c["docs"] else None
         truth = masked_attention_f64(q, k, v, do, allowed(doc, N, c["causal"], c["window"]))
 

@@ -25,7 +25,7 @@ import ringflash
 from ringflash import RingFlashAttention, ring_flash_attn_func, shard
 from ringflash.kernels import attn_bwd, attn_fwd, backend_named, interpreting
 from ringflash.layout import ring_schedule
-from ringflash.ring import ring_backward, ring_forward
+from ringflash.ring import kv_views, ring_backward, ring_forward
 from ringflash.transport import ring_comm
 from tests.dist_utils import REPO, RankFailure, run_ranks, torchrun
 from tests.truth import TOL, attention_f64, lse_err, rel_err
@@ -46,8 +46,10 @@ def make_case(
     seed=0,
     scale=None,
     strided=False,
+    Dv=None,
 ):
     return dict(
+        Dv=Dv or D,
         world=world,
         layout=layout,
         causal=causal,
@@ -66,12 +68,12 @@ def make_case(
 
 
 def global_inputs(c):
-    """Global q, k, v, do `(B, W·n_local, heads, D)` from the case's seed, on the case's device."""
+    """Global q, k `(B, W·n_local, heads, D)`, v, do `(…, Dv)` from the case's seed, on the case's device."""
     g = torch.Generator().manual_seed(c["seed"])
     N = c["world"] * c["n_local"]
-    shapes = [(c["B"], N, c["H"], c["D"]), (c["B"], N, c["Hkv"], c["D"]), (c["B"], N, c["Hkv"], c["D"])]
+    shapes = [(c["B"], N, c["H"], c["D"]), (c["B"], N, c["Hkv"], c["D"]), (c["B"], N, c["Hkv"], c["Dv"])]
     q, k, v = (torch.randn(s, generator=g).to(c["device"], c["dtype"]) for s in shapes)
-    do = torch.randn(shapes[0], generator=g).to(c["device"], c["dtype"])
+    do = torch.randn((c["B"], N, c["H"], c["Dv"]), generator=g).to(c["device"], c["dtype"])
     return q, k, v, do
 
 
@@ -125,7 +127,11 @@ CPU_CASES = [
     # 8 ranks, as on an 8-GPU node: longer schedules, both receive buffers reused several times
     make_case(8, "zigzag", True, H=4, Hkv=2),
     make_case(8, "contiguous", True, H=4, Hkv=2),
-]
+] + [  # a value head dim of its own (DeepSeek's MLA: 192 and 128), either way round
+    make_case(w, layout, causal, H=4, Hkv=2, D=D, Dv=Dv)
+    for w, layout, causal, D, Dv in ((2, "zigzag", True, 24, 16), (4, "contiguous", False, 16, 8),
+                                     (3, "stripe", True, 8, 24), (4, "zigzag", True, 192, 128))
+] + [make_case(2, "zigzag", True, dtype=torch.bfloat16, n_local=16, D=32, Dv=16)]
 
 
 def _case_id(c):
@@ -135,6 +141,7 @@ def _case_id(c):
             c["layout"],
             "causal" if c["causal"] else "full",
             f"h{c['H']}kv{c['Hkv']}",
+            f"d{c['D']}" + (f"v{c['Dv']}" if c["Dv"] != c["D"] else ""),
             str(c["dtype"]).removeprefix("torch."),
             c["backend"],
         ]
@@ -152,6 +159,8 @@ TRITON_CASES = [
     make_case(2, "zigzag", True, n_local=32, H=4, Hkv=2, D=32, dtype=torch.bfloat16, backend="triton"),
     make_case(3, "contiguous", False, n_local=18, B=1, H=2, Hkv=1, D=32, backend="triton"),
     make_case(3, "stripe", True, n_local=17, B=1, H=2, Hkv=1, D=32, backend="triton"),  # the shifted diagonal
+    make_case(2, "zigzag", True, n_local=32, H=4, Hkv=2, D=32, Dv=64, dtype=torch.bfloat16, backend="triton"),
+    make_case(3, "contiguous", False, n_local=18, B=1, H=2, Hkv=1, D=64, Dv=32, backend="triton"),
 ]
 
 
@@ -193,7 +202,7 @@ def _rounded_partials_worker(rank, world, c):
     kern, comm, scale = _RoundedPartials(), ring_comm(None), c["D"] ** -0.5
     o, lse, kv = ring_forward(ql, kl, vl, plan, scale=scale, kernels=kern, comm=comm)
     dq, dkv = ring_backward(dol, ql, kv, o, lse, plan, scale=scale, kernels=kern, comm=comm)
-    for name, got in (("o", o), ("dq", dq), ("dk", dkv[0]), ("dv", dkv[1])):
+    for name, got in (("o", o), ("dq", dq), *zip(("dk", "dv"), kv_views(dkv, c["D"]))):
         err = rel_err(got, shard(truth[name], 1, rank, world, L))
         assert got.dtype == c["dtype"] and err < TOL[c["dtype"]], f"rank {rank}: {name} error {err}"
     want = c["dtype"] if world == 2 else torch.float32
@@ -436,7 +445,10 @@ def test_null_comm_runs_the_same_schedule():
 def test_forward_returns_the_block_it_sent():
     # What the backward takes for k and v: k and v packed, as the ring sent them (one rank: k, v).
     q, k, v, _ = global_inputs(make_case(1, n_local=16))
-    assert torch.equal(ring_forward(q, k, v, **_null_ring(0, 2))[2], torch.stack((k, v)))
+    packed = ring_forward(q, k, v, **_null_ring(0, 2))[2]
+    assert packed.view(-1).equal(torch.stack((k, v)).view(-1))  # one block, the bytes of k then v
+    v = v[..., :8].contiguous()  # a value head dim of its own
+    assert all(a.equal(b) for a, b in zip(kv_views(ring_forward(q, k, v, **_null_ring(0, 2))[2], k.shape[3]), (k, v)))
     alone = ring_forward(q, k, v, **_null_ring(0, 1))[2]
     assert alone[0] is k and alone[1] is v
 
@@ -456,74 +468,34 @@ def test_results_are_contiguous_whatever_q_strides(world):
 
 # ---- GPU: several gloo ranks sharing one GPU, CUDA tensors, Triton kernels ---------------------------
 
-GPU_CASES = (
-    [
-        make_case(
-            w, layout, causal, B=1, n_local=4000 // w, H=8, Hkv=2, D=128, dtype=dt, backend="triton", device="cuda"
-        )
-        for w in (2, 4)
-        for layout, causal, dt in (
-            ("zigzag", True, torch.bfloat16),
-            ("contiguous", True, torch.bfloat16),
-            ("zigzag", False, torch.float16),
-        )
-    ]
-    + [  # the ring on cuDNN's kernels (kernels/cudnn.py)
-        make_case(
-            w,
-            "zigzag",
-            True,
-            B=1,
-            n_local=4000 // w,
-            H=8,
-            Hkv=hkv,
-            D=128,
-            dtype=torch.bfloat16,
-            backend="cudnn",
-            device="cuda",
-        )
-        for w, hkv in ((2, 8), (2, 2), (4, 2))  # W = 2: partial results in bf16; W = 4: float32 sums
-    ]
-    + [  # the Hopper kernels under the ring (kernels/hopper_fwd.py, hopper_bwd.py; Triton's elsewhere): merges
-        # into float32 partials, float32 sums added atomically, ragged local lengths, a contiguous and a
-        # zigzag layout, both head dims (two and three consumer warpgroups in the forward)
-        make_case(
-            w,
-            layout,
-            causal,
-            B=1,
-            n_local=4000 // w,
-            H=8,
-            Hkv=2,
-            D=d,
-            dtype=torch.bfloat16,
-            backend="hopper",
-            device="cuda",
-        )
-        for w, layout, causal, d in (
-            (2, "zigzag", True, 128),
-            (4, "contiguous", True, 128),
-            (2, "zigzag", False, 128),
-            (4, "zigzag", True, 64),
-        )
-    ]
-    + [  # q, k, v as views of a fused QKV projection's output (descriptor loads with its strides)
-        make_case(
-            2,
-            "zigzag",
-            True,
-            B=1,
-            n_local=2000,
-            H=8,
-            Hkv=2,
-            D=128,
-            dtype=torch.bfloat16,
-            backend="triton",
-            device="cuda",
-            strided=True,
-        )
-    ]
-)
+GPU_CASES = [
+    make_case(w, layout, causal, B=1, n_local=4000 // w, H=8, Hkv=2, D=128, dtype=dt, backend="triton", device="cuda")
+    for w in (2, 4)
+    for layout, causal, dt in (
+        ("zigzag", True, torch.bfloat16),
+        ("contiguous", True, torch.bfloat16),
+        ("zigzag", False, torch.float16),
+    )
+] + [  # the ring on cuDNN's kernels (kernels/cudnn.py)
+    make_case(w, "zigzag", True, B=1, n_local=4000 // w, H=8, Hkv=hkv, D=128, dtype=torch.bfloat16,
+              backend="cudnn", device="cuda")
+    for w, hkv in ((2, 8), (2, 2), (4, 2))  # W = 2: partial results in bf16; W = 4: float32 sums
+] + [  # the Hopper kernels under the ring (kernels/hopper_fwd.py, hopper_bwd.py; Triton's elsewhere): merges
+    # into float32 partials, float32 sums added atomically, ragged local lengths, a contiguous and a
+    # zigzag layout, both head dims (two and three consumer warpgroups in the forward)
+    make_case(w, layout, causal, B=1, n_local=4000 // w, H=8, Hkv=2, D=d, dtype=torch.bfloat16, backend="hopper",
+              device="cuda")
+    for w, layout, causal, d in ((2, "zigzag", True, 128), (4, "contiguous", True, 128), (2, "zigzag", False, 128),
+                                 (4, "zigzag", True, 64))
+] + [  # q, k, v as views of a fused QKV projection's output (descriptor loads with its strides)
+    make_case(2, "zigzag", True, B=1, n_local=2000, H=8, Hkv=2, D=128, dtype=torch.bfloat16, backend="triton",
+              device="cuda", strided=True)
+] + [  # a value head dim of its own (DeepSeek's MLA): Triton's kernels, and hopper's fallback to them
+    make_case(w, layout, True, B=1, n_local=4000 // w, H=8, Hkv=8, D=d, Dv=dv, dtype=torch.bfloat16, backend=b,
+              device="cuda")
+    for w, layout, d, dv, b in ((2, "zigzag", 192, 128, "triton"), (4, "contiguous", 128, 256, "triton"),
+                                (2, "zigzag", 192, 128, "hopper"))
+]
 
 
 @pytest.mark.gpu

@@ -159,6 +159,29 @@ def test_varlen_windows_and_full_attention(layout, causal, window_size, lengths)
     run_ranks(_varlen_worker, 2, (layout, causal, window_size, lengths))
 
 
+def _varlen_value_dim_worker(rank, world, layout):
+    # v's own head dim (DeepSeek's MLA) through the unpacked varlen form: o and dv have v's.
+    g = torch.Generator().manual_seed(0)
+    lengths, H, Hkv = [4, 12, 16], 4, 2
+    total, local = sum(lengths), [n // world for n in lengths]
+    q, k = torch.randn(total, H, 16, generator=g), torch.randn(total, Hkv, 16, generator=g)
+    v, do = torch.randn(total, Hkv, 8, generator=g), torch.randn(total, H, 8, generator=g)
+    truth = _truth(q, k, v, do, lengths, True, None)
+    ql, kl, vl = (_per_document(t, lengths, rank, world, layout).requires_grad_() for t in (q, k, v))
+    cu = torch.tensor([0, *torch.tensor(local).cumsum(0).tolist()], dtype=torch.int32)
+    fn = peer.ring_flash_attn_varlen_func if layout == "contiguous" else peer.zigzag_ring_flash_attn_varlen_func
+    o = fn(ql, kl, vl, cu, max(local), causal=True)
+    o.backward(_per_document(do, lengths, rank, world, layout))
+    for name, x in {"o": o, "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}.items():
+        want = _per_document(truth[name], lengths, rank, world, layout)
+        torch.testing.assert_close(x.double(), want, atol=2e-5, rtol=2e-5, msg=f"{name} on rank {rank}")
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_varlen_value_head_dim(layout):
+    run_ranks(_varlen_value_dim_worker, 2, (layout,))
+
+
 # ---- refused on every rank ---------------------------------------------------------------------
 
 

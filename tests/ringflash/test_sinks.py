@@ -83,6 +83,24 @@ def test_softcap_and_sink_triton_interpreted(case):
     run_ranks(features_worker, case["world"], (case,))
 
 
+def _rounded_once_worker(rank, world):
+    # The sink rescales the float32 merged o, rounded to bf16 once after it: with float32 math (the
+    # reference kernels) o is the float64 truth rounded, element for element. Rounding o before the
+    # rescale and again after it misses about a fifth of them.
+    c = _case(world, sink=True, dtype=torch.bfloat16, n=16)
+    q, k, v, _, sink = _inputs(c)
+    truth = attention(q, k, v, visible=band(q.shape[1], q.shape[1], causal=True), sink=sink)["o"]
+    ql, kl, vl = (shard(t, 1, rank, world, "zigzag") for t in (q, k, v))
+    o = ring_flash_attn_func(ql, kl, vl, causal=True, backend="reference", learnable_sink=sink)
+    missed = (o != shard(truth, 1, rank, world, "zigzag").to(torch.bfloat16)).float().mean().item()
+    assert missed < 0.01, f"rank {rank}: {missed:.1%} of o differs from the truth rounded once"
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_sink_output_is_rounded_once(world):
+    run_ranks(_rounded_once_worker, world)
+
+
 def test_sink_and_softcap_change_the_result():
     # Guards the comparisons above against features that are silently ignored.
     c = _case(1, sink=True)
