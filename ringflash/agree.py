@@ -2,8 +2,8 @@
 
 Each rank all-gathers one fixed-length int64 row (`row`) describing its call: which call (ring
 attention, hybrid attention, shard_batch) over how many ranks and by which scheme (ring,
-all-gather), q/k shapes, dtype, device, layout, causal, softmax_scale (its exact bits), window,
-window_size, softcap (exact bits), the learnable sink's presence and shape, the mask's digest,
+all-gather), q/k shapes, dtype, device, layout, causal, softmax_scale (its exact bits), the
+window (as flash_attn's window_size), softcap (exact bits), the learnable sink's presence and shape, the mask's digest,
 transport, and for a
 batch its shape and a digest of each field. Not the kernel backend: ranks on different kernels
 compute the same attention, to rounding, with the same transfers. Every rank then compares
@@ -41,7 +41,7 @@ _DEVICES = ("cpu", "cuda")
 # (field, width): the row after its leading ok flag. Unused fields hold -1 (or 0 for digests).
 _FIELDS = (
     ("call", 3), ("scheme", 1), ("q.shape", 4), ("k.shape", 4), ("dtype", 1), ("device", 1), ("layout", 1),
-    ("causal", 1), ("softmax_scale", 1), ("window", 1), ("window_size", 2), ("softcap", 1), ("learnable_sink", 1),
+    ("causal", 1), ("softmax_scale", 1), ("window_size", 2), ("softcap", 1), ("learnable_sink", 1),
     ("mask", 1), ("transport", 1), ("input_ids shape", 2),
     *((name, 1) for name in BATCH_FIELDS),
 )  # fmt: skip
@@ -77,7 +77,6 @@ def row(
     causal=None,
     softmax_scale=None,
     layout=None,
-    window=None,
     mask_key: int = 0,
     transport=None,
     batch: dict | None = None,
@@ -103,7 +102,6 @@ def row(
         _index(LAYOUTS, layout),
         -1 if causal is None else int(bool(causal)),
         _bits(scale) if scale != -1 else -1,
-        window if isinstance(window, int) and not isinstance(window, bool) else 0,
         *_pair(window_size),
         _bits(softcap) if _real(softcap) else -1,
         learnable_sink.numel() if isinstance(learnable_sink, torch.Tensor) and learnable_sink.dim() == 1 else (
@@ -143,7 +141,7 @@ def _show(name: str, v: tuple[int, ...]):
         return v
     if name == "learnable_sink":
         return {-1: None, -2: "not a (H,) tensor"}.get(x, f"({x},)")
-    if x == -1 and name not in ("window", "mask"):
+    if x == -1 and name != "mask":
         return None
     if name == "dtype":
         return str(SUPPORTED_DTYPES[x])
@@ -157,8 +155,6 @@ def _show(name: str, v: tuple[int, ...]):
         return bool(x)
     if name in ("softmax_scale", "softcap"):
         return struct.unpack("<d", struct.pack("<q", x))[0]
-    if name == "window":
-        return x or None
     if name == "transport":
         return TRANSPORTS[x]
     return "none" if x == 0 else f"{x & (2**64 - 1):016x}"  # a digest
