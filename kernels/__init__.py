@@ -22,11 +22,11 @@ import torch
 from ringflash.kernels.backends import BACKENDS, Backend, backend_named, device_guard, get_backend, interpreting
 from ringflash.kernels.masks import Visibility, check_window, dense_visibility, varlen_visibility, visibility
 from ringflash.kernels.reference import ref_merge
-from ringflash.kernels.spec import CAUSAL, FULL, AttnSpec, check_softcap
+from ringflash.kernels.spec import CAUSAL, FULL, AttnSpec, check_softcap, mask_kind
 
 __all__ = ["BACKENDS", "CAUSAL", "FULL", "AttnSpec", "Backend", "Visibility", "attn_bwd", "attn_fwd",
            "attn_varlen_bwd", "attn_varlen_fwd", "backend_named", "check_softcap", "check_window", "dense_visibility",
-           "device_guard", "get_backend", "interpreting", "ref_merge", "varlen_visibility", "visibility"]
+           "device_guard", "get_backend", "interpreting", "mask_kind", "ref_merge", "varlen_visibility", "visibility"]
 
 
 def _spec(causal: bool, window, spec: AttnSpec | None, softcap: float = 0.0) -> AttnSpec:

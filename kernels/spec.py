@@ -7,11 +7,14 @@
     AttnSpec.documents(cu_seqlens, total)  # packed documents (+ causal=, window=)
     AttnSpec(intervals=vis)                # any per-row key intervals (kernels/masks.py `Visibility`)
     AttnSpec(causal=True, softcap=30.0)    # + logit softcapping: scores s -> c·tanh(s/c) before the mask
+    AttnSpec.from_window_size((w - 1, 0), causal=True)  # flash_attn's form: AttnSpec(causal=True, window=w)
 
-The public functions take flash_attn's `causal=` / `window=` and build the spec; everything
-below them (the backends, the ring's steps) takes the spec. It is validated once, here, when it
-is made. A window or documents become intervals (`Visibility`) only where a kernel needs them:
-`spec.intervals_for(q, k)`. flash_attn's `window_size=(left, 0)` is `window = left + 1`.
+The public functions take flash_attn's `causal=` / `window_size=` and build the spec where they
+are called; everything below them (the ring's masks and steps, the backends) takes the spec. It
+is validated once, here, when it is made. `spec.window_size` gives the window back in
+flash_attn's form, for what must travel as plain ints (custom-op arguments, the cross-rank
+check). A window or documents become intervals (`Visibility`) only where a kernel needs them:
+`spec.intervals_for(q, k)`.
 
 `softcap` is not a mask but a score transform; it rides on the spec because the spec is the one
 value every backend and every ring step already receives, so it is defined here once and read
@@ -28,7 +31,19 @@ import torch
 
 from ringflash.kernels.masks import Visibility, check_visibility, check_window, dense_visibility, varlen_visibility
 
-__all__ = ["CAUSAL", "FULL", "AttnSpec", "check_softcap", "check_window", "softcap_math"]
+__all__ = ["CAUSAL", "FULL", "AttnSpec", "check_softcap", "check_window", "mask_kind", "softcap_math"]
+
+Kind = Literal["full", "causal", "window", "intervals"]
+
+
+def mask_kind(*, causal: bool, window=None, intervals: bool = False) -> Kind:
+    """What a backend is asked to run (`Backend.supports`), from a spec's fields; also for callers
+    that know a mask's shape before its tensors exist (a config with packed documents)."""
+    if intervals:
+        return "intervals"
+    if window is not None:
+        return "window"
+    return "causal" if causal else "full"
 
 
 @dataclass(frozen=True, eq=False)
@@ -72,13 +87,40 @@ class AttnSpec:
         sees only its own document, causally and within `window` if asked."""
         return cls(intervals=varlen_visibility(cu_seqlens, total, causal=causal, window=window))
 
+    @classmethod
+    def from_window_size(cls, window_size, *, causal: bool) -> AttnSpec:
+        """flash_attn's `window_size=(left, right)` (-1: no limit on that side) with `causal`: with
+        causal `(w - 1, 0)` (or `(w - 1, -1)`) is `window=w` and `(-1, 0)` no window; without, the
+        pair itself. Raises TypeError/ValueError naming `window_size`."""
+        ws = window_size
+        if not (isinstance(ws, (tuple, list)) and len(ws) == 2
+                and all(isinstance(x, int) and not isinstance(x, bool) for x in ws)):  # fmt: skip
+            raise TypeError(f"window_size must be a pair of ints (left, right), got {ws!r}")
+        left, right = ws
+        if (left, right) == (-1, -1):
+            return cls(causal=causal)
+        if left < -1 or right < -1:
+            raise ValueError(f"window_size={tuple(ws)}: entries must be >= 0, or -1 for no limit")
+        if causal and right > 0:
+            raise ValueError(
+                f"window_size={tuple(ws)} with causal=True: a causal window has no keys to the right (right must "
+                "be 0 or -1); a two-sided window needs causal=False"
+            )
+        if not causal:  # two-sided: query i sees keys i - left ... i + right (kernels/masks.py)
+            return cls(window=(left, right))
+        return cls(causal=causal, window=None if left == -1 else left + 1)
+
     @property
-    def kind(self) -> Literal["full", "causal", "window", "intervals"]:
-        if self.intervals is not None:
-            return "intervals"
-        if self.window is not None:
-            return "window"
-        return "causal" if self.causal else "full"
+    def window_size(self) -> tuple[int, int]:
+        """The window in flash_attn's form `(left, right)` (`(-1, -1)`: none); `from_window_size`
+        gives the same spec back."""
+        if self.window is None:
+            return (-1, -1)
+        return self.window if isinstance(self.window, tuple) else (self.window - 1, 0)
+
+    @property
+    def kind(self) -> Kind:
+        return mask_kind(causal=self.causal, window=self.window, intervals=self.intervals is not None)
 
     @property
     def dense(self) -> bool:

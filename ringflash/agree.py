@@ -1,16 +1,16 @@
 """The cross-rank agreement check every path starts with: ring, hybrid, one rank, `shard_batch`.
 
 Each rank all-gathers one fixed-length int64 row (`row`) describing its call: which call (ring
-attention, hybrid attention, shard_batch) over how many ranks and by which scheme (ring,
-all-gather), q/k shapes and v's head dim, dtype, device, layout, causal, softmax_scale (its exact bits), window,
-window_size, softcap (exact bits), the learnable sink's presence and shape, the mask's digest,
-transport, and for a
-batch its shape and a digest of each field. Not the kernel backend: ranks on different kernels
-compute the same attention, to rounding, with the same transfers. Every rank then compares
-every row and raises the same ValueError, naming the field and each global rank's value. Because
-the row has the same length whatever the call, ranks that disagree even on *which* call they
-make (one omits `head_group=`; one's model never entered the ring) meet in the same collective
-and all raise, instead of one dying inside gloo on a size mismatch and the others hanging.
+attention, hybrid attention, shard_batch) over how many ranks and by which scheme (ring, all-
+gather), q/k shapes and v's head dim, dtype, device, layout, causal, softmax_scale (its exact bits),
+the window (as flash_attn's window_size), softcap (exact bits), the learnable sink's presence and
+shape, the mask's digest, transport, and for a batch its shape and a digest of each field. Not the
+kernel backend: ranks on different kernels compute the same attention, to rounding, with the same
+transfers. Every rank then compares every row and raises the same ValueError, naming the field and
+each global rank's value. Because the row has the same length whatever the call, ranks that disagree
+even on *which* call they make (one omits `head_group=`; one's model never entered the ring) meet in
+the same collective and all raise, instead of one dying inside gloo on a size mismatch and the
+others hanging.
 
 A rank that rejects its own inputs sends a row with `ok = 0` (`announce`), so the others raise
 too. The collective runs over the whole context-parallel group: for groups made by
@@ -41,8 +41,8 @@ _DEVICES = ("cpu", "cuda")
 # (field, width): the row after its leading ok flag. Unused fields hold -1 (or 0 for digests).
 _FIELDS = (
     ("call", 3), ("scheme", 1), ("q.shape", 4), ("k.shape", 4), ("v.shape[3]", 1), ("dtype", 1), ("device", 1),
-    ("layout", 1), ("causal", 1), ("softmax_scale", 1), ("window", 1), ("window_size", 2), ("softcap", 1),
-    ("learnable_sink", 1), ("mask", 1), ("transport", 1), ("input_ids shape", 2),
+    ("layout", 1), ("causal", 1), ("softmax_scale", 1), ("window_size", 2), ("softcap", 1), ("learnable_sink", 1),
+    ("mask", 1), ("transport", 1), ("input_ids shape", 2),
     *((name, 1) for name in BATCH_FIELDS),
 )  # fmt: skip
 WIDTH = 1 + sum(w for _, w in _FIELDS)
@@ -78,7 +78,6 @@ def row(
     causal=None,
     softmax_scale=None,
     layout=None,
-    window=None,
     mask_key: int = 0,
     transport=None,
     batch: dict | None = None,
@@ -104,7 +103,6 @@ def row(
         _index(LAYOUTS, layout),
         -1 if causal is None else int(bool(causal)),
         _bits(scale) if scale != -1 else -1,
-        window if isinstance(window, int) and not isinstance(window, bool) else 0,
         *_pair(window_size),
         _bits(softcap) if _real(softcap) else -1,
         learnable_sink.numel() if isinstance(learnable_sink, torch.Tensor) and learnable_sink.dim() == 1 else (
@@ -146,7 +144,7 @@ def _show(name: str, v: tuple[int, ...]):
         return None if x == -1 else x
     if name == "learnable_sink":
         return {-1: None, -2: "not a (H,) tensor"}.get(x, f"({x},)")
-    if x == -1 and name not in ("window", "mask"):
+    if x == -1 and name != "mask":
         return None
     if name == "dtype":
         return str(SUPPORTED_DTYPES[x])
@@ -160,8 +158,6 @@ def _show(name: str, v: tuple[int, ...]):
         return bool(x)
     if name in ("softmax_scale", "softcap"):
         return struct.unpack("<d", struct.pack("<q", x))[0]
-    if name == "window":
-        return x or None
     if name == "transport":
         return TRANSPORTS[x]
     return "none" if x == 0 else f"{x & (2**64 - 1):016x}"  # a digest

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ringflash.kernels import FULL, AttnSpec, Backend, Visibility, check_window, visibility
+from ringflash.kernels import FULL, AttnSpec, Backend, Visibility, visibility
 from ringflash.layout import check_layout, check_splittable, global_positions, shard, unshard
 from ringflash.ring import kv_views, pack_kv
 from ringflash.transport.p2p import _Transfer
@@ -46,18 +46,26 @@ class GatherMask:
     """This rank's queries against the whole sequence under documents/window (`gather_mask`).
 
     `spec`: the kernels' `AttnSpec` of local rows `(n_local,)` over N_global keys in global order;
-    `causal`, `window`, `layout`, `rank`, `world`, `n_local`; `fingerprint`: an int64 hash of the
-    mask's global definition, compared across ranks by the agreement check.
+    `call`: the `AttnSpec` of the whole sequence before documents (causal and window; read as
+    `causal`, `window`); `layout`, `rank`, `world`, `n_local`; `fingerprint`: an int64 hash of
+    the mask's global definition, compared across ranks by the agreement check.
     """
 
     spec: AttnSpec
-    causal: bool
-    window: int | None
+    call: AttnSpec
     layout: str
     rank: int
     world: int
     n_local: int
     fingerprint: int
+
+    @property
+    def causal(self) -> bool:
+        return self.call.causal
+
+    @property
+    def window(self) -> int | tuple[int, int] | None:
+        return self.call.window
 
 
 def gather_spec(n_local: int, rank: int, world: int, layout: str, causal: bool, window: int | None, device,
@@ -101,9 +109,7 @@ def gather_mask(
     from ringflash import masks  # its checks and fingerprint; masks imports nothing of ours
 
     check_layout(layout)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    check_window(window, causal)
+    call = AttnSpec(causal=causal, window=window)
     rank, world = masks._group_rank_world(group)
     doc = None if doc_ids is None else masks._check_doc_ids(doc_ids)
     if doc is None and seqlen is None:
@@ -115,7 +121,7 @@ def gather_mask(
     device = masks._device(device if device is not None or doc_ids is None else doc_ids.device)
     _, fp = masks._fingerprint(causal, window, layout, world, n_global, doc)
     spec = gather_spec(n_global // world, rank, world, layout, causal, window, device, doc)
-    return GatherMask(spec, causal, window, layout, rank, world, n_global // world, fp)
+    return GatherMask(spec, call, layout, rank, world, n_global // world, fp)
 
 
 def varlen_spec(cu_q: list[int], cu_k: list[int], k_slice: slice, n_global: int, causal: bool, window: int | None,

@@ -4,7 +4,7 @@
 `allgather_backward`; the first is differentiable in q, k, v through the second, and both have
 fake implementations, as the ring's ops (ringflash/ops.py), whose conventions they share: the
 group travels by name, a mask's per-row intervals as the tensor list `vis` (`[]`: built inside
-the op from the group rank, causal and window, cached), and the cross-rank check runs inside
+the op from the group rank, causal and `window_size`, cached), and the cross-rank check runs inside
 the op. Eager calls go through `_EagerAllGather`, a plain autograd.Function on the same
 functions (no torch.library dispatch on the host).
 
@@ -21,23 +21,24 @@ from torch import Tensor
 from ringflash import agree, ops
 from ringflash.allgather import GatherMask, allgather_backward, allgather_forward, gather_spec
 from ringflash.inputs import autocast_inputs, check_local, flash_options, world_size
-from ringflash.kernels import FULL, AttnSpec, Visibility, check_window, device_guard, get_backend
+from ringflash.kernels import FULL, AttnSpec, Visibility, device_guard, get_backend
 from ringflash.kernels.checks import resolve_scale
 from ringflash.transport import ring_comm
 
 __all__ = ["allgather_attn", "allgather_attn_bwd", "attend", "check_stride"]
 
 
-def _spec(vis: list[Tensor], comm, q, causal, layout, window) -> AttnSpec:
+def _spec(vis: list[Tensor], comm, q, causal, layout, window_size) -> AttnSpec:
     if vis:
         return AttnSpec(intervals=Visibility(*vis))
+    window = AttnSpec.from_window_size(window_size or (-1, -1), causal=causal).window
     return gather_spec(q.shape[1], comm.rank, comm.world, layout, causal, window, q.device)
 
 
 def _allgather_attn(
     q: Tensor, k: Tensor, v: Tensor, vis: list[Tensor], *, causal: bool, softmax_scale: float, layout: str,
-    group_name: str, backend: str | None, heads_k_stride: int, check_ranks: bool, window: int | None = None,
-    mask_key: int = 0,
+    group_name: str, backend: str | None, heads_k_stride: int, check_ranks: bool,
+    window_size: list[int] | None = None, mask_key: int = 0,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """`allgather_forward` over the group named `group_name`: `o (B, N, H, Dv)` in q's dtype, `lse (B, H, N)`
     float32."""
@@ -46,13 +47,14 @@ def _allgather_attn(
         checker = agree.check_comm(comm.group) if check_ranks else None
         if checker is not None and checker.world > 1:
             mine = agree.row(True, "ring attention", comm.world, q=q, k=k, v=v, causal=causal,
-                             softmax_scale=softmax_scale, layout=layout, window=window, mask_key=mask_key,
+                             softmax_scale=softmax_scale, layout=layout, window_size=tuple(window_size or (-1, -1)),
+                             mask_key=mask_key,
                              scheme="allgather")  # fmt: skip
             agree.check(checker, mine)
         # Autocast off: float32 sums by design, as in the ring.
         with torch.autocast(q.device.type, enabled=False):
             return allgather_forward(
-                q, k, v, _spec(vis, comm, q, causal, layout, window), scale=softmax_scale,
+                q, k, v, _spec(vis, comm, q, causal, layout, window_size), scale=softmax_scale,
                 kernels=get_backend(backend, q.device), comm=comm, layout=layout, heads_k_stride=heads_k_stride,
             )  # fmt: skip
 
@@ -69,13 +71,13 @@ def _(q, k, v, vis, **options):  # the settings of `_allgather_attn`, shapes onl
 def _allgather_attn_bwd(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, vis: list[Tensor], *, causal: bool,
     softmax_scale: float, layout: str, group_name: str, backend: str | None, heads_k_stride: int,
-    window: int | None = None,
+    window_size: list[int] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """`allgather_backward`: `(dq, dk, dv)` like q, k, v."""
     with torch.autocast(q.device.type, enabled=False), device_guard(q):
         comm = ops._comm(group_name)
         return allgather_backward(
-            do.contiguous(), q, k, v, o, lse, _spec(vis, comm, q, causal, layout, window), scale=softmax_scale,
+            do.contiguous(), q, k, v, o, lse, _spec(vis, comm, q, causal, layout, window_size), scale=softmax_scale,
             kernels=get_backend(backend, q.device), comm=comm, layout=layout, heads_k_stride=heads_k_stride,
         )  # fmt: skip
 
@@ -137,7 +139,8 @@ def attend(q, k, v, flash: tuple, softmax_scale, causal, group, *, layout, backe
            heads_k_stride, prepare=None):  # fmt: skip
     """`ring_flash_attn_func`'s body for `scheme="allgather"`: returns `(o, lse)`. `flash`: its
     `(dropout_p, window_size, alibi_slopes, deterministic, return_attn_probs)`.
-    `prepare(window, causal, rank, world) -> (q, k, v, spec)`, if given, makes the inputs and the
+    `prepare(call, rank, world) -> (q, k, v, spec)` (`call`: the call's `AttnSpec`, causal and
+    window), if given, makes the inputs and the
     mask inside the checks (the llama3 varlen forms of ringflash/ring_flash_attn.py), so that its
     errors too raise on every rank; eager only."""
     # Traced, not run, under torch.compile: metadata checks here, the group's and the ranks' in the op.
@@ -147,20 +150,19 @@ def attend(q, k, v, flash: tuple, softmax_scale, causal, group, *, layout, backe
     spec = None
     try:
         check_stride(heads_k_stride)
-        window = flash_options(*flash, causal, window)
+        call = flash_options(*flash, causal, window)
         if prepare is not None:
             if compiling:
                 raise ValueError("the llama3 varlen functions build their mask on the host: call them eagerly")
-            q, k, v, spec = prepare(window, causal, comm.rank, world)
+            q, k, v, spec = prepare(call, comm.rank, world)
             q, k, v = autocast_inputs(q, k, v)  # as ring_flash_attn_func does for its own inputs
         _, kern = check_local(q, k, v, causal, softmax_scale, layout, backend, world)
         if flash[3] and not kern.deterministic:
             raise ValueError(f"deterministic=True: backend {kern.name!r} is not deterministic; use 'triton' or 'auto'")
-        check_window(window, causal)
         if mask is not None:
-            _check_gather_mask(mask, q, causal, window, layout, world, None if compiling else comm.rank)
-            spec, window = mask.spec, mask.window
-        dense = spec is FULL if spec is not None else (not causal and window is None)
+            _check_gather_mask(mask, q, call, layout, world, None if compiling else comm.rank)
+            spec, call = mask.spec, mask.call
+        dense = spec is FULL if spec is not None else call.kind == "full"
         why = kern.supports("full" if dense else "intervals", q.dtype, q.shape[-1], q.device)
         if why:
             raise ValueError(why)
@@ -175,25 +177,27 @@ def attend(q, k, v, flash: tuple, softmax_scale, causal, group, *, layout, backe
     vis = [] if spec is None or spec.intervals is None else list(spec.intervals)
     kwargs = dict(causal=causal, softmax_scale=resolve_scale(softmax_scale, q.shape[-1]), layout=layout,
                   group_name=ops.group_name(group), backend=kern.name, heads_k_stride=heads_k_stride,
-                  check_ranks=check_ranks, window=window, mask_key=0 if mask is None else mask.fingerprint)  # fmt: skip
+                  check_ranks=check_ranks, window_size=list(call.window_size),
+                  mask_key=0 if mask is None else mask.fingerprint)  # fmt: skip
     if compiling:
         return allgather_attn(q, k, v, vis, **kwargs)
     return _EagerAllGather.apply(q, k, v, kwargs, *vis)
 
 
-def _check_gather_mask(mask, q, causal, window, layout, world, rank) -> None:
-    """A GatherMask must describe this call: raises TypeError/ValueError naming `mask`."""
+def _check_gather_mask(mask, q, call: AttnSpec, layout, world, rank) -> None:
+    """A GatherMask must describe this call (`call`: its causal flag and window): raises
+    TypeError/ValueError naming `mask`."""
     if not isinstance(mask, GatherMask):
         raise TypeError(
             f"mask: scheme='allgather' takes a ringflash.GatherMask (gather_mask) or None, got {type(mask).__name__}"
         )
     mine = dict(causal=mask.causal, layout=mask.layout, world=mask.world, n_local=mask.n_local)
-    call = dict(causal=causal, layout=layout, world=world, n_local=q.shape[1])
+    theirs = dict(causal=call.causal, layout=layout, world=world, n_local=q.shape[1])
     if rank is not None:
-        mine["rank"], call["rank"] = mask.rank, rank
-    wrong = [f"mask's {n} is {mine[n]!r}, the call's {call[n]!r}" for n in mine if mine[n] != call[n]]
-    if window is not None and window != mask.window:
-        wrong.append(f"mask's window is {mask.window!r}, the call's {window!r}")
+        mine["rank"], theirs["rank"] = mask.rank, rank
+    wrong = [f"mask's {n} is {mine[n]!r}, the call's {theirs[n]!r}" for n in mine if mine[n] != theirs[n]]
+    if call.window is not None and call.window != mask.window:
+        wrong.append(f"mask's window is {mask.window!r}, the call's {call.window!r}")
     lo = mask.spec.intervals.kv_lo if mask.spec.intervals is not None else None
     if lo is not None and (lo.device != q.device or lo.shape[0] not in (1, q.shape[0])):
         wrong.append(f"mask's intervals are {tuple(lo.shape)} on {lo.device}, q is {tuple(q.shape)} on {q.device}")

@@ -24,7 +24,7 @@ from ringflash.hybrid import hybrid_attention
 from ringflash.inputs import autocast_inputs, check_local, flash_options, world_size
 from ringflash.kernels.checks import resolve_scale
 from ringflash.layout import check_layout, check_scheme
-from ringflash.masks import RingMask, window_mask
+from ringflash.masks import RingMask, op_args, window_mask
 from ringflash.transport import resolve_transport, ring_comm
 
 __all__ = [
@@ -35,14 +35,15 @@ __all__ = [
 ]
 
 
-def _check_mask(mask, q, causal, window, layout, world, rank) -> None:
-    """A RingMask must describe this call: raises TypeError/ValueError naming `mask`."""
+def _check_mask(mask, q, spec: kernels.AttnSpec, layout, world, rank) -> None:
+    """A RingMask must describe this call (`spec`: its causal flag and window): raises
+    TypeError/ValueError naming `mask`."""
     if not isinstance(mask, RingMask):
         raise TypeError(f"mask must be a ringflash.RingMask (from ring_mask) or None, got {type(mask).__name__}")
     wrong = [
         (name, mine, theirs)
         for name, mine, theirs in (
-            ("causal", mask.causal, causal),
+            ("causal", mask.causal, spec.causal),
             ("layout", mask.layout, layout),
             ("world size", mask.world, world),
             ("rank", mask.rank, rank if rank is not None else mask.rank),
@@ -51,8 +52,8 @@ def _check_mask(mask, q, causal, window, layout, world, rank) -> None:
         )
         if mine != theirs
     ]
-    if window is not None and window != mask.window:
-        wrong.append(("window", mask.window, window))
+    if spec.window is not None and spec.window != mask.window:
+        wrong.append(("window", mask.window, spec.window))
     if mask.batch not in (1, q.shape[0]):
         wrong.append(("batch size", mask.batch, q.shape[0]))
     if wrong:
@@ -176,8 +177,8 @@ def _allgather(q, k, v, flash, softmax_scale, causal, group, scheme, head_group,
 
     def settings():  # the hybrid's grid check: the all-gather's settings, its mask's digest
         fields = _agreed(q, flash, causal, softmax_scale, options["window"], None, "nccl", options["backend"])
-        return dict(fields, scheme="allgather", mask_key=getattr(mask, "fingerprint", 0),
-                    window=getattr(mask, "window", fields["window"]))  # fmt: skip
+        window_size = getattr(getattr(mask, "call", None), "window_size", fields["window_size"])
+        return dict(fields, scheme="allgather", mask_key=getattr(mask, "fingerprint", 0), window_size=window_size)
 
     with kernels.device_guard(q):
         if head_group is None:
@@ -193,9 +194,10 @@ def _attend(
     q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs, group,
     *, layout, backend, check_ranks, window, mask, transport, prepare=None, softcap=0.0, learnable_sink=None,
 ):  # fmt: skip
-    """`ring_flash_attn_func`'s body. `prepare(window, causal, rank, world) -> (q, k, v, mask)`, if
-    given, turns the caller's inputs into the ring's inside the checks, so that its errors too
-    are refused on every rank (the varlen forms of ringflash/ring_flash_attn.py)."""
+    """`ring_flash_attn_func`'s body. `prepare(spec, rank, world) -> (q, k, v, mask)` (`spec`: the
+    call's `AttnSpec`, causal and window), if given, turns the caller's inputs into the ring's
+    inside the checks, so that its errors too are refused on every rank (the varlen forms of
+    ringflash/ring_flash_attn.py)."""
     # Traced, not run, under torch.compile: only the metadata checks happen here; the group is
     # checked (RingComm) and the ranks compared inside the op. Eager checks the group first.
     compiling = torch.compiler.is_compiling()
@@ -205,9 +207,9 @@ def _attend(
     if causal is None:
         causal = mask.causal if isinstance(mask, RingMask) else False
     try:
-        window = flash_options(dropout_p, window_size, alibi_slopes, deterministic, return_attn_probs, causal, window)
+        spec = flash_options(dropout_p, window_size, alibi_slopes, deterministic, return_attn_probs, causal, window)
         if prepare is not None:
-            q, k, v, mask = prepare(window, causal, 0 if comm is None else comm.rank, world)
+            q, k, v, mask = prepare(spec, 0 if comm is None else comm.rank, world)
             q, k, v = autocast_inputs(q, k, v)
         scale, kern = check_local(q, k, v, causal, softmax_scale, layout, backend, world)
         kernels.check_softcap(softcap)
@@ -216,13 +218,12 @@ def _attend(
             raise ValueError(
                 f"deterministic=True: backend {kern.name!r} is not deterministic; use 'triton' (or 'auto')"
             )
-        kernels.check_window(window, causal)
         # Here, not mid-ring with transfers posted: what the kernels cannot run.
         if mask is not None:
-            _check_mask(mask, q, causal, window, layout, world, None if compiling else comm.rank)
-        for spec in _specs(causal, window, mask):
-            kern.check(q, k, v, spec.with_softcap(softcap))
-        if mask is None and window is not None:
+            _check_mask(mask, q, spec, layout, world, None if compiling else comm.rank)
+        for step in [spec] if mask is None else [st.spec for st in mask.steps if st is not None]:
+            kern.check(q, k, v, step.with_softcap(softcap))
+        if mask is None and spec.window is not None:
             if compiling:  # building a mask is host work Dynamo cannot trace (ringflash/masks.py)
                 raise ValueError(
                     "window= without mask= cannot be traced by torch.compile: build the mask outside the "
@@ -230,13 +231,13 @@ def _attend(
                     "layout=..., device=q.device), and pass mask="
                 )
             rank = 0 if world == 1 else dist.get_rank(group)
-            mask = window_mask(q.shape[1], window, rank, world, layout, q.device)
+            mask = window_mask(q.shape[1], spec, rank, world, layout, q.device)
         error = None
     except (TypeError, ValueError) as e:
         scale, kern, error = None, None, e
     if error is not None:
         _refuse(error, comm, check_ranks, q, k, causal, layout)
-    plan, vis = mask.op_args() if mask is not None else ([], [])
+    vis, mask_kwargs = op_args(mask)
     o, lse, _ = (ops.ring_attn if compiling else ops.ring_attn_eager)(
         q,
         k,
@@ -249,12 +250,9 @@ def _attend(
         group_name=ops.group_name(group),
         backend=kern.name,
         check_ranks=check_ranks,
-        window=mask.window if mask is not None and isinstance(mask.window, int) else None,
-        mask_plan=plan or None,
-        mask_key=0 if mask is None else mask.fingerprint,
         transport=transport,
         softcap=float(softcap),
-        window_size=list(mask.window if mask is not None and isinstance(mask.window, tuple) else window_size),
+        **mask_kwargs,
     )
     return (o, lse, None) if return_attn_probs else o
 
@@ -264,27 +262,18 @@ def _agreed(q, flash: tuple, causal, softmax_scale, window, mask, transport, bac
     """The ring's settings the hybrid's grid check compares (`agree.row`'s keywords), checked here,
     before its all-to-all; `flash`: `flash_options`' first five arguments."""
     causal = causal if causal is not None else (mask.causal if isinstance(mask, RingMask) else False)
-    window = flash_options(*flash, causal, window)
-    kernels.check_window(window, causal)
+    spec = flash_options(*flash, causal, window)
     kernels.get_backend(backend, q.device)  # an unknown name raises here; the backend is not compared
     kernels.check_softcap(softcap)
     ops.check_sink(learnable_sink, q)
     return dict(
         softcap=softcap,
         learnable_sink=learnable_sink,
-        window_size=window if isinstance(window, tuple) else tuple(flash[1]),
+        window_size=(mask.spec if isinstance(mask, RingMask) else spec).window_size,
         softmax_scale=resolve_scale(softmax_scale, q.shape[-1]),
-        window=mask.window if isinstance(mask, RingMask) else window,
         mask_key=mask.fingerprint if isinstance(mask, RingMask) else 0,
         transport=resolve_transport(transport),
     )
-
-
-def _specs(causal: bool, window: int | None, mask: RingMask | None) -> list[kernels.AttnSpec]:
-    """The kernel specs a call will run: its mask's steps', or the one of causal/window."""
-    if mask is None:
-        return [kernels.AttnSpec(causal=causal, window=window)]
-    return [step.spec for step in mask.steps if step is not None]
 
 
 def _refuse(error: Exception, comm, check_ranks: bool, q, k, causal, layout) -> NoReturn:
@@ -373,18 +362,19 @@ class RingFlashAttention(nn.Module):
         check_scheme(scheme)
         allgather_ops.check_stride(heads_k_stride)
         kernels.check_softcap(softcap)
-        kernels.check_window(window, causal)
+        spec = kernels.AttnSpec(causal=causal, window=window)  # the window enters here, checked once
         if transport is not None:
             resolve_transport(transport)
         if backend is not None:
             named = kernels.backend_named(backend)  # raises on an unknown name
-            why = named and named.supports(kernels.AttnSpec(causal=causal, window=window).kind, None, None)
+            why = named and named.supports(spec.kind, None, None)
             if why:
                 raise ValueError(why)
         self.softcap = softcap
         self.group, self.layout, self.causal = group, layout, causal
         self.softmax_scale, self.backend, self.check_ranks = softmax_scale, backend, check_ranks
-        self.window, self.transport, self.head_group = window, transport, head_group
+        self.window, self.window_size = window, spec.window_size
+        self.transport, self.head_group = transport, head_group
         self.scheme, self.heads_k_stride = scheme, heads_k_stride
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: RingMask | None = None, *,
@@ -399,7 +389,7 @@ class RingFlashAttention(nn.Module):
             layout=self.layout,
             backend=self.backend,
             check_ranks=self.check_ranks,
-            window=self.window,
+            window_size=self.window_size,
             mask=mask,
             transport=self.transport,
             head_group=self.head_group,

@@ -59,6 +59,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 import ringflash
 from ringflash import agree
+from ringflash.kernels import AttnSpec
 from ringflash.layout import check_layout, check_splittable, shard
 from ringflash.masks import RingMask, ring_mask
 
@@ -145,30 +146,38 @@ def current_context() -> RingContext:
 
 @dataclass(frozen=True, eq=False)
 class RingMasks:
-    """One batch's ring masks, one `RingMask` per sliding window the model's layers use (None:
-    full causal), and the `RingContext` they were built for. Made by `ring_masks`/`shard_batch`;
-    passed to the model as `ring_masks=`. A window not built up front is built on first use
-    (eagerly; under torch.compile it must be built up front: give `config=`)."""
+    """One batch's ring masks, one `RingMask` per attention the model's layers use (the layer's
+    `AttnSpec`: causal, with its sliding window or none), and the `RingContext` they were built
+    for. Made by `ring_masks`/`shard_batch`; passed to the model as `ring_masks=`. A window not
+    built up front is built on first use (eagerly; under torch.compile it must be built up front:
+    give `config=`)."""
 
     context: RingContext
     seqlen: int
     doc_ids: torch.Tensor | None  # (B, N_global) int64 on the host, or None: one document per row
     device: torch.device
-    masks: dict[int | None, RingMask] = field(default_factory=dict)
+    masks: dict[AttnSpec, RingMask] = field(default_factory=dict)
 
-    def for_window(self, window: int | None) -> RingMask:
-        mask = self.masks.get(window)
+    def for_spec(self, spec: AttnSpec) -> RingMask:
+        mask = self.masks.get(spec)
         if mask is not None:
             return mask
         if torch.compiler.is_compiling():
+            built = sorted((m.window for m in self.masks.values()), key=str)
             raise ValueError(
-                f"ring_masks: no mask for sliding_window={window} (built: {sorted(self.masks, key=str)}); under "
+                f"ring_masks: no mask for sliding_window={spec.window} (built: {built}); under "
                 "torch.compile build every window up front: shard_batch(..., config=model.config)"
             )
-        mask = ring_mask(self.doc_ids, seqlen=self.seqlen, causal=True, window=window, device=self.device,
+        mask = ring_mask(self.doc_ids, seqlen=self.seqlen, causal=spec.causal, window=spec.window, device=self.device,
                          group=self.context.group, layout=self.context.layout)  # fmt: skip
-        self.masks[window] = mask
+        self.masks[spec] = mask
         return mask
+
+
+def layer_spec(window: int | None) -> AttnSpec:
+    """A decoder layer's attention as the kernels' spec: causal, within HF's sliding `window`
+    (key j visible from query i iff i − w < j <= i, ringflash's `window=w`) or none."""
+    return AttnSpec(causal=True, window=window)
 
 
 def layer_window(config, layer_idx: int | None) -> int | None:
@@ -232,7 +241,7 @@ def ring_masks(
         raise ValueError("seqlen: give N_global when doc_ids is None")
     masks = RingMasks(context, seqlen, doc_ids, torch.device(device) if device is not None else torch.device("cpu"))
     for window in model_windows(config) if config is not None else {None}:
-        masks.for_window(window)
+        masks.for_spec(layer_spec(window))
     return masks
 
 
@@ -416,7 +425,8 @@ def ring_attention_forward(
             window = kwargs["sliding_window"]
         else:
             window = layer_window(getattr(module, "config", None), getattr(module, "layer_idx", None))
-        mask = masks.for_window(window) if masks is not None else None
+        spec = layer_spec(window)
+        mask = masks.for_spec(spec) if masks is not None else None
     except (TypeError, ValueError) as e:
         _announce(ctx, q, k)
         raise e
@@ -427,7 +437,7 @@ def ring_attention_forward(
     if mask is not None:
         return ringflash.ring_flash_attn_func(q, k, v, causal=True, softmax_scale=scaling, mask=mask,
                                               **ctx.ring_kwargs(), **extra), None  # fmt: skip
-    return ringflash.ring_flash_attn_func(q, k, v, causal=True, softmax_scale=scaling, window=window,
+    return ringflash.ring_flash_attn_func(q, k, v, causal=True, softmax_scale=scaling, window_size=spec.window_size,
                                           **ctx.ring_kwargs(), **extra), None  # fmt: skip
 
 

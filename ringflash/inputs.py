@@ -54,8 +54,9 @@ def world_size(group) -> int:
 
 
 def flash_options(dropout_p, window_size, alibi_slopes, deterministic, return_attn_probs, causal, window):
-    """flash_attn's arguments checked, and the window they give (`window`, or from `window_size`):
-    what ringflash cannot do is refused by the argument's name, never ignored."""
+    """flash_attn's arguments checked, and the call's mask as the kernels' `AttnSpec` (causal and
+    the window of `window_size`, or of ringflash's `window=`): where a window enters, converted
+    and validated once. What ringflash cannot do is refused by the argument's name, never ignored."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
         # A bool here is usually a pre-0.x call, causal in 4th place: the order is flash_attn's now.
         raise TypeError(
@@ -69,26 +70,13 @@ def flash_options(dropout_p, window_size, alibi_slopes, deterministic, return_at
     for name, flag in (("deterministic", deterministic), ("return_attn_probs", return_attn_probs)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-    ws = window_size
-    if not (isinstance(ws, (tuple, list)) and len(ws) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
-                                                                   for x in ws)):  # fmt: skip
-        raise TypeError(f"window_size must be a pair of ints (left, right), got {ws!r}")
-    left, right = ws
-    if (left, right) == (-1, -1):
-        return window
-    if left < -1 or right < -1:
-        raise ValueError(f"window_size={tuple(ws)}: entries must be >= 0, or -1 for no limit")
-    if causal and right > 0:
+    spec = kernels.AttnSpec.from_window_size(window_size, causal=causal)
+    if window is None:
+        return spec
+    if isinstance(spec.window, tuple):
+        raise ValueError(f"window={window} is a causal window: with causal=False give window_size=(left, right)")
+    if spec.window is not None and spec.window != window:
         raise ValueError(
-            f"window_size={tuple(ws)} with causal=True: a causal window has no keys to the right (right must be "
-            "0 or -1); a two-sided window needs causal=False"
+            f"window={window} and window_size={tuple(window_size)} disagree: window=w is window_size=(w - 1, 0)"
         )
-    if not causal:  # two-sided: query i sees keys i - left ... i + right (kernels/masks.py)
-        if window is not None:
-            raise ValueError(f"window={window} is a causal window: with causal=False give window_size=(left, right)")
-        return left, right
-    if left == -1:  # (-1, 0) under causal is causal itself, as in flash_attn
-        return window
-    if window is not None and window != left + 1:
-        raise ValueError(f"window={window} and window_size={tuple(ws)} disagree: window=w is window_size=(w - 1, 0)")
-    return left + 1
+    return kernels.AttnSpec(causal=causal, window=window)

@@ -62,7 +62,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ringflash.kernels import CAUSAL, FULL, AttnSpec, Visibility, check_window, visibility
+from ringflash.kernels import CAUSAL, FULL, AttnSpec, Visibility, visibility
 from ringflash.layout import (
     LAYOUTS,
     Step,
@@ -74,7 +74,7 @@ from ringflash.layout import (
     shard,
 )
 
-__all__ = ["RingMask", "ring_mask", "varlen_mask", "window_mask"]
+__all__ = ["RingMask", "decode", "op_args", "ring_mask", "varlen_mask", "window_mask"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -82,16 +82,15 @@ class RingMask:
     """What rank `rank` of `world` computes at each ring step under a document/window mask.
 
     Attributes: `steps` (`world` entries, a `layout.Step` or None where the step is skipped),
-    `causal`, `window` (None, keys seen counting the diagonal, or without causal a pair
-    `(left, right)`: kernels/masks.py), `layout`, `rank`, `world`,
+    `spec` (the `AttnSpec` of the whole sequence before documents: causal and window; read as
+    `causal`, `window`), `layout`, `rank`, `world`,
     `n_local` (local tokens), `batch` (the mask's batch size; 1 = shared by every row),
     `n_docs` (documents in the whole batch), `fingerprint` (an int64 hash of everything that
     must agree between ranks: checked across ranks by the op), `device`.
     """
 
     steps: tuple[Step | None, ...]
-    causal: bool
-    window: int | tuple[int, int] | None
+    spec: AttnSpec
     layout: str
     rank: int
     world: int
@@ -100,7 +99,7 @@ class RingMask:
     n_docs: int
     fingerprint: int
     device: torch.device
-    plan: tuple[int, ...] = ()  # op_args(), precomputed: plain attribute reads under torch.compile
+    plan: tuple[int, ...] = ()  # `op_args`, precomputed: plain attribute reads under torch.compile
     tensors: tuple[torch.Tensor, ...] = ()
 
     def __post_init__(self):
@@ -109,15 +108,17 @@ class RingMask:
         object.__setattr__(self, "tensors", tuple(tensors))
 
     @property
+    def causal(self) -> bool:
+        return self.spec.causal
+
+    @property
+    def window(self) -> int | tuple[int, int] | None:
+        return self.spec.window
+
+    @property
     def skipped(self) -> tuple[int, ...]:
         """The steps that launch no kernel (their K/V still travel around the ring)."""
         return tuple(s for s, st in enumerate(self.steps) if st is None)
-
-    def op_args(self) -> tuple[list[int], list[torch.Tensor]]:
-        """The mask as custom-op arguments (ringflash/ops.py): host metadata as ints, 5 per step
-        `[q_start, q_stop, kv_start, kv_stop, kind]` (kind −1 skipped, 0 dense, 1 causal,
-        2 visibility), and the Visibility tensors, 4 per step of kind 2, in step order."""
-        return list(self.plan), list(self.tensors)
 
     def __repr__(self) -> str:
         return (
@@ -125,6 +126,19 @@ class RingMask:
             f"window={self.window}, n_local={self.n_local}, batch={self.batch}, n_docs={self.n_docs}, "
             f"skipped={self.skipped})"
         )
+
+
+def op_args(mask: RingMask | None) -> tuple[list[torch.Tensor], dict]:
+    """A mask (or None) as the ring op's arguments (ringflash/ops.py): its Visibility tensors, 4
+    per step of kind 2 in step order, and the keywords `mask_plan` (host metadata, 5 ints per
+    step `[q_start, q_stop, kv_start, kv_stop, kind]`: kind −1 skipped, 0 dense, 1 causal,
+    2 visibility; None without a mask), `mask_key` (the fingerprint) and `window_size` (the
+    window in flash_attn's form), the last two for the cross-rank check. `decode` inverts it."""
+    if mask is None:
+        return [], dict(mask_plan=None, mask_key=0, window_size=[-1, -1])
+    return list(mask.tensors), dict(
+        mask_plan=list(mask.plan), mask_key=mask.fingerprint, window_size=list(mask.spec.window_size)
+    )
 
 
 def _encode(steps) -> tuple[list[int], list[torch.Tensor]]:
@@ -145,7 +159,7 @@ def _encode(steps) -> tuple[list[int], list[torch.Tensor]]:
 
 
 def decode(ints: list[int], tensors: list[torch.Tensor]) -> list[Step | None]:
-    """Inverse of `RingMask.op_args`: the steps ring.py loops over."""
+    """Inverse of `op_args`: the steps ring.py loops over, from `mask_plan` and the tensors."""
     if len(ints) % 5:
         raise ValueError(f"mask plan must hold 5 ints per step, got {len(ints)}")
     out: list[Step | None] = []
@@ -261,9 +275,7 @@ def ring_mask(
             when doc_ids is None).
     """
     check_layout(layout)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    check_window(window, causal)
+    spec = AttnSpec(causal=causal, window=window)
     rank, world = _group_rank_world(group)
     doc = None if doc_ids is None else _check_doc_ids(doc_ids)
     if doc is None:
@@ -278,7 +290,7 @@ def ring_mask(
     if device is None and doc_ids is not None:
         device = doc_ids.device
     device = _device(device)
-    return _build(doc, n_global, rank, world, layout, causal, window, device)
+    return _build(doc, n_global, rank, world, layout, spec, device)
 
 
 def _device(device) -> torch.device:
@@ -288,9 +300,10 @@ def _device(device) -> torch.device:
     return device
 
 
-def _build(doc, n_global, rank, world, layout, causal, window, device, per_document=False) -> RingMask:
+def _build(doc, n_global, rank, world, layout, spec: AttnSpec, device, per_document=False) -> RingMask:
     """`per_document`: each document (of doc's one row) is cut by the layout on its own, and a
     rank holds its pieces of every document in order (`varlen_mask`); else the whole row is."""
+    causal, window = spec.causal, spec.window
     n_local = n_global // world
     # A window of the whole sequence sees the whole causal past (or all keys): no window.
     window_eff = None if _covers(window, n_global) else window
@@ -339,7 +352,7 @@ def _build(doc, n_global, rank, world, layout, causal, window, device, per_docum
             else:
                 steps.append(Step(qs, ks, AttnSpec(intervals=Visibility(*(t.to(device) for t in vis)))))
     return RingMask(
-        steps=tuple(steps), causal=causal, window=window, layout=layout, rank=rank, world=world, n_local=n_local,
+        steps=tuple(steps), spec=spec, layout=layout, rank=rank, world=world, n_local=n_local,
         batch=1 if doc is None else doc.shape[0], n_docs=n_docs, fingerprint=fp, device=device,
     )  # fmt: skip
 
@@ -351,20 +364,18 @@ def _covers(window, n_global: int) -> bool:
     return window is not None and window >= n_global
 
 
-def window_mask(
-    n_local: int, window: int | tuple[int, int], rank: int, world: int, layout: str, device: torch.device
-) -> RingMask:
-    """The window-only mask of `ring_flash_attn_func(window=...)` (causal for an int window,
-    two-sided for a pair), cached per arguments (a model calls it with the same few shapes in
-    every layer and step)."""
-    return _window_mask(n_local, window, rank, world, layout, _device(device))
+def window_mask(n_local: int, spec: AttnSpec, rank: int, world: int, layout: str, device: torch.device) -> RingMask:
+    """The window-only mask of a call given a window and no mask (`spec`: its causal flag and
+    window), cached per arguments (a model calls it with the same few shapes in every layer and
+    step)."""
+    return _window_mask(n_local, spec, rank, world, layout, _device(device))
 
 
 @functools.lru_cache(maxsize=64)
-def _window_mask(n_local, window, rank, world, layout, device) -> RingMask:
+def _window_mask(n_local, spec, rank, world, layout, device) -> RingMask:
     if layout not in LAYOUTS:
         check_layout(layout)
-    return _build(None, n_local * world, rank, world, layout, not isinstance(window, tuple), window, device)
+    return _build(None, n_local * world, rank, world, layout, spec, device)
 
 
 def _layout_rows(doc, n_local, world, layout, j) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -383,21 +394,18 @@ def _document_rows(doc, world, layout, j) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat(pos), torch.cat(ids).unsqueeze(0)
 
 
-def varlen_mask(
-    cu_seqlens: tuple[int, ...], rank: int, world: int, layout: str, causal: bool,
-    window: int | tuple[int, int] | None, device,
-) -> RingMask:  # fmt: skip
+def varlen_mask(cu_seqlens: tuple[int, ...], rank: int, world: int, layout: str, spec: AttnSpec, device) -> RingMask:
     """The mask of ring-flash-attention's varlen sharding (ringflash/ring_flash_attn.py): the
     documents `cu_seqlens` (global offsets, starting at 0) are each cut by `layout` on their own,
-    and every rank holds its pieces of all of them, in document order. Cached per arguments: the
-    varlen functions call it in every layer. Raises ValueError naming cu_seqlens."""
-    return _varlen_mask(tuple(cu_seqlens), rank, world, layout, causal, window, _device(device))
+    and every rank holds its pieces of all of them, in document order; `spec`: the call's causal
+    flag and window. Cached per arguments: the varlen functions call it in every layer. Raises
+    ValueError naming cu_seqlens."""
+    return _varlen_mask(tuple(cu_seqlens), rank, world, layout, spec, _device(device))
 
 
 @functools.lru_cache(maxsize=64)
-def _varlen_mask(cu, rank, world, layout, causal, window, device) -> RingMask:
+def _varlen_mask(cu, rank, world, layout, spec, device) -> RingMask:
     check_layout(layout)
-    check_window(window, causal)
     lengths = [b - a for a, b in itertools.pairwise(cu)]
     if len(cu) < 2 or cu[0] != 0 or min(lengths) < 0:
         raise ValueError(f"cu_seqlens must start at 0 and never decrease, got {list(cu)}")
@@ -408,4 +416,4 @@ def _varlen_mask(cu, rank, world, layout, causal, window, device) -> RingMask:
             f"{chunks} tokens (each is cut into {chunks} chunks), got document lengths {lengths}"
         )
     doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).unsqueeze(0)
-    return _build(doc, cu[-1], rank, world, layout, causal, window, device, per_document=True)
+    return _build(doc, cu[-1], rank, world, layout, spec, device, per_document=True)

@@ -28,8 +28,9 @@ same all_gather instead.
 A document/window mask (`ringflash.RingMask`, ringflash/masks.py) travels as op arguments:
 its `Visibility` tensors as the flat input list `mask_vis` (4 per masked step; `[]` without a
 mask), its host metadata (rows and kind of each step, skipped steps) as the ints `mask_plan`
-(5 per step; empty without a mask), and, for the cross-rank check, `window` and the mask's
-`mask_key` (a hash of its global definition: documents' boundaries, window, layout, world).
+(5 per step; empty without a mask), and, for the cross-rank check, its window as flash_attn's
+`window_size` and its `mask_key` (a hash of its global definition: documents' boundaries, window,
+layout, world). `masks.op_args` encodes a mask so and `masks.decode` decodes it.
 Under torch.compile the ints are constants of the graph: a batch whose plan differs (other
 skipped steps or rows) recompiles; the tensors are inputs and change freely.
 
@@ -155,7 +156,6 @@ def _ring_attn(
     group_name: str,
     backend: str | None,
     check_ranks: bool,
-    window: int | None = None,
     mask_plan: list[int] | None = None,
     mask_key: int = 0,
     transport: str = "nccl",
@@ -167,18 +167,17 @@ def _ring_attn(
     Returns `o (B, N, H, Dv)` in q's dtype, `lse (B, H, N)` float32, and what the backward needs
     of k and v: the packed buffer the ring started from (`ring.pack_kv`) (saved so that the backward's ring
     need not pack again), or an empty tensor on one rank (the backward then takes k and v).
-    `mask_vis`, `mask_plan`, `window`, `mask_key`: a `RingMask` (module docstring). `transport`:
-    how the blocks travel (`ringflash.transport.TRANSPORTS`). `softcap`, `learnable_sink`: module
-    docstring; `window_size`: the caller's `(left, right)`, for the cross-rank check only (the
-    window itself is in the mask).
+    `mask_vis`, `mask_plan`, `mask_key`, `window_size`: a `RingMask` (module docstring; the window
+    itself is in the plan). `transport`: how the blocks travel (`ringflash.transport.TRANSPORTS`).
+    `softcap`, `learnable_sink`: module docstring.
     """
     with device_guard(q):  # the transport's streams and buffers and every launch on q's GPU
         comm = _comm(group_name, transport)
         checker = agree.check_comm(comm.group) if check_ranks else None
         if checker is not None and checker.world > 1:  # the whole grid when the group is part of one: a ring of one too
             mine = agree.row(True, "ring attention", comm.world, q=q, k=k, v=v, causal=causal,
-                             softmax_scale=softmax_scale, layout=layout, window=window, mask_key=mask_key,
-                             transport=comm.name, window_size=tuple(window_size or (-1, -1)), softcap=softcap,
+                             softmax_scale=softmax_scale, layout=layout, mask_key=mask_key, transport=comm.name,
+                             window_size=tuple(window_size or (-1, -1)), softcap=softcap,
                              learnable_sink=learnable_sink)  # fmt: skip
             agree.check(checker, mine)
         plan = _plan(comm, q, causal, layout, mask_plan, mask_vis, softcap)
@@ -264,7 +263,7 @@ def _setup_context(ctx, inputs, keyword_only_inputs, output):
     # torch.library's pytree of the inputs drops a None sink: the backward returns no gradient for it.
     ctx.n_inputs = 4 + len(sink)
     ctx.save_for_backward(q, o, lse, *kvs, *mask_vis, *sink)
-    drop = ("check_ranks", "window", "mask_key", "window_size")  # the cross-rank check ran in the forward
+    drop = ("check_ranks", "mask_key", "window_size")  # the cross-rank check ran in the forward
     ctx.kwargs = {key: val for key, val in keyword_only_inputs.items() if key not in drop}
     ctx.mark_non_differentiable(lse, kv)
     # lse and kv never get a gradient: without this autograd would hand the backward zeros the

@@ -316,7 +316,7 @@ def _llama3(
     """`scheme="allgather"` on batch 1 with the documents' intervals, checked inside the call (every
     rank raises, none waits)."""
 
-    def prepare(window, causal, rank, world):
+    def prepare(call, rank, world):
         q, k, v = _unpack(tensors)
         cu_q = _offsets(cu_seqlens_q, q.shape[0], "cu_seqlens_q")
         cu_k = _offsets(cu_seqlens_k, None, "cu_seqlens_k")
@@ -325,7 +325,7 @@ def _llama3(
         if not (isinstance(s, slice) and isinstance(s.start, int) and isinstance(s.stop, int)
                 and s.step in (None, 1) and 0 <= s.start <= s.stop <= n_global):  # fmt: skip
             raise ValueError(f"local_k_slice must be a slice(start, stop) in the {n_global} gathered keys, got {s!r}")
-        spec = allgather.varlen_spec(cu_q, cu_k, s, n_global, causal, window, q.device)
+        spec = allgather.varlen_spec(cu_q, cu_k, s, n_global, call.causal, call.window, q.device)
         return q[None], k[None], v[None], spec
 
     first = tensors[0]
@@ -345,7 +345,7 @@ def _varlen(
     """The ring on batch 1 with the documents' mask. Everything that may be refused is checked
     inside `api._attend` (through `prepare`), so that every rank raises, none waits."""
 
-    def prepare(window, causal, rank, world):
+    def prepare(call, rank, world):
         q, k, v = _unpack(tensors)
         cu = _offsets(cu_seqlens, q.shape[0])
         lengths = [b - a for a, b in itertools.pairwise(cu)]
@@ -354,7 +354,7 @@ def _varlen(
                 f"cu_seqlens: zigzag gives each rank 2 equal chunks of every document, so local "
                 f"document lengths must be even, got {lengths}"
             )
-        mask = varlen_mask([c * world for c in cu], rank, world, layout, causal, window, q.device)
+        mask = varlen_mask([c * world for c in cu], rank, world, layout, call, q.device)
         return q[None], k[None], v[None], mask
 
     first = tensors[0]

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ringflash.kernels import BACKENDS, backend_named
+from ringflash.kernels import BACKENDS, AttnSpec, backend_named, mask_kind
 
 try:
     import tomllib
@@ -75,6 +75,12 @@ class ModelConfig:
         "the w − 1 tokens before it (flash_attn's window_size = (w − 1, 0)). Under cp the ring skips the "
         "key blocks outside every query's window, so the attention cost falls with w.",
     )
+
+    @property
+    def attn_spec(self) -> AttnSpec:
+        """The model's attention as the kernels' spec: causal, within `window` (TOML has no None: 0 is
+        off, None in the library's form)."""
+        return AttnSpec(causal=True, window=self.window or None)
 
 
 @dataclass
@@ -503,7 +509,7 @@ def validate(cfg: Config) -> None:
     name, source = kernel_backend(p)
     backend = backend_named(name)
     if backend is not None:
-        kind = "intervals" if d.pack_documents else "window" if m.window else "causal"
+        kind = mask_kind(causal=True, window=m.attn_spec.window, intervals=d.pack_documents)
         dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(t.dtype)
         # An HF model's head dim is known only once its config is read: the kernels check it then.
         why = backend.supports(kind, dtype, None if m.kind == "hf" else m.dim // m.n_heads)

@@ -85,10 +85,10 @@ def evaluate_passkey(
     samples_per_bucket: int,
     batch_size: int,
     autocast: contextlib.AbstractContextManager,
-    window: int = 0,
+    window: int | None = None,
 ) -> list[float]:
     """Retrieval accuracy per depth bucket (the same list on every rank) of a passkey or recall task.
-    `window`: the model's sliding window (`model.window`, 0: none), applied as in training."""
+    `window`: the model's sliding window (`ModelConfig.attn_spec`, None: none), applied as in training."""
     was_training = model.training
     model.eval()
     mask = attention_mask(None, task.L, pc, layout, window)  # None without a window; one for every batch

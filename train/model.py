@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ringflash.kernels import AttnSpec
 from ringflash.train.config import ModelConfig
 
 
@@ -67,14 +68,15 @@ class DocumentMask:
 class LocalCausalAttention(nn.Module):
     """Causal softmax attention over the local sequence: the model's default `core`.
 
-    `window` (0: off) restricts query i to keys i − window < j <= i; a `DocumentMask` further to
-    keys of its own document. Both are built as a dense boolean mask: this core is the
-    single-device reference and CPU path, not the fast one.
+    `window` (None: off; the library's causal window, `ModelConfig.attn_spec`) restricts query i
+    to keys i − window < j <= i; a `DocumentMask` further to keys of its own document. Both are
+    built as a dense boolean mask: this core is the single-device reference and CPU path, not the
+    fast one.
     """
 
-    def __init__(self, window: int = 0):
+    def __init__(self, window: int | None = None):
         super().__init__()
-        self.window = window
+        self.window = AttnSpec(causal=True, window=window).window  # raises naming window
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask | None = None
@@ -89,12 +91,12 @@ class LocalCausalAttention(nn.Module):
             raise ValueError(f"mask.doc_ids: expected shape {(B, N)}, got {tuple(mask.doc_ids.shape)}")
         # SDPA wants (B, H, N, D); enable_gqa shares each k/v head across its query group.
         qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if mask is None and not self.window:
+        if mask is None and self.window is None:
             return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True).transpose(1, 2)
         i = torch.arange(N, device=q.device)
         offset = i[:, None] - i[None, :]  # (N, N) query minus key position
         allowed = offset >= 0
-        if self.window:
+        if self.window is not None:
             allowed = allowed & (offset < self.window)
         if mask is not None:
             doc = mask.doc_ids.to(q.device)
@@ -113,7 +115,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
-        self.core: nn.Module = LocalCausalAttention(cfg.window)
+        self.core: nn.Module = LocalCausalAttention(cfg.attn_spec.window)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
         B, N, _ = x.shape

@@ -5,7 +5,7 @@ NVLink) and data parallelism spans the outer dimension.
 
     with distributed(cfg.parallel, cfg.train.device) as pc:   # torn down in `finally`
         model = parallelize(Transformer(cfg.model).to(pc.device), pc, cfg)   # DDP or FSDP2
-        mask = attention_mask(doc_ids, inputs.shape[1], pc, cfg.parallel.layout, cfg.model.window)
+        mask = attention_mask(doc_ids, inputs.shape[1], pc, cfg.parallel.layout, cfg.model.attn_spec.window)
         x, y, pos = shard_batch(inputs, labels, pc, cfg.parallel.layout)
         logits = model(x, pos, mask=mask)
         with no_sync(model, not last_micro_step): ...            # either wrapper's gradient sync
@@ -280,7 +280,7 @@ def parallelize(model: nn.Module, pc: ParallelContext, cfg: Config) -> nn.Module
             group=pc.ring_group,
             layout=cfg.parallel.layout,
             causal=True,
-            window=cfg.model.window or None,
+            window=cfg.model.attn_spec.window,
             transport=cfg.parallel.transport,
             backend=backend,
             head_group=pc.head_group,
@@ -438,17 +438,17 @@ def attention_mask(
     seq_len: int,
     pc: ParallelContext,
     layout: str,
-    window: int = 0,
+    window: int | None = None,
 ):
     """The ring's mask for one micro-batch (the all-gather's under `parallel.cp_scheme = allgather`),
     or None when there is nothing to mask beyond causality.
 
     `doc_ids (B, seq_len)` are the *global* (unsharded) document ids of the batch, as every cp rank
-    holds them before `shard_batch`; None means one document per sequence. `window` is
-    `model.window` (0: none). Built once per micro-batch and handed to every layer through the
+    holds them before `shard_batch`; None means one document per sequence. `window` is the
+    model's (`ModelConfig.attn_spec`, None: none). Built once per micro-batch and handed to every layer through the
     model (`Transformer.forward(..., mask=)`), so no layer rebuilds it.
     """
-    if doc_ids is None and not window:
+    if doc_ids is None and window is None:
         return None  # plain causal: no mask, no overhead
     build = ringflash.gather_mask if pc.dims.cp_scheme == "allgather" else ringflash.ring_mask
     return build(
@@ -457,6 +457,6 @@ def attention_mask(
         group=pc.ring_group,  # the ring's mask: with cp_heads > 1 the ring runs over ring shards
         layout=layout,
         causal=True,
-        window=window or None,
+        window=window,
         device=pc.device,
     )

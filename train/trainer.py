@@ -102,7 +102,7 @@ def forward_backward(
     pc: ParallelContext,
     layout: str,
     autocast: contextlib.AbstractContextManager,
-    window: int = 0,
+    window: int | None = None,
     mask_fn=None,
 ) -> torch.Tensor:
     """Accumulate the gradient of the step's global-mean loss; return that loss (0-dim, every rank).
@@ -234,7 +234,7 @@ def _loop(cfg: Config, pc: ParallelContext, on_exit: contextlib.ExitStack) -> Tr
             cfg.data.eval_samples,
             cfg.data.batch_size,
             autocast,
-            window=cfg.model.window,
+            window=cfg.model.attn_spec.window,
         )
         by_rank = accuracy_by_owner(acc, owners)
         log.scalars(at, {f"{name}/acc_bucket{i}": a for i, a in enumerate(acc)})
@@ -287,7 +287,7 @@ def _loop(cfg: Config, pc: ParallelContext, on_exit: contextlib.ExitStack) -> Tr
         t0 = time.perf_counter()
         micros = loader.next()
         tokens_per_step, flops_per_step = step_cost(step, micros)
-        loss = forward_backward(model, micros, pc, cfg.parallel.layout, autocast, cfg.model.window, mask_fn)
+        loss = forward_backward(model, micros, pc, cfg.parallel.layout, autocast, cfg.model.attn_spec.window, mask_fn)
         clip = t.grad_clip if t.grad_clip > 0 else float("inf")
         grad_norm = clip_grad_norm(raw.parameters(), clip)  # the global norm, over FSDP's shards too
         loss_f, norm_f = loss.item(), grad_norm.item()  # identical on every rank (all-reduced)

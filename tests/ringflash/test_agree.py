@@ -61,7 +61,7 @@ def _call(rank, world, u, what):
 @pytest.mark.parametrize(
     ("u", "what", "expect"),
     [
-        (2, "window", "window is None on ranks 0-2, 5 on rank 3"),
+        (2, "window", "window_size is (-1, -1) on ranks 0-2, (4, 0) on rank 3"),
         (2, "scale", "softmax_scale is 0.35355339059327373 on ranks 0-2, 0.3 on rank 3"),
         (2, "mask", r"the mask (documents, window or layout given to ring_mask) is "),
         (2, "no_head_group", "call is hybrid attention (u = 2 head × r = 2 ring ranks) on ranks 0-2, ring attention "

@@ -16,7 +16,7 @@ import torch
 from ringflash import agree
 
 # The call every rank makes unless a case changes one argument on one rank.
-BASE = dict(causal=True, softmax_scale=0.125, layout="zigzag", window=None, mask_key=0, transport="nccl")
+BASE = dict(causal=True, softmax_scale=0.125, layout="zigzag", window_size=(-1, -1), mask_key=0, transport="nccl")
 
 
 class _Ranks:
@@ -53,7 +53,7 @@ def _row(ok=True, dtype=torch.float32, hkv=2, call="ring attention", world=3, he
         # the last bit of a float64: the scale travels exactly, and is reported as a number
         (dict(softmax_scale=math.nextafter(0.125, 1.0)),
          "softmax_scale is 0.125 on ranks 0-1, 0.12500000000000003 on rank 2"),
-        (dict(window=4), "window is None on ranks 0-1, 4 on rank 2"),
+        (dict(window_size=(3, 0)), "window_size is (-1, -1) on ranks 0-1, (3, 0) on rank 2"),
         (dict(mask_key=255), "the mask (documents, window or layout given to ring_mask) is none on ranks 0-1, "
                              "00000000000000ff on rank 2"),
         (dict(transport="copy-engine"), "transport is nccl on ranks 0-1, copy-engine on rank 2"),
@@ -97,7 +97,7 @@ def test_rejected_rank_is_named():
 
 def test_equal_rows_pass():
     agree.check(_Ranks(_row(), _row()), _row())
-    agree.check(_Ranks(_row(window=4), _row(window=4)), _row(window=4))
+    agree.check(_Ranks(_row(window_size=(3, 0)), _row(window_size=(3, 0))), _row(window_size=(3, 0)))
 
 
 def test_batch_digest_sees_values_not_only_shapes():

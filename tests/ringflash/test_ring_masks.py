@@ -15,6 +15,7 @@ different documents. CPU time: about 15 s (most of it the interpreted Triton cas
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ import torch.distributed as dist
 
 import ringflash
 from ringflash import global_positions, ring_flash_attn_func, ring_mask, shard
-from ringflash.kernels import Backend, get_backend, interpreting
+from ringflash.kernels import CAUSAL, AttnSpec, Backend, get_backend, interpreting
 from ringflash.ring import ring_backward, ring_forward
 from ringflash.transport import ring_comm
 from tests.dist_utils import run_ranks
@@ -233,7 +234,7 @@ def test_windows_skip_steps():
 
 
 def test_no_documents_no_window_is_the_plain_schedule():
-    m = ringflash.masks._build(None, N, 1, 4, "zigzag", True, None, torch.device("cpu"))
+    m = ringflash.masks._build(None, N, 1, 4, "zigzag", CAUSAL, torch.device("cpu"))
     steps = ringflash.layout.ring_schedule(1, 4, N // 4, True, "zigzag")
     assert list(m.steps) == steps
     assert all(s is None or s.spec.intervals is None for s in m.steps) and m.tensors == ()
@@ -246,7 +247,7 @@ def test_one_document_per_row_is_the_plain_schedule(layout, causal):
     # the dense/causal flag, not a Visibility, on exactly the plain schedule's rows.
     doc = torch.zeros(2, N, dtype=torch.long)
     for rank in range(4):
-        m = ringflash.masks._build(doc, N, rank, 4, layout, causal, None, torch.device("cpu"))
+        m = ringflash.masks._build(doc, N, rank, 4, layout, AttnSpec(causal=causal), torch.device("cpu"))
         steps = ringflash.layout.ring_schedule(rank, 4, N // 4, causal, layout)
         assert list(m.steps) == steps, f"rank {rank}: {m}"
         assert m.tensors == (), f"rank {rank}: a Visibility where the dense kernels suffice"
@@ -294,7 +295,7 @@ def test_call_disagreeing_with_the_mask():
     with pytest.raises(TypeError, match=r"mask must be a ringflash\.RingMask"):
         ring_flash_attn_func(q, q, q, mask="docs")
     with pytest.raises(ValueError, match="mask's world size is 2, the call's 1; mask's rank is 1, the call's 0"):
-        ring_flash_attn_func(q, q, q, mask=ringflash.masks._build(None, 16, 1, 2, "zigzag", True, None, q.device))
+        ring_flash_attn_func(q, q, q, mask=ringflash.masks._build(None, 16, 1, 2, "zigzag", CAUSAL, q.device))
     with pytest.raises(ValueError, match=r"mask's device is device\(type='meta'\), the call's device\(type='cpu'\)"):
         ring_flash_attn_func(q, q, q, mask=ring_mask(torch.tensor([0, 0, 0, 1, 1, 1, 1, 1]), device="meta"))
 
@@ -326,7 +327,7 @@ def _mismatch_worker(rank, world, what):
         expect = "differ between the ranks of the group: the mask"
     elif what == "window":
         kw["window"] = 4 if rank == 0 else 5
-        expect = "window is 4 on rank 0, 5 on rank 1"
+        expect = re.escape("window_size is (3, 0) on rank 0, (4, 0) on rank 1")
     elif what == "layout":
         kw["mask"] = ring_mask(doc, layout="contiguous" if rank == 1 else "zigzag")
         expect = "mask's layout is 'contiguous'" if rank == 1 else r"rank\(s\) \[1\] of the group rejected"

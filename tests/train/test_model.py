@@ -152,7 +152,7 @@ def test_rope_angles_are_position_times_standard_frequencies():
 
 def local_attention_f64(q, k, v, window, doc):
     """Float64 softmax attention, query head h on key/value head h // (H/Hkv) (the kernels' GQA
-    grouping), key j visible to query i iff j <= i, i - j < window (0: no window), same document."""
+    grouping), key j visible to query i iff j <= i, i - j < window (None: no window), same document."""
     H, Hkv, N = q.shape[2], k.shape[2], q.shape[1]
     kr, vr = (t.double().repeat_interleave(H // Hkv, dim=2) for t in (k, v))
     s = torch.einsum("bqhd,bkhd->bhqk", q.double(), kr) / q.shape[-1] ** 0.5
@@ -167,7 +167,7 @@ def local_attention_f64(q, k, v, window, doc):
 
 
 @pytest.mark.parametrize("n_kv_heads", [1, 2, 4])
-@pytest.mark.parametrize("window, docs", [(0, False), (5, False), (0, True), (5, True)])
+@pytest.mark.parametrize("window, docs", [(None, False), (5, False), (None, True), (5, True)])
 def test_local_attention_matches_float64(n_kv_heads, window, docs):
     # The default core against explicit float64 attention: GQA heads grouped as the ring's kernels
     # group them (so cp = 1 and cp > 1 run the same model), window and documents combined.

@@ -55,7 +55,9 @@ def _cp_vs_single(rank, world, cfg):
         ddp = parallelize(model, pc, cfg)
         source = build_source(cfg.data, cfg.model.vocab_size)
         micros = DataLoader(source, cfg.data.batch_size, cfg.train.grad_accum, 0, 1).next()
-        loss = forward_backward(ddp, micros, pc, cfg.parallel.layout, contextlib.nullcontext(), cfg.model.window)
+        loss = forward_backward(
+            ddp, micros, pc, cfg.parallel.layout, contextlib.nullcontext(), cfg.model.attn_spec.window
+        )
         assert len(built) == len(micros)  # one mask per micro-batch, shared by every layer
         assert all(kw["window"] == (cfg.model.window or None) and kw["group"] is pc.cp_group for kw in built)
 
@@ -162,7 +164,7 @@ def test_no_mask_without_documents_or_window():
     from ringflash.train.parallel import attention_mask
 
     # Plain causal training builds nothing (pc is not even looked at).
-    assert attention_mask(None, 256, None, "zigzag", 0) is None
+    assert attention_mask(None, 256, None, "zigzag", None) is None
 
 
 def _pairs_brute(doc_ids: torch.Tensor, window: int) -> float:
