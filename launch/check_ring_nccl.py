@@ -8,7 +8,7 @@
 
 --scheme allgather: the all-gather scheme (ringflash/allgather.py) instead of the ring, alone or with
 --head-parallel; it has no transports of its own, so only the NCCL group runs it.
---window-size L,R, --softcap C, --sink (a random float32 logit per head): the attention features,
+--window-size L,R, --softcap C, --sink (a random float32 logit per head), --v-head-dim: the features,
 checked against a naive float64 implementation on the whole sequence (`ref32` then means float64),
 with `single` a naive implementation in the inputs' dtype (flash_attn's criterion); the sink's
 gradient, summed over the ranks, against the float64 one. The naive implementations hold one
@@ -130,6 +130,8 @@ def main() -> int:
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--v-head-dim", type=int, default=None,
+                   help="v's head dim (DeepSeek's MLA: 192 for q/k, 128 for v); checked against the naive references")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -159,7 +161,8 @@ def main() -> int:
     p.add_argument("--sink", action="store_true", help="a random learnable sink per query head")
     args = p.parse_args()
     window_size = tuple(int(x) for x in args.window_size.split(",")) if args.window_size else (-1, -1)
-    features = args.window_size is not None or args.softcap or args.sink
+    Dv = args.v_head_dim or args.head_dim
+    features = args.window_size is not None or args.softcap or args.sink or Dv != args.head_dim
     backend = args.backend
 
     torch.backends.cuda.matmul.allow_tf32 = False  # keep the fp32 reference true fp32
@@ -204,8 +207,8 @@ def main() -> int:
         # deterministic (cuDNN's, hopper's) the forward's two.
         compared = 5 if kernels_used.deterministic else 2
         gen = torch.Generator(device=dev).manual_seed(args.seed)
-        q, do = (torch.randn(B, N, H, D, device=dev, dtype=dtype, generator=gen) for _ in range(2))
-        k, v = (torch.randn(B, N, Hkv, D, device=dev, dtype=dtype, generator=gen) for _ in range(2))
+        q, do = (torch.randn(B, N, H, d, device=dev, dtype=dtype, generator=gen) for d in (D, Dv))
+        k, v = (torch.randn(B, N, Hkv, d, device=dev, dtype=dtype, generator=gen) for d in (D, Dv))
         sink = torch.randn(H, device=dev, generator=gen) if args.sink else None
         for t in (q, k, v, do) + ((sink,) if args.sink else ()):  # identical inputs on every rank
             dist.broadcast(t, src=0)
@@ -217,6 +220,7 @@ def main() -> int:
             grid = args.scheme if u == 1 else f"hybrid u={u} head x r={r_world} {args.scheme}"
             extras = [f"window_size={window_size}"] * (args.window_size is not None)
             extras += [f"softcap={args.softcap}"] * bool(args.softcap) + ["learnable_sink"] * args.sink
+            extras += [f"v head dim {Dv}"] * (Dv != D)
             print(
                 f"{grid} over {world} {dist.get_backend()} ranks: B={B} N={N} ({args.tokens_per_rank}/rank) "
                 f"H={H} Hkv={Hkv} "
