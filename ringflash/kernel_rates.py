@@ -37,15 +37,17 @@ class KernelRates:
     POOLED = 5
 
     @classmethod
-    def from_records(cls, path: Path = REPO / "benchmarks" / "kernels.jsonl") -> KernelRates:
+    def from_records(cls, path: Path = REPO / "benchmarks" / "kernels.jsonl", impl: str = "ringflash") -> KernelRates:
+        """`impl`: whose kernels, as kernels.jsonl names them (`ringflash`: the Triton kernels;
+        `ringflash-hopper`: the Gluon ones)."""
         recs = records(path)
         # Dense MHA tables only: a GQA run (args.group) covers one head dim and its own tiles.
         recs = [r for r in recs if (r.get("args") or {}).get("group", 1) == 1
-                   and any(x.get("impl") == "ringflash" and "N" in x for x in r.get("results", []))]  # fmt: skip
+                   and any(x.get("impl") == impl and "N" in x for x in r.get("results", []))]  # fmt: skip
         samples: dict = {}
         for record in sorted(recs, key=lambda r: r["date"])[-cls.POOLED :]:
             for x in record["results"]:
-                if x.get("impl") != "ringflash":
+                if x.get("impl") != impl:
                     continue
                 for direction in ("fwd", "bwd"):
                     by_n = samples.setdefault((x["D"], x["causal"] == "yes", direction), {})
