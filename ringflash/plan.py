@@ -2,7 +2,7 @@
 
     python -m ringflash.plan --heads 32 --kv-heads 8 --head-dim 128 --layers 32 \\
         --seqlen 1M --gpus 128                       # or --gpus-per-node 8 --nodes 16
-    python -m ringflash.plan --validate            # predicted vs measured, benchmarks/ring.jsonl, scaling.jsonl
+    python -m ringflash.plan_validation            # predicted vs measured, benchmarks/ring.jsonl, scaling.jsonl
 
 For a grid of `u` head-parallel × `r` context-parallel ranks (ringflash/hybrid.py; r = 1 pure
 head parallelism) and a scheme across the r ranks (`ring`, K/V passed around; `allgather`, K/V
@@ -37,7 +37,7 @@ import math
 from dataclasses import dataclass, field, fields
 
 from ringflash.hybrid import kv_heads_per_rank
-from ringflash.kernel_rates import BWD_FLOPS, REPO, KernelRates
+from ringflash.kernel_rates import BWD_FLOPS, KernelRates
 
 __all__ = ["Cluster", "KernelRates", "Model", "Prediction", "feasible", "main", "plan", "predict", "recommend"]
 
@@ -326,8 +326,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--heads-k-stride", type=_positive, default=1, help="allgather: K/V heads gathered per chunk")
     p.add_argument("--kernels", metavar="PATH", help="a kernels.jsonl to take the kernel rates from "
                    "(without: those shipped in ringflash/kernel_rates.json)")  # fmt: skip
-    p.add_argument("--validate", action="store_true", help="print predicted vs measured for benchmarks/ring.jsonl "
-                   "and scaling.jsonl (a repository checkout)")  # fmt: skip
     gpus = p.add_mutually_exclusive_group()
     gpus.add_argument("--gpus", type=_positive, help="all GPUs: --gpus-per-node of them per node "
                       "(fewer: one node of that many); instead of --nodes")  # fmt: skip
@@ -351,13 +349,6 @@ def main(argv: list[str] | None = None) -> None:
             a.nodes = a.gpus // a.gpus_per_node
     c = Cluster(**{f.name: getattr(a, f.name) for f in fields(Cluster)})
     rates = KernelRates.load(a.kernels) if a.kernels else KernelRates.default()
-    if a.validate:
-        if not (REPO / "benchmarks" / "ring.jsonl").exists():
-            p.error(f"--validate reads benchmarks/ring.jsonl of a repository checkout; {REPO} has none")
-        from ringflash.plan_validation import validation_rows, validation_table
-
-        print(validation_table(validation_rows(c=c, rates=rates)))
-        return
     m = Model(a.heads, a.kv_heads, a.head_dim, a.layers, a.batch, not a.non_causal)
     preds = plan(m, a.seqlen, c, a.layout, rates, a.heads_k_stride)
     print(f"H={m.heads} Hkv={m.kv_heads} D={m.head_dim} layers={m.layers} B={m.batch} N={a.seqlen} on "

@@ -1,6 +1,6 @@
 """The planner checked against the recorded multi-GPU runs: predicted vs measured fwd+bwd ms.
 
-    python -m ringflash.plan --validate      # the table, from benchmarks/ring.jsonl and scaling.jsonl
+    python -m ringflash.plan_validation      # the table, from benchmarks/ring.jsonl and scaling.jsonl
     python launch/planner_plots.py           # the same table into docs/planner.md
 
 A repository checkout only (benchmarks/ is not installed). Every scheme a record measured enters
@@ -80,3 +80,13 @@ def validation_table(rows: list[dict]) -> str:
         lines.append(f"{label}{len(group)} rows: median |error| {errs[len(errs) // 2]:.1%}, "
                      f"90th percentile {errs[int(0.9 * (len(errs) - 1))]:.1%}, max {errs[-1]:.1%}.")  # fmt: skip
     return "\n".join(lines)
+
+
+def main() -> None:
+    if not (REPO / "benchmarks" / "ring.jsonl").exists():
+        raise SystemExit(f"error: the validation reads benchmarks/ring.jsonl of a repository checkout; {REPO} has none")
+    print(validation_table(validation_rows()))
+
+
+if __name__ == "__main__":
+    main()

@@ -11,6 +11,7 @@ test module is imported and before anything asks CUDA for its devices.
 """
 
 import os
+import tempfile
 
 import pytest
 import torch
@@ -24,6 +25,9 @@ def _selects_gpu_tests(markexpr: str) -> bool:
 
 
 def pytest_configure(config):
+    # torch.compile's on-disk cache can hand a test a graph compiled against an earlier version of
+    # a custom op's fake implementation: every session (and the ranks it starts) compiles afresh.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="ringflash-inductor-"))
     if not _selects_gpu_tests(config.getoption("markexpr") or ""):
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # inherited by the ranks the tests start
         os.environ.setdefault("TRITON_INTERPRET", "1")
