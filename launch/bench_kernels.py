@@ -3,6 +3,7 @@
     python launch/bench_kernels.py                      # the full table, appended to benchmarks/kernels.jsonl
     python launch/bench_kernels.py --seqlens 4096 --head-dims 128 --no-flex   # quicker
     python launch/bench_kernels.py --masks              # packed documents and sliding windows
+    python launch/bench_kernels.py --features           # softcap, MLA head dims, a two-sided window (issue 42)
     python launch/bench_kernels.py --group 8 --tokens 16384 --seqlens 16384 --head-dims 64   # a 1B Llama's GQA
     python launch/benchmarks_md.py                      # then: BENCHMARKS.md and docs/bench_kernels.png
 
@@ -18,6 +19,7 @@ device copy's bandwidth. Needs a CUDA GPU.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
@@ -26,24 +28,34 @@ import torch.nn.functional as F
 from ringflash.bench import BENCHMARKS_DIR, attn_flops, markdown_table, record, time_ms
 from ringflash.kernels import AttnSpec, backend_named, varlen_visibility
 from ringflash.kernels.hopper_bwd import hopper_bwd_unsupported
+from ringflash.kernels.hopper_fwd import hopper_fwd_unsupported
 from ringflash.kernels.masks import dense_visibility
 from ringflash.kernels.triton_bwd import triton_attn_bwd
 from ringflash.kernels.triton_fwd import triton_attn_fwd
 
 
+def _ours_steps(backend, spec, q, k, v, do, fallback=True):
+    """Our `backend`'s forward and backward under `spec` as closures, on `(B, H, N, D)` inputs, and
+    which kernels they run: `hopper` runs the Triton ones where its own do not apply (`fallback`),
+    or raises (a row of it, not a second Triton row)."""
+    # (B, H, N, D) inputs viewed as (B, N, H, D) with the same storage would be strided; give our
+    # kernels their native contiguous layout instead, as SDPA gets its own.
+    q, k, v, do = (t.transpose(1, 2).contiguous() for t in (q, k, v, do))
+    kern, ran = backend_named(backend), "triton fwd, triton bwd"
+    if backend == "hopper":
+        whys = {"fwd": hopper_fwd_unsupported(q, k, v, spec), "bwd": hopper_bwd_unsupported(q, k, v, spec)}
+        if whys["bwd"] is not None and not fallback:
+            raise RuntimeError(f"hopper backward: {whys['bwd']}")
+        ran = ", ".join(f"hopper {s}" if why is None else f"triton {s} (hopper {why})" for s, why in whys.items())
+    o, lse = kern.fwd_step(q, k, v, spec, None)
+    fwd = lambda: kern.fwd_step(q, k, v, spec, None)
+    bwd = lambda: kern.bwd_step(do, q, k, v, o, lse, spec, None)
+    return fwd, bwd, ran
+
+
 def _ours(backend):
     def make(q, k, v, do, causal):
-        # (B, H, N, D) inputs viewed as (B, N, H, D) with the same storage would be strided; give our
-        # kernels their native contiguous layout instead, as SDPA gets its own.
-        q, k, v, do = (t.transpose(1, 2).contiguous() for t in (q, k, v, do))
-        kern, spec = backend_named(backend), AttnSpec(causal=causal)
-        why = hopper_bwd_unsupported(q, k, v, spec) if backend == "hopper" else None
-        if why is not None:
-            raise RuntimeError(f"hopper backward: {why}")  # a row of it, not a second Triton row
-        o, lse = kern.fwd_step(q, k, v, spec, None)
-        fwd = lambda: kern.fwd_step(q, k, v, spec, None)
-        bwd = lambda: kern.bwd_step(do, q, k, v, o, lse, spec, None)
-        return fwd, bwd
+        return _ours_steps(backend, AttnSpec(causal=causal), q, k, v, do, fallback=False)[:2]
 
     return make
 
@@ -51,7 +63,8 @@ def _ours(backend):
 def _sdpa(backend):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    chosen = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+    chosen = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+              "efficient": SDPBackend.EFFICIENT_ATTENTION}[backend]
 
     def make(q, k, v, do, causal):
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
@@ -67,7 +80,8 @@ def _sdpa(backend):
     return make
 
 
-def _flex(q, k, v, do, causal):
+def _flex(q, k, v, do, causal, score_mod=None, mask_mod=None):
+    """FlexAttention, compiled: causal, or `mask_mod` as a block mask, and `score_mod` on the scaled scores."""
     import torch._dynamo
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -76,9 +90,10 @@ def _flex(q, k, v, do, causal):
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     compiled = torch.compile(flex_attention, dynamic=False)
     N = q.shape[2]
-    mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, N, N) if causal else None
+    mask_mod = mask_mod or ((lambda b, h, qi, ki: qi >= ki) if causal else None)
+    mask = create_block_mask(mask_mod, None, None, N, N, device=q.device) if mask_mod else None
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    fwd = lambda: compiled(q, k, v, block_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+    fwd = lambda: compiled(q, k, v, score_mod=score_mod, block_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
     o = fwd()
     bwd = lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
     return fwd, bwd
@@ -108,10 +123,17 @@ def main() -> None:
     ap.add_argument("--no-record", action="store_true", help="print only")
     ap.add_argument("--masks", action="store_true",
                     help="instead: packed documents and sliding windows against dense causal (ours only)")
+    ap.add_argument("--features", action="store_true",
+                    help="instead: each feature's cost (softcap, MLA head dims, two-sided window) against "
+                         "plain causal and SDPA/Flex, at N = the last of --seqlens, D = the last of --head-dims")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_kernels.py times CUDA kernels: it needs a CUDA GPU")
     record_to = None if args.no_record else args.record_to
     if args.masks:
         return masks(args.seqlens[-1], args.head_dims[-1], args.hidden, record_to)
+    if args.features:
+        return features(args.seqlens[-1], args.head_dims[-1], args.tokens, args.hidden, args.group, record_to)
 
     impls = {"ringflash": _ours("triton"), "ringflash-hopper": _ours("hopper"), "sdpa-flash": _sdpa("flash"),
              "sdpa-cudnn": _sdpa("cudnn")}
@@ -190,6 +212,114 @@ def masks(N: int, D: int, hidden: int, record_to: Path | None) -> None:
            args=dict(dtype="bf16", masks=True, N=N, H=H, D=D),
            notes="TFLOP/s over the (query, key) pairs the mask keeps; blocks it hides are skipped.",
            directory=record_to)
+
+
+SOFTCAP = 50.0  # Gemma 2's attention-logit cap (30 is its final-logit one); the kernels' speed does not depend on it
+WINDOW = 1024  # the two-sided window: keys i - 1024 ... i + 1024
+
+
+def _first_sdpa(*names):
+    """The first of SDPA's backends `names` that runs the case (forward and backward), tried in order."""
+
+    def make(q, k, v, do, causal):
+        whys = []
+        for name in names:
+            try:
+                fwd, bwd = _sdpa(name)(q, k, v, do, causal)
+                bwd()
+                return fwd, bwd, f"sdpa {name}" + (f" ({'; '.join(whys)})" if whys else "")
+            except RuntimeError as e:
+                whys.append(f"{name}: {str(e).splitlines()[0][:80] if str(e) else type(e).__name__}")
+        raise RuntimeError("; ".join(whys))
+
+    return make
+
+
+def features(N: int, D: int, tokens: int, hidden: int, group: int, record_to: Path | None) -> None:
+    """The speed cost of each feature (issue 42) at one shape, bf16, B = tokens/N, H = hidden/D: plain
+    causal, logit softcapping, DeepSeek's MLA head dims (q/k 1.5·D, v D: 192 and 128 at D = 128) and a
+    two-sided window, each by our Triton and Hopper backends (which kernels ran: Hopper's fall back to
+    Triton's where they do not apply), SDPA (cuDNN; n/a where it has no such feature) and FlexAttention."""
+    B, H, w, c = tokens // N, hidden // D, WINDOW, SOFTCAP
+    if H % group:
+        raise SystemExit(f"--group {group} must divide the {H} heads of D = {D}")
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def inputs(dqk, dv):  # q, k, v, do in the peers' layout (B, H, N, D); K and V H/group heads
+        shapes = ((H, dqk), (H // group, dqk), (H // group, dv), (H, dv))
+        return [torch.randn(B, h, N, d, device="cuda", dtype=torch.bfloat16, generator=g) for h, d in shapes]
+
+    def flex(**mods):
+        return lambda q, k, v, do, causal: (*_flex(q, k, v, do, causal, **mods), "flex (compiled)")
+
+    causal_pairs, window_pairs = N * N / 2, N * (2 * w + 1) - w * (w + 1)
+    no_sdpa = "n/a: SDPA has no {}"
+    two_sided = lambda b, h, qi, ki: (qi - ki <= w) & (ki - qi <= w)
+    cases = [  # feature, spec, (q/k head dim, v head dim), (query, key) pairs counted, SDPA, Flex
+        ("plain causal", AttnSpec(causal=True), (D, D), causal_pairs, _first_sdpa("cudnn"), flex()),
+        (
+            f"softcap {c:g}",
+            AttnSpec(causal=True, softcap=c),
+            (D, D),
+            causal_pairs,
+            no_sdpa.format("softcap"),
+            flex(score_mod=lambda s, b, h, qi, ki: c * torch.tanh(s / c)),
+        ),
+        (
+            f"MLA q/k {D * 3 // 2}, v {D}, causal",
+            AttnSpec(causal=True),
+            (D * 3 // 2, D),
+            causal_pairs,
+            _first_sdpa("cudnn", "flash", "efficient"),
+            flex(),
+        ),
+        (
+            f"window ±{w}, not causal",
+            AttnSpec(window=(w, w)),
+            (D, D),
+            window_pairs,
+            no_sdpa.format("window (its fused kernels)"),
+            flex(mask_mod=two_sided),
+        ),
+    ]
+    headers = ["impl", "feature", "fwd TFLOP/s", "bwd TFLOP/s", "fwd ms", "bwd ms", "kernels that ran"]
+    rows = []
+    for feature, spec, (dqk, dv), pairs, sdpa, flex_make in cases:
+        q, k, v, do = inputs(dqk, dv)
+        f_fwd = 2.0 * B * H * pairs * (dqk + dv)  # = attn_flops(B, H, N, N, D, causal) where dqk = dv = D
+        impls = {
+            "ringflash": lambda q, k, v, do, causal, spec=spec: _ours_steps("triton", spec, q, k, v, do),
+            "ringflash-hopper": lambda q, k, v, do, causal, spec=spec: _ours_steps("hopper", spec, q, k, v, do),
+            "sdpa": sdpa,
+            "flex": flex_make,
+        }
+        for name, make in impls.items():
+            if isinstance(make, str):
+                rows.append((name, feature, None, None, None, None, make))
+                continue
+            try:
+                fwd, bwd, ran = make(q, k, v, do, spec.causal)
+                t_f, t_b = time_ms(fwd), time_ms(bwd)
+                rows.append((name, feature, f_fwd / t_f * 1e-9, 2.5 * f_fwd / t_b * 1e-9, t_f, t_b, ran))
+            except Exception as e:  # a peer that does not support this feature, or runs out of memory
+                msg = str(e).splitlines()[0][:160] if str(e) else ""
+                rows.append((name, feature, None, None, None, None, f"n/a ({type(e).__name__}: {msg})"))
+            torch.cuda.empty_cache()
+        print(markdown_table(headers, rows[-len(impls) :]), flush=True)
+    kv = f"/{H // group}" if group > 1 else ""
+    record(
+        "kernels",
+        f"Kernels: the cost of each feature, bf16, B = {B}, N = {N}, H = {H}{kv}, D = {D}",
+        headers,
+        rows,
+        args=dict(dtype="bf16", features=True, B=B, N=N, H=H, Hkv=H // group, D=D, softcap=c, window=w),
+        peers=list(dict.fromkeys(r[0] for r in rows if r[0] in ("sdpa", "flex") and r[2] is not None)),
+        notes=f"FLOPs in FlashAttention's convention: forward 2·B·H·pairs·(Dqk + Dv), pairs N²/2 when causal "
+        f"(halved, as for 4·B·H·N²·D where Dqk = Dv = D), the (query, key) pairs kept for the window; "
+        f"backward 2.5× forward. Softcap c = {c:g} (Gemma 2's attention logits): scores s -> c·tanh(s/c), "
+        f"Flex through score_mod. MLA: DeepSeek's training shape, q/k {D * 3 // 2}, v {D}, H·Dv = {hidden}. "
+        f"Window: keys i - {w} ... i + {w}, Flex through a block mask. ms: median of one call.",
+    )
 
 
 if __name__ == "__main__":
