@@ -319,6 +319,7 @@ def features(N: int, D: int, tokens: int, hidden: int, group: int, record_to: Pa
         f"backward 2.5× forward. Softcap c = {c:g} (Gemma 2's attention logits): scores s -> c·tanh(s/c), "
         f"Flex through score_mod. MLA: DeepSeek's training shape, q/k {D * 3 // 2}, v {D}, H·Dv = {hidden}. "
         f"Window: keys i - {w} ... i + {w}, Flex through a block mask. ms: median of one call.",
+        directory=record_to,
     )
 
 
