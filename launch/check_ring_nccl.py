@@ -212,10 +212,8 @@ def main() -> int:
         sink = torch.randn(H, device=dev, generator=gen) if args.sink else None
         for t in (q, k, v, do) + ((sink,) if args.sink else ()):  # identical inputs on every rank
             dist.broadcast(t, src=0)
-        cases = CASES
-        if features:
-            # A window's right side needs causal off; with causal a (left, 0) window.
-            cases = [c for c in CASES if c[1] == (window_size[1] <= 0)] if args.window_size else CASES
+        # A window's right side needs causal off; with causal a (left, 0) window.
+        cases = [c for c in CASES if c[1] == (window_size[1] <= 0)] if args.window_size else CASES
         if rank == 0:
             grid = args.scheme if u == 1 else f"hybrid u={u} head x r={r_world} {args.scheme}"
             extras = [f"window_size={window_size}"] * (args.window_size is not None)
@@ -236,7 +234,7 @@ def main() -> int:
                     naive_attention(q, k, v, do, causal, window_size, args.softcap, sink, dtype),
                     naive_attention(q, k, v, do, causal, window_size, args.softcap, sink, torch.float64),
                 )
-            if causal not in refs:
+            elif causal not in refs:
                 o1, lse1 = attn_fwd(q, k, v, causal=causal, backend=backend)
                 dq1, dk1, dv1 = attn_bwd(do, q, k, v, o1, lse1, causal=causal, backend=backend)
                 single = {"o": o1, "dq": dq1, "dk": dk1, "dv": dv1, "lse": lse1}
