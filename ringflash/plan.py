@@ -198,7 +198,7 @@ def memory_bytes(m: Model, seqlen: int, u: int, r: int, scheme: str = "ring", he
         return out
     if scheme == "ring":
         kv_block = 2 * hkv * d * b
-        return out + n * (min(2, r - 1) * kv_block + 2 * (2 * hkv * d * 4) + 4 * h * d + b * h * d + 2 * kv_block)
+        return out + n * (min(2, r - 1) * kv_block + 2 * (2 * hkv * d * 4) + 4 * h * d + b * h * d + kv_block)
     s = min(heads_k_stride, hkv)
     return out + 2 * (n * r) * s * d * (3 * b + 3 * 4)
 

@@ -15,9 +15,12 @@ q's dtype (`out=`), the other rows are cast.
 Backward: the kernels recompute `P = exp(S·scale − lse)` and `delta = rowsum(do·o)` from the
 *global* `o` and `lse`, so each block's gradients are exact pieces of the full gradient. dQ
 accumulates locally in float32; the float32 dK/dV of each block travel around the ring behind
-it, each rank adding its share, and arrive back on the block's home rank after W hops (the
-last hop, already finished, in the input dtype). As in the forward, the last step's kernels
-write their sums rounded (`acc=`) instead of a cast pass after them.
+it, each rank adding its share. The backward visits the blocks one step later than the forward
+(step s holds the block of rank r − 1 − s: the previous rank's first, its own last), so each
+block's sums start on the rank after its home and arrive home with the last step, whose kernels
+write them rounded (`acc=`, as the last step's dQ): W − 1 dK/dV hops, none after the last step,
+which nothing could hide. The forward keeps the block it received first (the previous rank's)
+for this, instead of its own, which comes back around the ring.
 At W = 2 the last step only reads step 0's results, so these stay in the dtype the backend made
 them in (`Backend.partial_dtype`): float32 for the Triton kernels, the input dtype for cuDNN's,
 which round (a float32 copy would hold the same values at twice the bytes).
@@ -27,7 +30,7 @@ Communication overlaps compute: the transfer for step s+1 is posted before step 
 `nccl_options`), or the transfers wait for the attention kernels' SMs. The dK/dV kernel of step
 s ≥ 1 adds into the accumulator that arrived from the previous rank (no scratch, no separate
 `+=`), which is sent on as soon as that kernel is queued, before step s's dQ kernel
-(`after_dkdv=`): each hop travels during a dQ kernel, even the last one, with no step after it.
+(`after_dkdv=`): each hop travels during a dQ kernel where the backend has one.
 K and V travel packed in one contiguous block (`pack_kv`): one message per step, not two.
 """
 
@@ -71,15 +74,19 @@ def kv_views(kv: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
     return flat[:n_k].view(B, N, Hkv, d), flat[n_k:].view(B, N, Hkv, width - d)
 
 
-def _ring_buffers(home: torch.Tensor, comm):
+def _ring_buffers(home: torch.Tensor, comm, hold: bool = False):
     """`buf(s)`: the buffer that holds the block computed at step s.
 
     Step 0 computes on `home`; later steps alternate between two receive buffers (one when
     W = 2), so `home` is never overwritten and the transfer into one buffer overlaps the compute
-    on the other.
+    on the other. `hold`: step 1's buffer is not reused (the forward keeps that block for the
+    backward); steps 2, 3, … alternate between two others.
     """
-    bufs = [home] + [comm.buffer(f"kv{i}", home.shape, home.dtype, home.device) for i in range(min(2, comm.world - 1))]
-    return lambda s: bufs[0] if s == 0 else bufs[1 + (s - 1) % 2]
+    held = hold and comm.world > 3  # below 4 ranks no later step would reuse it
+    n = min(2, comm.world - 1) + held
+    bufs = [home] + [comm.buffer(f"kv{i}", home.shape, home.dtype, home.device) for i in range(n)]
+    turn = bufs[1 + held :]
+    return lambda s: home if s == 0 else bufs[1] if held and s == 1 else turn[(s - 1 - held) % len(turn)]
 
 
 def _check_plan(plan: list[Step | None], comm) -> None:
@@ -93,8 +100,9 @@ def ring_forward(q, k, v, plan: list[Step | None], *, scale: float, kernels: Bac
     q `(B, N, H, D)`, k `(B, N, Hkv, D)`, v `(B, N, Hkv, Dv)`: this rank's shard (N local tokens).
     Returns `(o, lse, kv)`: `o (B, N, H, Dv)` in `out_dtype` (default q's; float32 for a caller that
     transforms the merged result before rounding it once) and `lse (B, H, N)` float32, natural log,
-    both over the whole sequence, and what `ring_backward` takes for k and v: the block the ring
-    sent (`pack_kv`: k and v packed, one message a step), or `(k, v)` on one rank.
+    both over the whole sequence, and what `ring_backward` takes for k and v: the block received
+    first, the previous rank's (`pack_kv`: k and v packed, one message a step; the backward starts
+    from it), or `(k, v)` on one rank.
     `plan`: a `Step` per ring step or None (skipped): `layout.ring_schedule` or `RingMask.steps`.
     Step 0 must cover every row (it starts the accumulators). `kernels`: a `kernels.Backend`;
     `comm`: a transport (ringflash.transport).
@@ -105,7 +113,7 @@ def ring_forward(q, k, v, plan: list[Step | None], *, scale: float, kernels: Bac
     kv = pack_kv(k, v)
     comm.reserve(kv)
     d = k.shape[3]
-    buf = _ring_buffers(kv, comm)
+    buf = _ring_buffers(kv, comm, hold=True)
     last = comm.world - 1
     o = lse = None
     # o rounded to out_dtype (contiguous, whatever q's strides): the last step's kernel writes its rows.
@@ -134,19 +142,18 @@ def ring_forward(q, k, v, plan: list[Step | None], *, scale: float, kernels: Bac
                 o, lse = o_lse
         if transfer is not None:
             transfer.wait()
-    _round_rest(out, o, _last_q_rows(plan))
-    return out, lse, kv
+    _round_rest(out, o, _rows(plan[-1]))
+    return out, lse, comm.keep(buf(1))
 
 
 def ring_backward(do, q, kv, o, lse, plan: list[Step | None], *, scale: float, kernels: Backend, comm):
     """Ring attention backward, no autograd.
 
     q `(B, N, H, D)`; do, o `(B, N, H, Dv)`; lse `(B, H, N)` float32; kv: what `ring_forward`
-    returned with the global `o` and `lse` (the block it sent, or `(k, v)` on one rank). Returns
-    `dq` like q and `dkv`, dK and dV packed as `pack_kv` packs K and V (`kv_views` splits it), in
-    the input dtype, accumulated in float32 across the ring. (Packed because they come home as
-    one message.)
-    `plan`, `kernels`, `comm`: as in `ring_forward` (the same ones).
+    returned with the global `o` and `lse` (the previous rank's block, or `(k, v)` on one rank).
+    Returns `dq` like q and `dkv`, dK and dV of this rank's block packed as `pack_kv` packs K and
+    V (`kv_views` splits it), in the input dtype, accumulated in float32 across the ring.
+    `plan`, `kernels`, `comm`: as in `ring_forward` (the same ones: step s here is its step s + 1).
     """
     _check_plan(plan, comm)
     if comm.world == 1:
@@ -155,42 +162,33 @@ def ring_backward(do, q, kv, o, lse, plan: list[Step | None], *, scale: float, k
         dkv = torch.empty((*k.shape[:3], k.shape[3] + v.shape[3]), dtype=k.dtype, device=q.device)
         kernels.bwd_step(do, q, k, v, o, lse, plan[0].spec, scale, out=(dq, *kv_views(dkv, k.shape[3])))
         return dq, dkv
-    world = comm.world
-    last = world - 1
+    last = comm.world - 1
     d = q.shape[3]
+    steps = plan[1:] + plan[:1]  # the block the forward kept (the previous rank's) first, our own last
     comm.reserve(kv)
     buf = _ring_buffers(kv, comm)
     # dK/dV travel in float32: rounding each hop to bf16 would lose what the sum needs (at W = 2
-    # the one hop before the last carries step 0's result as it came: `_step0_dtype`).
-    partials = _step0_dtype(kernels, q, world)
+    # the one hop carries step 0's result as it came: `_step0_dtype`).
+    partials = _step0_dtype(kernels, q, comm.world)
     dkv = comm.buffer("dkv", (2, *kv.shape), partials, kv.device)
     dq = torch.empty(q.shape, dtype=partials, device=q.device)
-    # The results in the input dtype, made at the last step (not to raise the peak), whose kernels
-    # read the sums and write them rounded (`attn_bwd(acc=...)`): no separate cast pass.
-    # The last hop carries finished dK/dV: rounded before sending, bit-identical to rounding at
-    # home and half the bytes for bf16/fp16.
-    dq_out = dkv_out = None
-    sent = home = None  # the dK/dV transfer in flight; where the last hop brings ours
+    # Step 0 writes the rows it computes and starts the sums; the rows it does not see start at zero.
+    _zero_rest(dq, _rows(steps[0], "q"))
+    for grad in kv_views(dkv[0], d):
+        _zero_rest(grad, _rows(steps[0], "kv"))
+    sent = None  # the dK/dV transfer in flight
 
-    def pass_on(s: int, kv_rows: slice | None) -> None:
+    def pass_on(s: int) -> None:
         """Step s's dK/dV are in their block's accumulator (the kernel added them): send it on.
 
-        Called between the dK/dV and the dQ kernels of step s (`after_dkdv=`), so
-        the transfer travels while dQ is computed: even the last hop, which no later step could
-        hide, and the one step s+1's dK/dV kernel waits for. `kv_rows`: the rows step s computed
-        (None: none), which on the last step its kernel has already rounded into `dkv_out`.
+        Called between the dK/dV and the dQ kernels of step s (`after_dkdv=`), so the transfer
+        travels while dQ is computed. The last step's are ours: they stay.
         """
-        nonlocal sent, home
-        acc = dkv[s % 2]
+        nonlocal sent
         if s < last:
-            sent = comm.send_recv(acc, dkv[(s + 1) % 2], _DKV_TAG)
-            return
-        for out, grad in zip(kv_views(dkv_out, d), kv_views(acc, d)):  # apart: each contiguous, copied faster
-            _round_rest(out, grad, kv_rows)
-        home = comm.buffer("home", kv.shape, kv.dtype, kv.device)
-        sent = comm.send_recv(dkv_out, home, _DKV_TAG)
+            sent = comm.send_recv(dkv[s % 2], dkv[(s + 1) % 2], _DKV_TAG)
 
-    for s, step in enumerate(plan):
+    for s, step in enumerate(steps):
         cur = kv_views(buf(s), d)
         kv_transfer = comm.send_recv(buf(s), buf(s + 1), _KV_TAG) if s < last else None
         if sent is not None:
@@ -198,20 +196,19 @@ def ring_backward(do, q, kv, o, lse, plan: list[Step | None], *, scale: float, k
             # receive again). It travelled during the previous step's dQ. (Adding in the kernel
             # needs it before this step's dK/dV, not after, and saves a float32 scratch block.)
             sent.wait()
-        if s == last:
-            dq_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-            dkv_out = torch.empty(kv.shape, dtype=kv.dtype, device=kv.device)
         if step is None:
-            pass_on(s, None)  # nothing to add, but the accumulator still travels on
+            pass_on(s)  # nothing to add, but the accumulator still travels on
         else:
             qs, ks = step.q, step.kv
-            acc = kv_views(dkv[s % 2], d)  # ours at s = 0, where step 0 (the diagonal, every row) starts it
-            # Step 0 writes dq and this block's dK/dV; later steps add theirs to the float32 sums,
-            # in place, except the last, which writes the totals rounded.
-            sums = (dq[:, qs], acc[0][:, ks], acc[1][:, ks])
+            dk, dv = kv_views(dkv[s % 2], d)
+            # Later steps add to the float32 sums in place, but the last, which writes our block's
+            # dK/dV and dQ rounded: the results, without a cast pass or a hop after it.
+            sums = (dq[:, qs], dk[:, ks], dv[:, ks])
             if s < last:
                 out, grad_dtype = sums, partials
             else:
+                dq_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+                dkv_out = torch.empty(kv.shape, dtype=kv.dtype, device=kv.device)
                 dk_out, dv_out = kv_views(dkv_out, d)
                 out, grad_dtype = (dq_out[:, qs], dk_out[:, ks], dv_out[:, ks]), q.dtype
             kernels.bwd_step(
@@ -226,13 +223,14 @@ def ring_backward(do, q, kv, o, lse, plan: list[Step | None], *, scale: float, k
                 grad_dtype=grad_dtype,
                 out=out,
                 acc=sums if s > 0 else None,
-                after_dkdv=partial(pass_on, s, ks),
+                after_dkdv=partial(pass_on, s),
             )
         if kv_transfer is not None:
             kv_transfer.wait()
-    sent.wait()
-    _round_rest(dq_out, dq, _last_q_rows(plan))
-    return dq_out, comm.keep(home)
+    _round_rest(dq_out, dq, _rows(steps[-1], "q"))
+    for out, grad in zip(kv_views(dkv_out, d), kv_views(dkv[last % 2], d)):  # apart: each contiguous, copied faster
+        _round_rest(out, grad, _rows(steps[-1], "kv"))
+    return dq_out, dkv_out
 
 
 def _step0_dtype(kernels: Backend, q: torch.Tensor, world: int) -> torch.dtype:
@@ -241,17 +239,27 @@ def _step0_dtype(kernels: Backend, q: torch.Tensor, world: int) -> torch.dtype:
     return kernels.partial_dtype(q.dtype) if world == 2 else torch.float32
 
 
-def _last_q_rows(plan) -> slice | None:
-    """The local query rows the plan's last step computes; None if it skips."""
-    return None if plan[-1] is None else plan[-1].q
+def _rows(step: Step | None, which: str = "q") -> slice | None:
+    """The local query (`which="q"`) or key rows a step computes; None if it is skipped."""
+    return None if step is None else getattr(step, which)
+
+
+def _outside(rows: slice | None, n: int) -> list[tuple[int, int]]:
+    """The row ranges of `range(n)` outside `rows` (a contiguous slice; None: all of them)."""
+    if rows is not None and rows.step not in (None, 1):
+        raise ValueError(f"a ring step's rows are a contiguous slice, got {rows}")
+    start, stop = (0, 0) if rows is None else rows.indices(n)[:2]
+    return [(lo, hi) for lo, hi in ((0, start), (stop, n)) if lo < hi]
 
 
 def _round_rest(out: torch.Tensor, sums: torch.Tensor, rows: slice | None) -> None:
     """`out (B, N, H, D)` (any head dim) = `sums` (float32, or already in out's dtype) rounded, outside `rows` (the
     last step's kernels wrote those already; None: all of it)."""
-    if rows is not None and rows.step not in (None, 1):
-        raise ValueError(f"a ring step's rows are a contiguous slice, got {rows}")
-    start, stop = (0, 0) if rows is None else rows.indices(out.shape[1])[:2]
-    for lo, hi in ((0, start), (stop, out.shape[1])):
-        if lo < hi:
-            out[:, lo:hi].copy_(sums[:, lo:hi])
+    for lo, hi in _outside(rows, out.shape[1]):
+        out[:, lo:hi].copy_(sums[:, lo:hi])
+
+
+def _zero_rest(sums: torch.Tensor, rows: slice | None) -> None:
+    """Zero `sums (B, N, H, D)` outside `rows` (those the first step writes)."""
+    for lo, hi in _outside(rows, sums.shape[1]):
+        sums[:, lo:hi].zero_()

@@ -180,15 +180,15 @@ def _shapes(fields: tuple) -> tuple[tuple[tuple[int, ...], ...], int, int]:
 
 def ring_bytes_per_token(cfg: ModelConfig, dtype: str, cp: int) -> float:
     """The ring backward's buffers per local token, the largest of one attention call (ringflash/ring.py):
-    two K/V receive buffers, two float32 dK/dV accumulators, float32 dQ, and the rounded dQ, dK/dV
-    and the block that comes home. None at cp = 1 (one local kernel call)."""
+    two K/V receive buffers, two float32 dK/dV accumulators, float32 dQ, and the rounded dQ and
+    dK/dV. None at cp = 1 (one local kernel call)."""
     if cp == 1:
         return 0.0
     b, kv, d = _BYTES[dtype], cfg.n_kv_heads * (cfg.dim // cfg.n_heads), cfg.dim
     kv_block = 2 * kv * b  # packed (K, V) per token
     receive = min(2, cp - 1) * kv_block
     accumulators = 2 * (2 * kv * 4)
-    return receive + accumulators + 4 * d + b * d + 2 * kv_block
+    return receive + accumulators + 4 * d + b * d + kv_block
 
 
 # Llama-like shapes (head_dim 128, 8 K/V heads, untied embeddings) for the fits table.

@@ -55,9 +55,10 @@ class _SymmetricRing:
     """The copy-engine ring's heap, streams and signals over `group` (NCCL, one host), made once
     per group (`_for_group`) however many `CopyEngineComm`s share it."""
 
-    # The receive buffers of a ring call, in their order in the heap: K/V (two when W > 2), the
-    # dK/dV accumulators (float32; at W = 2 cuDNN's bf16 ones use half), and the last dK/dV hop.
-    _LAYOUT = ("kv0", "kv1", "dkv", "home")
+    # The receive buffers of a ring call, in their order in the heap: K/V (two when W > 2, three
+    # when W > 3: the forward keeps its first block for the backward) and the dK/dV accumulators
+    # (float32; at W = 2 cuDNN's bf16 ones use half).
+    _LAYOUT = ("kv0", "kv1", "kv2", "dkv")
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device):
         from torch.distributed import _symmetric_memory as symm_mem
@@ -85,7 +86,8 @@ class _SymmetricRing:
         sender waits in the same collective (as buffers made lazily, between transfers, would).
         """
         kv_bytes = kv.numel() * kv.element_size()
-        sizes = {"kv0": kv_bytes, "kv1": kv_bytes if self.world > 2 else 0, "dkv": 2 * kv.numel() * 4, "home": kv_bytes}
+        sizes = {"kv0": kv_bytes, "kv1": kv_bytes if self.world > 2 else 0, "kv2": kv_bytes if self.world > 3 else 0,
+                 "dkv": 2 * kv.numel() * 4}
         total = 0
         for name in self._LAYOUT:
             self._offsets[name] = total

@@ -25,7 +25,7 @@ import ringflash
 from ringflash import RingFlashAttention, ring_flash_attn_func, shard
 from ringflash.kernels import attn_bwd, attn_fwd, backend_named, interpreting
 from ringflash.layout import ring_schedule
-from ringflash.ring import kv_views, ring_backward, ring_forward
+from ringflash.ring import _ring_buffers, kv_views, pack_kv, ring_backward, ring_forward
 from ringflash.transport import ring_comm
 from tests.dist_utils import REPO, RankFailure, run_ranks, torchrun
 from tests.truth import TOL, attention_f64, lse_err, rel_err
@@ -442,13 +442,24 @@ def test_null_comm_runs_the_same_schedule():
     assert o.shape == q.shape and lse.shape == (2, 4, 16) and torch.isfinite(o).all()
 
 
-def test_forward_returns_the_block_it_sent():
-    # What the backward takes for k and v: k and v packed, as the ring sent them (one rank: k, v).
+def test_pack_kv_is_k_then_v():
     q, k, v, _ = global_inputs(make_case(1, n_local=16))
-    packed = ring_forward(q, k, v, **_null_ring(0, 2))[2]
-    assert packed.view(-1).equal(torch.stack((k, v)).view(-1))  # one block, the bytes of k then v
+    assert pack_kv(k, v).view(-1).equal(torch.stack((k, v)).view(-1))  # one block, the bytes of k then v
     v = v[..., :8].contiguous()  # a value head dim of its own
-    assert all(a.equal(b) for a, b in zip(kv_views(ring_forward(q, k, v, **_null_ring(0, 2))[2], k.shape[3]), (k, v)))
+    assert all(a.equal(b) for a, b in zip(kv_views(pack_kv(k, v), k.shape[3]), (k, v)))
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 5])
+def test_forward_keeps_the_block_received_first(world):
+    # What the backward takes for k and v: the previous rank's block, in the buffer step 1 received
+    # it into (NullComm receives nothing: the buffer as it was), which no later step reuses.
+    q, k, v, _ = global_inputs(make_case(1, n_local=16))
+    kw = _null_ring(0, world)
+    kept = ring_forward(q, k, v, **kw)[2]
+    assert kept is kw["comm"].buffer("kv0", kept.shape, k.dtype, k.device)
+    buf = _ring_buffers(pack_kv(k, v), kw["comm"], hold=True)
+    assert buf(1) is kept and all(buf(s) is not kept for s in range(2, world))
+    assert all(buf(s) is not buf(s + 1) for s in range(world - 1))  # a step never receives into its own block
     alone = ring_forward(q, k, v, **_null_ring(0, 1))[2]
     assert alone[0] is k and alone[1] is v
 
