@@ -182,6 +182,12 @@ def main() -> int:
             print(f"--head-parallel {u} must divide the world ({world}) and --heads ({args.heads})")
         dist.destroy_process_group()
         return 2
+    if features and world * args.tokens_per_rank > 32768:  # one K/V head's float64 N×N scores and grads
+        if rank == 0:
+            print(f"--tokens-per-rank {args.tokens_per_rank}: with a window or a feature the naive references "
+                  f"hold N×N scores; keep N = {world} ranks × tokens per rank ≤ 32768")
+        dist.destroy_process_group()
+        return 2
     # Ring rank and ring size of this rank (the whole world when u = 1), and the hybrid's groups.
     r_rank, h_rank = grid_coords(rank, u)
     r_world = world // u
