@@ -218,17 +218,18 @@ def _pipeline(k, v, stride, comm):
 
 
 def allgather_forward(q, k, v, spec: AttnSpec, *, scale: float, kernels: Backend, comm, layout: str,
-                      heads_k_stride: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                      heads_k_stride: int, out_dtype=None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """q `(B, n, H, D)`, k `(B, n, Hkv, D)`, v `(B, n, Hkv, Dv)`: this rank's shard. Returns
-    `o (B, n, H, Dv)` in q's dtype and `lse (B, H, n)` float32, natural log, over the whole
-    sequence. `spec`: `gather_spec`; `comm`: the group's `RingComm` (ringflash.transport.ring_comm)."""
+    `o (B, n, H, Dv)` in `out_dtype` (default q's; float32 for a caller that rescales it, a sink)
+    and `lse (B, H, n)` float32, natural log, over the whole sequence. `spec`: `gather_spec`
+    (with the call's softcap); `comm`: the group's `RingComm` (ringflash.transport.ring_comm)."""
     g = q.shape[2] // k.shape[2]
-    o = torch.empty((*q.shape[:3], v.shape[3]), dtype=q.dtype, device=q.device)
+    o = torch.empty((*q.shape[:3], v.shape[3]), dtype=out_dtype or q.dtype, device=q.device)
     lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
     for heads, buf in _pipeline(k, v, heads_k_stride, comm):
         qh = slice(heads.start * g, heads.stop * g)  # query head h uses K/V head h // g
         kg, vg = _global(buf, k.shape[3], layout)
-        o_c, lse_c = kernels.fwd_step(q[:, :, qh], kg, vg, spec, scale)
+        o_c, lse_c = kernels.fwd_step(q[:, :, qh], kg, vg, spec, scale, out_dtype=out_dtype)
         o[:, :, qh] = o_c
         lse[:, qh] = lse_c
     return o, lse

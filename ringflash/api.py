@@ -154,16 +154,10 @@ def ring_flash_attn_func(
 def _allgather(q, k, v, flash, softmax_scale, causal, group, scheme, head_group, heads_k_stride, options,
                learnable_sink=None):  # fmt: skip
     """`scheme="allgather"` (ringflash/allgather_ops.py), alone or inside the head-parallel hybrid
-    (`head_group`: all-to-all heads, then the all-gather over `group`); an unknown scheme, or a
-    score transform the all-gather does not carry yet, raises on every rank."""
-    options = dict(options)
-    softcap = options.pop("softcap")
+    (`head_group`: all-to-all heads, then the all-gather over `group`, each head rank with its
+    heads' slice of the sink); an unknown scheme raises on every rank."""
     try:
         check_scheme(scheme)
-        if softcap:
-            raise ValueError(f"softcap={softcap}: scheme='allgather' has no logit softcapping yet (use scheme='ring')")
-        if learnable_sink is not None:
-            raise ValueError("learnable_sink: scheme='allgather' has no attention sinks yet (use scheme='ring')")
     except ValueError as e:
         comm = None if torch.compiler.is_compiling() else ring_comm(group)
         _refuse(e, comm, options["check_ranks"], q, k, causal, options["layout"])
@@ -171,22 +165,25 @@ def _allgather(q, k, v, flash, softmax_scale, causal, group, scheme, head_group,
     causal = getattr(mask, "causal", False) if causal is None else causal
     options = {key: val for key, val in options.items() if key != "transport"}  # no ring transfers
 
-    def gather(q, k, v):
+    def gather(q, k, v, sink):
         return allgather_ops.attend(q, k, v, flash, softmax_scale, causal, group, heads_k_stride=heads_k_stride,
-                                    **options)  # fmt: skip
+                                    learnable_sink=sink, **options)  # fmt: skip
 
     def settings():  # the hybrid's grid check: the all-gather's settings, its mask's digest
-        fields = _agreed(q, flash, causal, softmax_scale, options["window"], None, "nccl", options["backend"])
+        fields = _agreed(q, flash, causal, softmax_scale, options["window"], None, "nccl", options["backend"],
+                         options["softcap"], learnable_sink)  # fmt: skip
         window_size = getattr(getattr(mask, "call", None), "window_size", fields["window_size"])
         return dict(fields, scheme="allgather", mask_key=getattr(mask, "fingerprint", 0), window_size=window_size)
 
     with kernels.device_guard(q):
         if head_group is None:
-            o, lse = gather(q, k, v)
+            o, lse = gather(q, k, v, learnable_sink)
         else:
-            o, lse = hybrid_attention(q, k, v, head_group=head_group, group=group, layout=options["layout"],
-                                      check_ranks=options["check_ranks"], causal=causal, settings=settings,
-                                      ring=gather)  # fmt: skip
+            o, lse = hybrid_attention(
+                q, k, v, head_group=head_group, group=group, layout=options["layout"],
+                check_ranks=options["check_ranks"], causal=causal, settings=settings,
+                ring=lambda q, k, v: gather(q, k, v, ops.sink_slice(learnable_sink, head_group, q.shape[2])),
+            )  # fmt: skip
     return (o, lse, None) if flash[-1] else o
 
 

@@ -25,11 +25,13 @@ layer's `s_aux`, its `sinks` parameter, as float32) go to the ring as `softcap=`
 non-causal layers, a KV cache (decoding), and any `attention_mask` but an all-ones one; and, by
 `shard_batch(config=)`, models whose layers bypass the AttentionInterface (Bloom, MPT).
 
-Which process group. `shard_batch` records the group and layout in its `RingMasks`, which every
-layer reads, so a call with `ring_masks=` needs nothing else (and activation checkpointing
-replays it in the backward, in another thread, unchanged). Without `ring_masks` the layers use
-the innermost active `context_parallel(group, layout=...)` (process-wide, one model per
-process), else the default group (or this process alone) with the zigzag layout.
+Which process group and scheme. `shard_batch` records the group, layout and scheme (the ring,
+or `scheme="allgather"`: K/V all-gathered in head chunks, ringflash/allgather.py) in its
+`RingMasks`, which every layer reads, so a call with `ring_masks=` needs nothing else (and
+activation checkpointing replays it in the backward, in another thread, unchanged). Without
+`ring_masks` the layers use the innermost active `context_parallel(group, layout=...,
+scheme=...)` (process-wide, one model per process), else the default group (or this process
+alone) with the zigzag layout and the ring.
 
 The loss. `shard_batch` shifts the labels on the *global* sequence (the label of a shard's last
 token is the next shard's first token, on another rank) and returns them as `shift_labels`
@@ -44,7 +46,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -59,8 +61,10 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 import ringflash
 from ringflash import agree
+from ringflash.allgather import GatherMask, gather_mask
+from ringflash.allgather_ops import check_stride
 from ringflash.kernels import AttnSpec
-from ringflash.layout import check_layout, check_splittable, shard
+from ringflash.layout import check_layout, check_scheme, check_splittable, shard
 from ringflash.masks import RingMask, ring_mask
 
 __all__ = [
@@ -85,16 +89,21 @@ _BATCH_KEYS = ("input_ids", "labels", "position_ids", "attention_mask")
 @dataclass(frozen=True)
 class RingContext:
     """Where ring attention runs: the context-parallel `group` (None: the default group, or this
-    process alone), the `layout` the sequence was sharded with, and optionally the kernel
-    `backend` and `transport` (None: ringflash's defaults; see `ringflash.ring_flash_attn_func`)."""
+    process alone), the `layout` the sequence was sharded with, optionally the kernel `backend`
+    and `transport` (None: ringflash's defaults), and the `scheme`, `"ring"` or `"allgather"`
+    (with `heads_k_stride` K/V heads per gather); see `ringflash.ring_flash_attn_func`."""
 
     group: dist.ProcessGroup | None = None
     layout: str = "zigzag"
     backend: str | None = None
     transport: str | None = None
+    scheme: str = "ring"
+    heads_k_stride: int = 1
 
     def __post_init__(self):
         check_layout(self.layout)
+        check_scheme(self.scheme)
+        check_stride(self.heads_k_stride)
         if self.group is not None and not isinstance(self.group, dist.ProcessGroup):
             raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {type(self.group).__name__}")
 
@@ -105,7 +114,13 @@ class RingContext:
 
     def ring_kwargs(self) -> dict:
         extra = {k: v for k, v in (("backend", self.backend), ("transport", self.transport)) if v is not None}
-        return dict(group=self.group, layout=self.layout, **extra)
+        return dict(group=self.group, layout=self.layout, scheme=self.scheme, heads_k_stride=self.heads_k_stride,
+                    **extra)  # fmt: skip
+
+    def mask(self, doc_ids: torch.Tensor | None, **kwargs) -> RingMask | GatherMask:
+        """The scheme's mask (`ring_mask` or `gather_mask`, both taking `kwargs`) over this group and layout."""
+        build = gather_mask if self.scheme == "allgather" else ring_mask
+        return build(doc_ids, group=self.group, layout=self.layout, **kwargs)
 
 
 _DEFAULT = RingContext()
@@ -116,14 +131,16 @@ _active: list[RingContext] = []  # a stack: the innermost context_parallel() las
 @contextlib.contextmanager
 def context_parallel(
     group: dist.ProcessGroup | None = None, layout: str = "zigzag", *, backend: str | None = None,
-    transport: str | None = None,
+    transport: str | None = None, scheme: str = "ring", heads_k_stride: int = 1,
 ) -> Iterator[RingContext]:  # fmt: skip
-    """Within this block, ring attention calls without `ring_masks` run over `group` with `layout`.
+    """Within this block, ring attention calls without `ring_masks` run over `group` with `layout`
+    and `scheme` (`"ring"`, or `"allgather"` with `heads_k_stride` K/V heads per gather), and
+    `shard_batch` without a group, layout or scheme takes them from here.
 
     Process-wide (not per thread: autograd replays checkpointed layers in its own threads), so one
     model per process; nested blocks restore the outer setting on exit. Yields the `RingContext`.
     """
-    ctx = RingContext(group, layout, backend, transport)
+    ctx = RingContext(group, layout, backend, transport, scheme, heads_k_stride)
     with _lock:
         _active.append(ctx)
     try:
@@ -146,19 +163,19 @@ def current_context() -> RingContext:
 
 @dataclass(frozen=True, eq=False)
 class RingMasks:
-    """One batch's ring masks, one `RingMask` per attention the model's layers use (the layer's
-    `AttnSpec`: causal, with its sliding window or none), and the `RingContext` they were built
-    for. Made by `ring_masks`/`shard_batch`; passed to the model as `ring_masks=`. A window not
-    built up front is built on first use (eagerly; under torch.compile it must be built up front:
-    give `config=`)."""
+    """One batch's masks, one per attention the model's layers use (the layer's `AttnSpec`: causal,
+    with its sliding window or none), and the `RingContext` they were built for, whose scheme
+    makes them `RingMask`s (the ring) or `GatherMask`s (the all-gather). Made by
+    `ring_masks`/`shard_batch`; passed to the model as `ring_masks=`. A window not built up front
+    is built on first use (eagerly; under torch.compile it must be built up front: give `config=`)."""
 
     context: RingContext
     seqlen: int
     doc_ids: torch.Tensor | None  # (B, N_global) int64 on the host, or None: one document per row
     device: torch.device
-    masks: dict[AttnSpec, RingMask] = field(default_factory=dict)
+    masks: dict[AttnSpec, RingMask | GatherMask] = field(default_factory=dict)
 
-    def for_spec(self, spec: AttnSpec) -> RingMask:
+    def for_spec(self, spec: AttnSpec) -> RingMask | GatherMask:
         mask = self.masks.get(spec)
         if mask is not None:
             return mask
@@ -168,8 +185,8 @@ class RingMasks:
                 f"ring_masks: no mask for sliding_window={spec.window} (built: {built}); under "
                 "torch.compile build every window up front: shard_batch(..., config=model.config)"
             )
-        mask = ring_mask(self.doc_ids, seqlen=self.seqlen, causal=spec.causal, window=spec.window, device=self.device,
-                         group=self.context.group, layout=self.context.layout)  # fmt: skip
+        mask = self.context.mask(self.doc_ids, seqlen=self.seqlen, causal=spec.causal, window=spec.window,
+                                 device=self.device)  # fmt: skip
         self.masks[spec] = mask
         return mask
 
@@ -299,6 +316,7 @@ def shard_batch(
     group: dist.ProcessGroup | None = None,
     layout: str | None = None,
     *,
+    scheme: str | None = None,
     config=None,
     device: torch.device | str | None = None,
     check_ranks: bool = True,
@@ -311,6 +329,8 @@ def shard_batch(
             `DataCollatorWithFlattening` makes them; default 0..N-1), `attention_mask (B, N)`
             (padding: 0 = pad). N must split over the ranks (2·cp chunks for zigzag, cp contiguous).
         group, layout: the cp group and layout; None: `current_context()`'s (default group, zigzag).
+        scheme: `"ring"` or `"allgather"`, which the model's layers then run (its masks are built for
+            it); None: `current_context()`'s (the ring).
         config: the model's config, so every layer's sliding window gets its mask up front.
         device: where the shard goes (default: input_ids' device).
         check_ranks: first compare the batch across the group (one small all-gather of its shape
@@ -326,7 +346,8 @@ def shard_batch(
         mask per window) and `use_cache=False`.
     """
     base = current_context()
-    context = RingContext(base.group if group is None else group, layout or base.layout, base.backend, base.transport)
+    context = replace(base, group=base.group if group is None else group, layout=layout or base.layout,
+                      scheme=scheme or base.scheme)  # fmt: skip
     rank, world = context.rank_world()
     try:
         ids, B, N = _check_batch(batch)
@@ -342,7 +363,8 @@ def shard_batch(
     checker = agree.check_comm(context.group) if check_ranks else None
     if checker is not None and checker.world > 1:  # the digests cost a pass over the batch: only with peers
         fields = {key: batch.get(key) for key in agree.BATCH_FIELDS} if error is None else None
-        mine = agree.row(error is None, "shard_batch", world, layout=context.layout, batch=fields)
+        mine = agree.row(error is None, "shard_batch", world, layout=context.layout, scheme=context.scheme,
+                         batch=fields)  # fmt: skip
         try:
             agree.check(checker, mine)
         except ValueError as e:

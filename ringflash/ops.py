@@ -42,7 +42,8 @@ sink), and (o', lse') are saved, so the ring's backward (which recomputes P
 from the lse it is given and `delta = rowsum(dO·O')`) gives the exact dq, dk, dv. Its gradient,
 `dsink_h = −Σ_rows exp(sink_h − lse')·rowsum(dO·O')`, sums this rank's rows only: the sink is
 replicated over the context-parallel group, and whoever reduces the model's gradients over that
-group (as for every other replicated parameter) adds the ranks' shares.
+group (as for every other replicated parameter) adds the ranks' shares. The all-gather
+(ringflash/allgather_ops.py) applies the sink the same way, by `add_sink` and `sink_grad`.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ from ringflash.ring import kv_views, ring_backward, ring_forward
 from ringflash.transport import Transport, ring_comm
 
 __all__ = [
-    "announce_rejection", "check_sink", "group_name", "ring_attn", "ring_attn_bwd", "ring_attn_eager", "sink_slice",
+    "add_sink", "announce_rejection", "check_sink", "group_name", "ring_attn", "ring_attn_bwd", "ring_attn_eager",
+    "sink_grad", "sink_slice",
 ]
 
 
@@ -125,15 +127,15 @@ def check_sink(sink, q) -> None:
         raise ValueError(f"learnable_sink must be on q's device {q.device}, got {sink.device}")
 
 
-def _add_sink(o: Tensor, lse: Tensor, sink: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """`(o', lse')`: the sink `(H,)` joins each row's softmax (o `(B, N, H, Dv)` float32, lse `(B, H, N)`),
-    o' rounded to `dtype` once."""
+def add_sink(o: Tensor, lse: Tensor, sink: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """`(o', lse')`: the sink `(H,)` joins each row's softmax (o `(B, N, H, Dv)` float32 over every key,
+    lse `(B, H, N)`), o' rounded to `dtype` once."""
     new = torch.logaddexp(lse, sink.float().view(1, -1, 1))  # finite wherever the sink is
     weight = torch.exp(lse - new).transpose(1, 2).unsqueeze(-1)  # (B, N, H, 1); 0 for rows that saw no key
     return (o * weight).to(dtype), new
 
 
-def _sink_grad(do: Tensor, o: Tensor, lse: Tensor, sink: Tensor) -> Tensor:
+def sink_grad(do: Tensor, o: Tensor, lse: Tensor, sink: Tensor) -> Tensor:
     """dsink `(H,)` over this rank's rows: −Σ exp(sink − lse')·rowsum(dO·O') (module docstring)."""
     delta = (do.float() * o.float()).sum(-1).transpose(1, 2)  # (B, H, N)
     p_sink = torch.exp(sink.float().view(1, -1, 1) - lse)
@@ -188,7 +190,7 @@ def _ring_attn(
             o, lse, kv = ring_forward(q, k, v, plan, scale=softmax_scale, kernels=kern, comm=comm,
                                       out_dtype=None if learnable_sink is None else torch.float32)
             if learnable_sink is not None:  # once per row, after the merge of every ring step
-                o, lse = _add_sink(o, lse, learnable_sink, q.dtype)
+                o, lse = add_sink(o, lse, learnable_sink, q.dtype)
     return o.contiguous(), lse.contiguous(), kv if comm.world > 1 else q.new_empty(0)
 
 
@@ -280,7 +282,7 @@ def _grads(ctx, do, backward) -> tuple:
     if do is None:  # o's gradient is undefined (grads are not materialised): so are q's, k's, v's
         return None, None, None, [None] * len(mask_vis), None
     dq, dkv = backward(do, q, kv, o, lse, mask_vis, **ctx.kwargs)
-    dsink = _sink_grad(do, o, lse, sink[0]) if sink else None
+    dsink = sink_grad(do, o, lse, sink[0]) if sink else None
     return dq, *kv_views(dkv, q.shape[3]), [None] * len(mask_vis), dsink
 
 

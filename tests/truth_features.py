@@ -35,8 +35,9 @@ def band(nq: int, nk: int, left: int = -1, right: int = -1, causal: bool = False
 
 def attention(q, k, v, *, visible=None, scale=None, softcap=0.0, sink=None, do=None, dtype=torch.float64):
     """`o (B, Nq, H, D)`, `lse (B, H, Nq)` (the sink included), and with `do` the gradients `dq, dk, dv`
-    (and `dsink (H,)`), computed in `dtype`. `visible (Nq, Nk)` bool; `sink (H,)`: a logit per head
-    that joins every row's softmax with a zero value."""
+    (and `dsink (H,)`), computed in `dtype`. `visible (Nq, Nk)` bool, or any shape that broadcasts to
+    `(B, H, Nq, Nk)` (one mask per batch row); `sink (H,)`: a logit per head that joins every row's
+    softmax with a zero value."""
     leaves = [t.detach().to(dtype).requires_grad_(do is not None) for t in (q, k, v)]
     s_leaf = None if sink is None else sink.detach().to(dtype).requires_grad_(do is not None)
     q_, k_, v_ = leaves

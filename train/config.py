@@ -165,8 +165,7 @@ class ParallelConfig:
         "ring",
         "How attention reaches the other cp ranks' keys: ring passes K/V blocks around the ring, overlapped "
         "with compute; allgather gathers all K/V in head chunks (Llama 3's; cheap under GQA, any document "
-        "mask balanced; with cp_heads > 1 the head all-to-all wraps it as it wraps the ring). allgather needs "
-        "model.kind = small.",
+        "mask balanced; with cp_heads > 1 the head all-to-all wraps it as it wraps the ring).",
         ("ring", "allgather"),
     )
     dist_backend: str = opt(
@@ -518,8 +517,6 @@ def validate(cfg: Config) -> None:
                               "model.dim / model.n_heads)")
         if name == "cudnn" and t.device == "cpu":
             raise ConfigError(f"{source} = cudnn needs train.device = cuda")
-    if p.cp_scheme == "allgather" and m.kind == "hf":
-        raise ConfigError("parallel.cp_scheme = allgather needs model.kind = small (transformers models use the ring)")
     if p.transport == "copy-engine" and p.dist_backend == "gloo":
         raise ConfigError("parallel.transport: copy-engine needs GPUs and NCCL, not parallel.dist_backend = gloo")
 

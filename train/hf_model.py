@@ -67,7 +67,7 @@ class HFCausalLM(nn.Module):
     def __init__(self, hf: nn.Module):
         super().__init__()
         self.hf = hf
-        self.context = None  # a ringflash.hf.RingContext, set by parallelize_hf (None: one process)
+        self.context = None  # a ringflash.hf.RingContext (group, layout, scheme) from parallelize_hf; None: one process
         self._plain: dict[int, object] = {}
 
     def masks(self, doc_ids: torch.Tensor | None, seq_len: int):

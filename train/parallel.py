@@ -390,12 +390,14 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> torch
 
 def parallelize_hf(model: nn.Module, pc: ParallelContext, cfg: Config) -> nn.Module:
     """`parallelize` for a transformers model (`model.kind = hf`, a `train.hf_model.HFCausalLM`):
-    its layers' attention becomes ringflash.hf's over the cp group; then compile, activation
-    checkpointing (HF's own, non-reentrant) and DDP over the whole world or FSDP2, as for the small model."""
+    its layers' attention becomes ringflash.hf's over the cp group, by `parallel.cp_scheme`; then
+    compile, activation checkpointing (HF's own, non-reentrant) and DDP over the whole world or FSDP2,
+    as for the small model."""
     import ringflash.hf
 
     backend = _kernel_backend(model, cfg)
-    model.context = ringflash.hf.RingContext(pc.cp_group, cfg.parallel.layout, backend, cfg.parallel.transport)
+    model.context = ringflash.hf.RingContext(pc.cp_group, cfg.parallel.layout, backend, cfg.parallel.transport,
+                                             scheme=cfg.parallel.cp_scheme)  # fmt: skip
     model.hf.set_attn_implementation(ringflash.hf.ATTN_IMPLEMENTATION)
     try:  # a model whose attention would not route through the ring trains on its shard alone
         ringflash.hf.check_model(model.hf.config)

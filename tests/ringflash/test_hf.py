@@ -1,11 +1,11 @@
 """ringflash.hf: transformers models through the ring equal the same models with HF's own attention.
 
 Tiny random-init Llama, Qwen2/Qwen3 and Mistral configs in float32 on gloo ranks (cp = 2, 3;
-zigzag and contiguous): the loss and every parameter's gradient, summed over the cp ranks,
-equal `attn_implementation="sdpa"` on the whole sequence in one process; packed documents
-(position_ids restarting at 0) equal the documents run one by one; sliding windows (Mistral's,
-Qwen2's per-layer `layer_types`) equal HF's windowed sdpa, with windows shorter than the
-sequence. Bad input fails on every rank with a clear message.
+zigzag and contiguous; the ring and the all-gather): the loss and every parameter's gradient,
+summed over the cp ranks, equal `attn_implementation="sdpa"` on the whole sequence in one
+process; packed documents (position_ids restarting at 0) equal the documents run one by one;
+sliding windows (Mistral's, Qwen2's per-layer `layer_types`) equal HF's windowed sdpa, with
+windows shorter than the sequence. Bad input fails on every rank with a clear message.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ transformers = pytest.importorskip("transformers", reason="ringflash.hf needs tr
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+import ringflash  # noqa: E402
 import ringflash.hf as rh  # noqa: E402
 from tests.dist_utils import RankFailure, run_ranks  # noqa: E402
 
@@ -93,11 +94,14 @@ def reference_loss(ref, batch: dict, case: str) -> torch.Tensor:
     return total / count
 
 
-def _vs_sdpa(rank, world, kind, layout, case, extra):
+def _vs_sdpa(rank, world, kind, layout, case, scheme):
     torch.manual_seed(0)
-    ring, ref = models(kind, **extra)
+    ring, ref = models(kind)
     batch = make_batch(case)
-    shard = rh.shard_batch(batch, dist.group.WORLD, layout, config=ring.config)
+    shard = rh.shard_batch(batch, dist.group.WORLD, layout, scheme=scheme, config=ring.config)
+    # The scheme's own masks: a layer that ran the ring on them would raise.
+    want_mask = ringflash.GatherMask if scheme == "allgather" else ringflash.RingMask
+    assert all(isinstance(m, want_mask) for m in shard["ring_masks"].masks.values())
     loss = ring(**shard).loss  # this rank's token losses / the global count
     loss.backward()
     dist.all_reduce(loss := loss.detach())
@@ -115,22 +119,26 @@ def _vs_sdpa(rank, world, kind, layout, case, extra):
 
 
 @pytest.mark.parametrize(
-    ("kind", "world", "layout", "case"),
+    ("kind", "world", "layout", "case", "scheme"),
     [
-        ("llama", 2, "zigzag", "plain"),
-        ("llama", 3, "contiguous", "plain"),
-        ("llama", 3, "zigzag", "packed"),
-        ("llama", 2, "contiguous", "packed"),
-        ("llama", 2, "zigzag", "padded"),
-        ("qwen2", 2, "zigzag", "plain"),  # per-layer windows: layer_types
-        ("qwen2", 3, "contiguous", "packed"),
-        ("qwen3", 3, "zigzag", "plain"),
-        ("mistral", 3, "zigzag", "plain"),  # sliding_window on every layer
-        ("mistral", 2, "contiguous", "packed"),
+        ("llama", 2, "zigzag", "plain", "ring"),
+        ("llama", 3, "contiguous", "plain", "ring"),
+        ("llama", 3, "zigzag", "packed", "ring"),
+        ("llama", 2, "contiguous", "packed", "ring"),
+        ("llama", 2, "zigzag", "padded", "ring"),
+        ("qwen2", 2, "zigzag", "plain", "ring"),  # per-layer windows: layer_types
+        ("qwen2", 3, "contiguous", "packed", "ring"),
+        ("qwen3", 3, "zigzag", "plain", "ring"),
+        ("mistral", 3, "zigzag", "plain", "ring"),  # sliding_window on every layer
+        ("mistral", 2, "contiguous", "packed", "ring"),
+        ("llama", 2, "zigzag", "packed", "allgather"),
+        ("llama", 2, "stripe", "padded", "allgather"),
+        ("qwen2", 3, "zigzag", "packed", "allgather"),  # a full and a sliding layer over documents
+        ("mistral", 2, "contiguous", "packed", "allgather"),
     ],
 )
-def test_matches_sdpa(kind, world, layout, case):
-    losses = run_ranks(_vs_sdpa, world, (kind, layout, case, {}), timeout_s=90)
+def test_matches_sdpa(kind, world, layout, case, scheme):
+    losses = run_ranks(_vs_sdpa, world, (kind, layout, case, scheme), timeout_s=90)
     assert len(set(losses)) == 1  # every rank reports the global loss
 
 
@@ -183,6 +191,28 @@ def test_single_process_and_set_attn_implementation():
             ring(**make_batch("padded"))
 
 
+def test_context_parallel_allgather_without_ring_masks():
+    """A plain model call inside `context_parallel(scheme="allgather")` runs the all-gather with each
+    layer's window (no masks from shard_batch); bad settings are named."""
+    ring, ref = models("mistral")
+    batch = make_batch("plain")
+    with rh.context_parallel(scheme="allgather", heads_k_stride=2):
+        loss = ring(**batch).loss
+    torch.testing.assert_close(loss, ref(**batch).loss)
+    seen, stack = set(), [loss.grad_fn]  # the autograd graph holds the all-gather's function, not the ring's
+    while stack:
+        fn = stack.pop()
+        if fn is not None and fn not in seen:
+            seen.add(fn)
+            stack.extend(f for f, _ in fn.next_functions)
+    nodes = {type(fn).__name__ for fn in seen}
+    assert "_EagerAllGatherBackward" in nodes and "_EagerRingAttnBackward" not in nodes, nodes
+    with pytest.raises(ValueError, match=r"scheme must be one of \('ring', 'allgather'\), got 'tree'"):
+        rh.shard_batch(batch, scheme="tree")
+    with pytest.raises(ValueError, match=r"heads_k_stride must be a positive int \(K/V heads per gather\), got 0"):
+        rh.RingContext(scheme="allgather", heads_k_stride=0)
+
+
 @pytest.mark.parametrize(
     ("extra", "match"),
     [
@@ -208,6 +238,8 @@ def _bad(rank, world, what):
         batch = make_batch("plain")
         n = N if rank == 0 else N - 4
         ring(**rh.shard_batch({k: v[:, :n] for k, v in batch.items()}))
+    elif what == "scheme":  # rank 1 alone asks for the all-gather: shard_batch's check names it
+        rh.shard_batch(make_batch("plain"), scheme="allgather" if rank else "ring")
     elif what == "mismatch-docs":  # same shapes, other documents: shard_batch's digest catches it
         ring, _ = models("llama")
         batch = make_batch("packed")
@@ -229,6 +261,8 @@ def _bad(rank, world, what):
         ("length", r"batch\['input_ids'\] has 46 tokens per row: layout='zigzag' over world=2 ranks"),
         ("mismatch", r"shard_batch inputs differ between the ranks of the group: input_ids shape is \(2, 48\) on "
                      r"rank 0, \(2, 44\) on rank 1"),
+        ("scheme", r"shard_batch inputs differ between the ranks of the group: scheme is ring on rank 0, "
+                   r"allgather on rank 1"),
         ("mismatch-docs", r"shard_batch inputs differ between the ranks of the group: batch\['position_ids'\] "
                           r"\(digest\) is [0-9a-f]{16} on rank 0, [0-9a-f]{16} on rank 1"),
         ("mask-on-one-rank", None),

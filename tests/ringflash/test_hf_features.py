@@ -1,8 +1,9 @@
 """ringflash.hf with today's long-context attention: Gemma 2 and Gemma 3 (logit softcapping,
 sliding windows on alternate layers), gpt-oss (learnable sinks, sliding windows) and DeepSeek V2
 and V3 (multi-head latent attention: a value head dim other than q's and k's) through the ring on 2
-(DeepSeek: and 4) gloo ranks equal the same random-init tiny models with
-`attn_implementation="eager"` on the whole sequence: the loss and every parameter's gradient."""
+(DeepSeek: and 4) gloo ranks, and Gemma 2 and gpt-oss through the all-gather, equal the same
+random-init tiny models with `attn_implementation="eager"` on the whole sequence: the loss and
+every parameter's gradient."""
 
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ def sharpen(model, kind: str) -> None:
             attn.sinks.normal_(2.0, 1.0)
 
 
-def _vs_eager(rank, world, kind, layout):
+def _vs_eager(rank, world, kind, layout, scheme):
     cfg = tiny_config(kind)
     torch.manual_seed(0)
     ring = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=rh.ATTN_IMPLEMENTATION)
@@ -86,7 +87,9 @@ def _vs_eager(rank, world, kind, layout):
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (2, N), generator=g)
     batch = {"input_ids": ids, "labels": ids.clone()}
-    shard = rh.shard_batch(batch, dist.group.WORLD, layout, config=ring.config)
+    with rh.context_parallel(dist.group.WORLD, layout, scheme=scheme):  # shard_batch takes the scheme from here
+        shard = rh.shard_batch(batch, config=ring.config)
+    assert shard["ring_masks"].context.scheme == scheme
     loss = ring(**shard).loss
     loss.backward()
     dist.all_reduce(loss := loss.detach())
@@ -104,12 +107,14 @@ def _vs_eager(rank, world, kind, layout):
 
 
 @pytest.mark.parametrize(
-    ("kind", "layout", "world"),
-    [("gemma2", "zigzag", 2), ("gemma3", "contiguous", 2), ("gpt_oss", "zigzag", 2), ("deepseek_v3", "zigzag", 2),
-     ("deepseek_v3", "contiguous", 4), ("deepseek_v2", "zigzag", 2)],
+    ("kind", "layout", "world", "scheme"),
+    [("gemma2", "zigzag", 2, "ring"), ("gemma3", "contiguous", 2, "ring"), ("gpt_oss", "zigzag", 2, "ring"),
+     ("deepseek_v3", "zigzag", 2, "ring"), ("deepseek_v3", "contiguous", 4, "ring"),
+     ("deepseek_v2", "zigzag", 2, "ring"), ("gemma2", "contiguous", 2, "allgather"),
+     ("gpt_oss", "zigzag", 4, "allgather")],
 )  # fmt: skip
-def test_matches_eager(kind, layout, world):
-    losses = run_ranks(_vs_eager, world, (kind, layout), timeout_s=120)
+def test_matches_eager(kind, layout, world, scheme):
+    losses = run_ranks(_vs_eager, world, (kind, layout, scheme), timeout_s=120)
     assert len(set(losses)) == 1
 
 

@@ -145,8 +145,6 @@ def test_missing_file():
         (["--model.dim=96", "--model.n_heads=32"], r"model.dim \(96\) must be n_heads \(32\) times an even head_dim"),
         (["--train.warmup_steps=-1"], r"train.warmup_steps: must be >= 0, got -1"),
         (["--parallel.timeout_s=0"], r"parallel.timeout_s: must be > 0, got 0.0"),
-        (["--model.kind=hf", "--model.hf.model_type=llama", "--parallel.cp_scheme=allgather"],
-         r"cp_scheme = allgather needs model.kind = small"),
         (["--parallel.cp_scheme=tree"], r"parallel.cp_scheme"),
         (["--parallel.cp=2", "--parallel.layout=stripe"], r"parallel.layout = stripe spreads every evaluation"),
     ],
@@ -172,6 +170,11 @@ def test_inconsistent_values(args, match):
 def test_eval_buckets_must_fit_the_shards(args, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, args)
+
+
+def test_transformers_models_take_the_allgather():
+    cfg = load_config(None, ["--model.kind=hf", "--model.hf.model_type=llama", "--parallel.cp_scheme=allgather"])
+    assert (cfg.model.kind, cfg.parallel.cp_scheme) == ("hf", "allgather")
 
 
 def test_eval_buckets_rule_only_where_buckets_are_evaluated():

@@ -43,6 +43,7 @@ def _cp_vs_sdpa(rank, world, cfg):
         model = build_model(cfg)
         reference = copy.deepcopy(model)  # HF's own (sdpa) attention on whole sequences: the oracle
         ddp = parallelize_hf(model, pc, cfg)
+        assert model.context.scheme == cfg.parallel.cp_scheme  # every layer's masks and attention follow it
         micros = DataLoader(build_source(cfg.data, cfg.model.vocab_size), cfg.data.batch_size, 1, 0, 1).next()
         loss = forward_backward(ddp, micros, pc, cfg.parallel.layout, contextlib.nullcontext(), mask_fn=model.masks)
         n_tokens = sum(int((y != IGNORE).sum()) for _, y in micros)
@@ -61,8 +62,9 @@ def _cp_vs_sdpa(rank, world, cfg):
     [
         [*LLAMA, "--parallel.cp=2", "--data.passkey_loss=all"],
         [*QWEN2, "--parallel.cp=2", "--data.passkey_loss=all", "--parallel.layout=contiguous"],
+        [*QWEN2, "--parallel.cp=2", "--data.passkey_loss=all", "--parallel.cp_scheme=allgather"],
     ],
-    ids=["llama-zigzag", "qwen2-windows-contiguous"],
+    ids=["llama-zigzag", "qwen2-windows-contiguous", "qwen2-windows-allgather"],
 )
 def test_hf_step_matches_sdpa(overrides):
     cfg = tiny_hf(*overrides)
