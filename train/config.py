@@ -466,6 +466,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"model.n_kv_heads ({m.n_kv_heads}) must divide model.n_heads ({m.n_heads})")
     if p.cp % p.cp_heads:
         raise ConfigError(f"parallel.cp_heads ({p.cp_heads}) must divide parallel.cp ({p.cp})")
+    if p.cp_heads > 1 and m.kind == "hf":
+        # Their attention runs the ring over all of cp (ringflash.hf): a head grid would shard the
+        # tokens one way and attend to them another.
+        raise ConfigError("parallel.cp_heads > 1 needs model.kind = small (transformers models use the ring alone)")
     if p.cp_heads > 1:
         from ringflash.hybrid import kv_heads_per_rank
 

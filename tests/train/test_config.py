@@ -147,6 +147,8 @@ def test_missing_file():
         (["--parallel.timeout_s=0"], r"parallel.timeout_s: must be > 0, got 0.0"),
         (["--model.kind=hf", "--model.hf.model_type=llama", "--parallel.cp_scheme=allgather"],
          r"cp_scheme = allgather needs model.kind = small"),
+        (["--model.kind=hf", "--model.hf.model_type=llama", "--parallel.cp=2", "--parallel.cp_heads=2"],
+         r"parallel.cp_heads > 1 needs model.kind = small"),
         (["--parallel.cp_scheme=tree"], r"parallel.cp_scheme"),
         (["--parallel.cp=2", "--parallel.layout=stripe"], r"parallel.layout = stripe spreads every evaluation"),
     ],
