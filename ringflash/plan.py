@@ -304,7 +304,7 @@ def cluster_of(gpus: int, gpus_per_node: int, **links) -> Cluster:
 
 
 def choose_layout(m: Model, seqlen: int, c: Cluster, *, transport: str = "nccl", layout: str = "zigzag",
-                  schemes: tuple[str, ...] = ("ring", "allgather"), heads_k_stride: int = 1,
+                  schemes: tuple[str, ...] = ("ring", "allgather"), u: int | None = None, heads_k_stride: int = 1,
                   rates: KernelRates | None = None) -> tuple[Prediction, str]:  # fmt: skip
     """The layout to run one attention call on all of `c`'s GPUs, and why, in one sentence.
 
@@ -322,6 +322,7 @@ def choose_layout(m: Model, seqlen: int, c: Cluster, *, transport: str = "nccl",
         transport: the ring's, "nccl" or "copy-engine".
         layout: how the sequence is cut; "stripe" is balanced at every step and predicted as zigzag.
         schemes: the schemes to choose among, of "ring" and "allgather".
+        u: only grids of this many head ranks (None: any).
         heads_k_stride, rates: `predict`'s.
     Return:
         (the `Prediction` chosen, why). Raises ValueError if no grid is a candidate (the
@@ -329,10 +330,11 @@ def choose_layout(m: Model, seqlen: int, c: Cluster, *, transport: str = "nccl",
     """
     predicted_as = "contiguous" if layout == "contiguous" else "zigzag"
     preds = [p for p in plan(m, seqlen, c, predicted_as, rates, heads_k_stride)
-             if p.r == 1 or (p.transport == transport and p.scheme in schemes)]  # fmt: skip
+             if (p.r == 1 or (p.transport == transport and p.scheme in schemes)) and u in (None, p.u)]  # fmt: skip
     if not preds:
-        raise ValueError(f"no grid of {c.gpus} GPUs runs {' or '.join(schemes)} over {transport} for "
-                         f"{m.heads} heads and {m.kv_heads} K/V heads")  # fmt: skip
+        grids = f"grid of {c.gpus} GPUs" + ("" if u is None else f" with u = {u} head ranks")
+        raise ValueError(f"no {grids} runs {' or '.join(schemes)} over {transport} for {m.heads} heads and "
+                         f"{m.kv_heads} K/V heads")  # fmt: skip
     best, why = recommend(preds, c)
     if best is None:
         best = min(preds, key=lambda p: p.memory_bytes)

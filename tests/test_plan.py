@@ -163,6 +163,7 @@ def test_choice_keeps_to_the_transport_and_schemes_given():
     assert choose_layout(m, 16384, c, schemes=("ring",))[0].scheme == "ring"
     best, _ = choose_layout(Model(32, 8, 128), 4 * 32768, cluster_of(4, 8), transport="copy-engine")
     assert best.transport == "copy-engine" or best.r == 1
+    assert choose_layout(m, 16384, c, u=8)[0].u == 8  # a head grid given: only the scheme is chosen
     # Copy engines across two nodes: only u = 16 could run, and 12 heads do not split 16 ways.
     with pytest.raises(ValueError, match="no grid of 16 GPUs runs ring or allgather over copy-engine for 12 heads"):
         choose_layout(Model(12, 3, 128), 65536, cluster_of(16, 8), transport="copy-engine")
