@@ -3,6 +3,7 @@
     python -m ringflash.plan --heads 32 --kv-heads 8 --head-dim 128 --layers 32 \\
         --seqlen 1M --gpus 128                       # or --gpus-per-node 8 --nodes 16
     python -m ringflash.plan_validation            # predicted vs measured, benchmarks/ring.jsonl, scaling.jsonl
+    best, why = choose_layout(Model(32, 8, 128), 32768, cluster_of(4, 8))   # in Python: 4 of 8 GPUs per node
 
 For a grid of `u` head-parallel × `r` context-parallel ranks (ringflash/hybrid.py; r = 1 pure
 head parallelism) and a scheme across the r ranks (`ring`, K/V passed around; `allgather`, K/V
@@ -39,7 +40,19 @@ from dataclasses import dataclass, field, fields
 from ringflash.hybrid import kv_heads_per_rank
 from ringflash.kernel_rates import BWD_FLOPS, KernelRates
 
-__all__ = ["Cluster", "KernelRates", "Model", "Prediction", "feasible", "main", "plan", "predict", "recommend"]
+__all__ = [
+    "Cluster",
+    "KernelRates",
+    "Model",
+    "Prediction",
+    "choose_layout",
+    "cluster_of",
+    "feasible",
+    "main",
+    "plan",
+    "predict",
+    "recommend",
+]
 
 
 @dataclass(frozen=True)
@@ -277,6 +290,56 @@ def recommend(preds: list[Prediction], c: Cluster) -> tuple[Prediction | None, s
         why.append(f"{faster[0].describe()} would take {faster[0].time_s * 1e3:.2f} ms but needs "
                    f"{faster[0].memory_bytes / 2**30:.1f} GiB")  # fmt: skip
     return best, "; ".join(why)
+
+
+def cluster_of(gpus: int, gpus_per_node: int, **links) -> Cluster:
+    """The `Cluster` of a group of `gpus` consecutive ranks (a cp group: rank = dp_rank · cp + cp_rank)
+    on nodes of `gpus_per_node`; `links`: the other `Cluster` fields.
+
+    Node boundaries fall at multiples of `gpus_per_node` and the group starts at a multiple of
+    `gpus`, so runs of gcd(gpus, gpus_per_node) aligned ranks never straddle a node: the group is
+    modelled as such nodes (one node when it fits in one), never with more NVLink than it has."""
+    per_node = math.gcd(gpus, max(gpus_per_node, 1))
+    return Cluster(gpus_per_node=per_node, nodes=gpus // per_node, **links)
+
+
+def choose_layout(m: Model, seqlen: int, c: Cluster, *, transport: str = "nccl", layout: str = "zigzag",
+                  schemes: tuple[str, ...] = ("ring", "allgather"), u: int | None = None, heads_k_stride: int = 1,
+                  rates: KernelRates | None = None) -> tuple[Prediction, str]:  # fmt: skip
+    """The layout to run one attention call on all of `c`'s GPUs, and why, in one sentence.
+
+    Among the feasible grids (`feasible`: u divides H and splits or replicates the K/V heads)
+    whose ranks across the heads run one of `schemes` over `transport`, the fastest whose buffers fit
+    `c.memory_gib` (`recommend`), else the one needing least memory. Pure head parallelism (r = 1)
+    has no scheme or transport and is always a candidate. Its `u` and `scheme` are what
+    `hybrid_groups(u, group)` and `ring_flash_attn_func(scheme=)` (or the training config's
+    `parallel.cp_heads` and `parallel.cp_scheme`) take.
+
+    Arguments:
+        m: the attention's shape (heads, K/V heads, head dim, batch, causal; dense: no window or documents).
+        seqlen: tokens of one whole sequence, before it is sharded.
+        c: the GPUs (`cluster_of(group size, GPUs per node)` for a process group).
+        transport: the ring's, "nccl" or "copy-engine".
+        layout: how the sequence is cut; "stripe" is balanced at every step and predicted as zigzag.
+        schemes: the schemes to choose among, of "ring" and "allgather".
+        u: only grids of this many head ranks (None: any).
+        heads_k_stride, rates: `predict`'s.
+    Return:
+        (the `Prediction` chosen, why). Raises ValueError if no grid is a candidate (the
+        copy-engine across nodes, where u = all GPUs does not divide the heads).
+    """
+    predicted_as = "contiguous" if layout == "contiguous" else "zigzag"
+    preds = [p for p in plan(m, seqlen, c, predicted_as, rates, heads_k_stride)
+             if (p.r == 1 or (p.transport == transport and p.scheme in schemes)) and u in (None, p.u)]  # fmt: skip
+    if not preds:
+        grids = f"grid of {c.gpus} GPUs" + ("" if u is None else f" with u = {u} head ranks")
+        raise ValueError(f"no {grids} runs {' or '.join(schemes)} over {transport} for {m.heads} heads and "
+                         f"{m.kv_heads} K/V heads")  # fmt: skip
+    best, why = recommend(preds, c)
+    if best is None:
+        best = min(preds, key=lambda p: p.memory_bytes)
+        why += "; choosing it"
+    return best, why
 
 
 # ---- command line ------------------------------------------------------------------------------

@@ -13,11 +13,14 @@ from pathlib import Path
 
 import pytest
 
+from ringflash.hybrid import kv_heads_per_rank
 from ringflash.kernel_rates import REPO
 from ringflash.plan import (
     Cluster,
     KernelRates,
     Model,
+    choose_layout,
+    cluster_of,
     feasible,
     main,
     memory_bytes,
@@ -133,6 +136,62 @@ def test_recommendation_picks_the_ring_where_the_sequence_is_huge_and_memory_tig
     assert all(p.memory_bytes > 8 * 2**30 for p in preds if p.scheme == "allgather" and p.r > 1)
     none, why_none = recommend(preds, Cluster(nodes=8, memory_gib=0.01))
     assert none is None and why_none.startswith("no layout's buffers fit memory_gib = 0.01: the least, ")
+
+
+@pytest.mark.parametrize("impl", ["ringflash", "ringflash-hopper"])
+def test_choice_for_llama3_8b_at_8k_per_gpu_on_4_gpus_is_head_parallel(impl):
+    # Measured on 4×H100 (docs/performance.md): head-parallel u = 4 15.8 ms, ring 16.2, the 2 × 2 hybrid
+    # 16.6. Both kernels' rates (Triton, shipped; Gluon, the run's) predict the same order.
+    rates = KernelRates.from_records(impl=impl)
+    best, why = choose_layout(Model(32, 8, 128, layers=32), 4 * 8192, cluster_of(4, 8), rates=rates)
+    assert (best.u, best.r) == (4, 1)
+    assert why.startswith("head-parallel u=4 is the fastest within 8 GiB") and "; next, ring" in why
+
+
+def test_choice_is_the_ring_where_no_head_grid_fits():
+    # H = 12, Hkv = 3 on 4 GPUs: u = 2 and u = 4 neither split nor replicate the K/V heads.
+    m, c = Model(12, 3, 128), cluster_of(4, 8)
+    best, _ = choose_layout(m, 4 * 8192, c, schemes=("ring",))
+    assert (best.u, best.r, best.scheme, best.transport) == (1, 4, "ring", "nccl")
+    assert choose_layout(m, 4 * 8192, c)[0].u == 1
+
+
+def test_choice_keeps_to_the_transport_and_schemes_given():
+    # One K/V head at 16k on 8 GPUs: the all-gather is the fastest (above) unless only the ring may run.
+    m, c = Model(32, 1, 128), cluster_of(8, 8)
+    assert choose_layout(m, 16384, c)[0].scheme == "allgather"
+    assert choose_layout(m, 16384, c, schemes=("ring",))[0].scheme == "ring"
+    best, _ = choose_layout(Model(32, 8, 128), 4 * 32768, cluster_of(4, 8), transport="copy-engine")
+    assert best.transport == "copy-engine" or best.r == 1
+    assert choose_layout(m, 16384, c, u=8)[0].u == 8  # a head grid given: only the scheme is chosen
+    # Copy engines across two nodes: only u = 16 could run, and 12 heads do not split 16 ways.
+    with pytest.raises(ValueError, match="no grid of 16 GPUs runs ring or allgather over copy-engine for 12 heads"):
+        choose_layout(Model(12, 3, 128), 65536, cluster_of(16, 8), transport="copy-engine")
+
+
+def test_choice_where_nothing_fits_the_memory_is_the_least():
+    c = cluster_of(64, 8, memory_gib=0.01)
+    best, why = choose_layout(Model(32, 8, 128), 2**22, c)
+    assert best.memory_bytes == min(p.memory_bytes for p in plan(Model(32, 8, 128), 2**22, c))
+    assert why.startswith("no layout's buffers fit memory_gib = 0.01") and why.endswith("; choosing it")
+
+
+def test_chosen_grid_is_always_one_that_runs():
+    for heads, kv_heads in ((32, 8), (32, 32), (12, 3), (28, 4), (40, 8), (8, 1), (6, 6), (1, 1)):
+        for cp in (1, 2, 3, 4, 6, 8, 16, 32):
+            for per_node in (4, 8):
+                for seqlen in (8192 * cp, 131072 * cp):
+                    best, _ = choose_layout(Model(heads, kv_heads, 128), seqlen, cluster_of(cp, per_node))
+                    assert best.u * best.r == cp and heads % best.u == 0, (heads, kv_heads, cp, best)
+                    kv_heads_per_rank(heads, kv_heads, best.u)  # raises if the K/V heads do not split
+
+
+def test_cluster_of_a_group_never_spans_a_node_it_does_not():
+    assert (cluster_of(4, 8).gpus_per_node, cluster_of(4, 8).nodes) == (4, 1)  # inside one node
+    assert (cluster_of(16, 8).gpus_per_node, cluster_of(16, 8).nodes) == (8, 2)
+    # 12 ranks on nodes of 8: every group of 4 aligned ranks lies in one node, 8 do not.
+    assert (cluster_of(12, 8).gpus_per_node, cluster_of(12, 8).nodes) == (4, 3)
+    assert cluster_of(8, 8, ib_gbs=1.0).ib_gbs == 1.0
 
 
 def test_validation_table_reproduced_from_data():

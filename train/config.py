@@ -32,6 +32,9 @@ except ModuleNotFoundError:  # Python 3.10: the same parser, published as tomli
     import tomli as tomllib
 
 
+AUTO = "auto"  # parallel.cp_heads and cp_scheme: chosen at start-up by the planner (train/parallel.py)
+
+
 class ConfigError(ValueError):
     """A configuration value is missing, unknown, of the wrong type or inconsistent."""
 
@@ -149,11 +152,14 @@ class DataConfig:
 @dataclass
 class ParallelConfig:
     cp: int = opt(1, "Context-parallel degree; data-parallel degree = world size / cp.")
-    cp_heads: int = opt(
+    cp_heads: int | str = opt(
         1,
         "Head-parallel ranks inside cp (ringflash/hybrid.py): cp = cp_heads × ring ranks, the head all-to-all "
         "on consecutive ranks (one node), the ring across them. Must divide cp and model.n_heads, and divide "
-        "or be divided by model.n_kv_heads; 1 is the plain ring. python -m ringflash.plan recommends one.",
+        "or be divided by model.n_kv_heads; 1 is the plain ring (the only one for model.kind = hf). auto: the "
+        "planner's choice at start-up for this model, data.seq_len and batch_size, cp, the GPUs per node, "
+        "transport and layout (ringflash.plan.choose_layout, docs/planner.md), logged with its prediction.",
+        ("auto",),
     )
     layout: str = opt(
         "zigzag",
@@ -165,8 +171,9 @@ class ParallelConfig:
         "ring",
         "How attention reaches the other cp ranks' keys: ring passes K/V blocks around the ring, overlapped "
         "with compute; allgather gathers all K/V in head chunks (Llama 3's; cheap under GQA, any document "
-        "mask balanced; with cp_heads > 1 the head all-to-all wraps it as it wraps the ring).",
-        ("ring", "allgather"),
+        "mask balanced; with cp_heads > 1 the head all-to-all wraps it as it wraps the ring). auto: the "
+        "planner's choice, for the cp_heads given or with cp_heads = auto.",
+        ("ring", "allgather", "auto"),
     )
     dist_backend: str = opt(
         "auto", "Process-group backend; auto means nccl on CUDA, gloo on CPU.", ("auto", "nccl", "gloo")
@@ -293,6 +300,12 @@ def _fields(section) -> dict[str, tuple[dataclasses.Field, type]]:
 
 def _coerce(key: str, value, typ: type, from_cli: bool):
     """`value` as `typ`, or ConfigError. CLI values arrive as strings and are parsed here."""
+    if typ == int | str:  # a number or one of the field's keywords (parallel.cp_heads = 4 or "auto")
+        if from_cli:
+            return int(value) if value.lstrip("+-").isdigit() else value
+        if isinstance(value, (int, str)) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected int or str, got {type(value).__name__} {value!r}")
     if typ is dict:  # a table of config keys ([model.hf]); entries are set one by one from the CLI
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a table ([{key}] in TOML, --{key}.KEY=VALUE on the command line)")
@@ -335,8 +348,9 @@ def _set(cfg: Config, key: str, value, from_cli: bool) -> None:
     f, typ = fields[name]
     value = _coerce(key, value, typ, from_cli)
     choices = f.metadata.get("choices")
-    if choices and value not in choices:
-        raise ConfigError(f"{key}: must be one of {', '.join(choices)}, got {value!r}")
+    if choices and isinstance(value, str) and value not in choices:
+        expected = f"an int or {' or '.join(choices)}" if typ == int | str else f"one of {', '.join(choices)}"
+        raise ConfigError(f"{key}: must be {expected}, got {value!r}")
     setattr(section, name, value)
 
 
@@ -424,7 +438,6 @@ def validate(cfg: Config) -> None:
         "data.eval_buckets": (d.eval_buckets, "[1, inf)"),
         "data.eval_samples": (d.eval_samples, "[0, inf)"),
         "parallel.cp": (p.cp, "[1, inf)"),
-        "parallel.cp_heads": (p.cp_heads, "[1, inf)"),
         "parallel.timeout_s": (p.timeout_s, "(0, inf)"),
         "train.steps": (t.steps, "[1, inf)"),
         "train.grad_accum": (t.grad_accum, "[1, inf)"),
@@ -442,6 +455,8 @@ def validate(cfg: Config) -> None:
         "logging.log_every": (cfg.logging.log_every, "[1, inf)"),
         "logging.peak_tflops": (cfg.logging.peak_tflops, "[0, inf)"),
     }
+    if p.cp_heads != AUTO:
+        ranges["parallel.cp_heads"] = (p.cp_heads, "[1, inf)")
     if d.kind == "passkey":  # unused by text and bin
         ranges |= {
             "data.passkey_digits": (d.passkey_digits, "[1, inf)"),
@@ -463,9 +478,13 @@ def validate(cfg: Config) -> None:
             raise ConfigError("model.window: with model.kind = hf the windows are the HF config's (sliding_window)")
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(f"model.n_kv_heads ({m.n_kv_heads}) must divide model.n_heads ({m.n_heads})")
-    if p.cp % p.cp_heads:
+    if p.cp_heads != AUTO and p.cp % p.cp_heads:
         raise ConfigError(f"parallel.cp_heads ({p.cp_heads}) must divide parallel.cp ({p.cp})")
-    if p.cp_heads > 1:
+    if p.cp_heads != AUTO and p.cp_heads > 1 and m.kind == "hf":
+        # Their attention runs the ring over all of cp (ringflash.hf): a head grid would shard the
+        # tokens one way and attend to them another.
+        raise ConfigError("parallel.cp_heads > 1 needs model.kind = small (transformers models run the ring or the all-gather over all of cp)")
+    if p.cp_heads != AUTO and p.cp_heads > 1:
         from ringflash.hybrid import kv_heads_per_rank
 
         try:
@@ -580,7 +599,8 @@ def describe() -> str:
         section = getattr(Config(), section_name)
         for name, (f, typ) in _fields(section).items():
             lines.append(
-                f"  --{section_name}.{name}={getattr(section, name)!r}  ({typ.__name__})  {f.metadata['help']}"
+                f"  --{section_name}.{name}={getattr(section, name)!r}  ({getattr(typ, '__name__', typ)})  "
+                f"{f.metadata['help']}"
             )
     return "\n".join(lines)
 

@@ -15,6 +15,7 @@ NVLink) and data parallelism spans the outer dimension.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import inspect
 import os
@@ -32,8 +33,9 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ringflash
-from ringflash import kernels
-from ringflash.train.config import Config, ConfigError, ParallelConfig, kernel_backend, to_dict
+from ringflash import kernels, plan
+from ringflash.layout import SCHEMES
+from ringflash.train.config import AUTO, Config, ConfigError, ParallelConfig, kernel_backend, to_dict
 from ringflash.transport.groups import register_grid
 
 
@@ -46,9 +48,11 @@ class ParallelDims:
     world_size: int
     cp_heads: int = 1  # head-parallel ranks inside cp (ringflash/hybrid.py); the ring has cp / cp_heads
     cp_scheme: str = "ring"  # how attention crosses the cp ranks (ringflash.layout.SCHEMES)
+    chosen: str = ""  # what "auto" chose for cp_heads and cp_scheme, and why ("": the config set them)
 
     @classmethod
-    def from_config(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
+    def from_config(cls, cfg: ParallelConfig, world_size: int, chosen: str = "") -> ParallelDims:
+        """The degrees of `cfg`, its cp_heads and cp_scheme given (`choose_cp_layout` resolves "auto")."""
         if cfg.cp < 1 or world_size % cfg.cp:
             raise ConfigError(
                 f"parallel.cp ({cfg.cp}) must divide the world size ({world_size}); "
@@ -57,7 +61,7 @@ class ParallelDims:
         if cfg.cp_heads < 1 or cfg.cp % cfg.cp_heads:
             raise ConfigError(f"parallel.cp_heads ({cfg.cp_heads}) must divide parallel.cp ({cfg.cp})")
         return cls(dp=world_size // cfg.cp, cp=cfg.cp, world_size=world_size, cp_heads=cfg.cp_heads,
-                   cp_scheme=cfg.cp_scheme)  # fmt: skip
+                   cp_scheme=cfg.cp_scheme, chosen=chosen)  # fmt: skip
 
     def build_mesh(self, device_type: str, ring_options: dist.ProcessGroupNCCL.Options | None = None) -> DeviceMesh:
         """The ("dp", "cp") mesh; `ring_options` (NCCL) for the cp groups when they are not the whole world.
@@ -183,8 +187,62 @@ def _attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
     return dist.PrefixStore(f"ringflash/{run_id}/attempt_{attempt}", store)
 
 
+def choose_cp_layout(run: Config, gpus_per_node: int, device_name: str) -> tuple[int, str, str]:
+    """`parallel.cp_heads` and `parallel.cp_scheme` of `run` with "auto" resolved, and one line
+    saying what was chosen and why ("" when neither is auto).
+
+    The planner (`ringflash.plan.choose_layout`) predicts the model's attention (heads, K/V heads,
+    head dim, data.batch_size sequences of data.seq_len tokens, causal, dense) on cp GPUs,
+    `gpus_per_node` of them a node, over the run's transport and layout, at the kernel rates and
+    links of H100/H200s whatever `device_name` says. A pure function of its arguments, so ranks
+    handed the same ones choose alike.
+    """
+    p, m = run.parallel, run.model
+    if AUTO not in (p.cp_heads, p.cp_scheme):
+        return p.cp_heads, p.cp_scheme, ""
+    u = None if p.cp_heads == AUTO else p.cp_heads
+    if m.kind == "hf" or p.cp == 1:
+        u, scheme = u or 1, "ring" if p.cp_scheme == AUTO else p.cp_scheme
+        # A transformers model's shape is its HF config's, which the planner is not given: u = 1.
+        why = "model.kind = hf: no head grid, the ring unless cp_scheme says" if m.kind == "hf" else "cp = 1: nothing to split"
+    else:
+        shape = plan.Model(m.n_heads, m.n_kv_heads, m.dim // m.n_heads, m.n_layers, run.data.batch_size,
+                           dtype_bytes=4 if run.train.dtype == "float32" else 2)  # fmt: skip
+        cluster = plan.cluster_of(p.cp, gpus_per_node)
+        schemes = SCHEMES if p.cp_scheme == AUTO else (p.cp_scheme,)
+        try:
+            best, why = plan.choose_layout(shape, run.data.seq_len, cluster, transport=p.transport, layout=p.layout,
+                                           schemes=schemes, u=u)  # fmt: skip
+        except ValueError as e:
+            raise ConfigError(f"parallel.cp_heads = {p.cp_heads}, parallel.cp_scheme = {p.cp_scheme}: {e}") from None
+        # r = 1 has no scheme (the prediction says ring): a scheme the config gives stays.
+        u, scheme = best.u, best.scheme if p.cp_scheme == AUTO else p.cp_scheme
+        gpu = "" if any(g in device_name for g in ("H100", "H200")) else f", as H100/H200s (this run: {device_name})"
+        masks = (("model.window", m.window), ("data.pack_documents", run.data.pack_documents))
+        unmodelled = " and ".join(key for key, on in masks if on)
+        nodes = "" if cluster.nodes == 1 else f" on {cluster.nodes} nodes"
+        why = f"ringflash.plan for {p.cp} GPUs{nodes}{gpu}: {why}"
+        if unmodelled:
+            why += f"; predicted as dense causal attention ({unmodelled} not modelled)"
+    chosen = [f"parallel.{key} = auto: {value}" for key, value, asked in
+              (("cp_heads", u, p.cp_heads), ("cp_scheme", scheme, p.cp_scheme)) if asked == AUTO]  # fmt: skip
+    return u, scheme, f"{', '.join(chosen)} ({why})"
+
+
+def _node_of_rank_0(device: torch.device) -> tuple[int, str]:
+    """(processes per node, device name) as rank 0 sees them, on every rank: what the layout is
+    chosen from must not differ between ranks (nodes of different GPUs or process counts)."""
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0))  # torchrun's; else every GPU of the host
+    if device.type == "cuda":
+        node = [(per_node or torch.cuda.device_count(), torch.cuda.get_device_name(device))]
+    else:
+        node = [(per_node or dist.get_world_size(), "cpu")]
+    dist.broadcast_object_list(node, src=0)
+    return node[0]
+
+
 @contextmanager
-def distributed(cfg: ParallelConfig, device: str = "auto", timeout_s: float | None = None):
+def distributed(cfg: ParallelConfig, device: str = "auto", timeout_s: float | None = None, run: Config | None = None):
     """Join (or start) the process group, build the mesh, and tear down what we started.
 
     Under torchrun the env:// rendezvous is used; a plain `python launch/train.py` becomes a
@@ -195,6 +253,9 @@ def distributed(cfg: ParallelConfig, device: str = "auto", timeout_s: float | No
     transfer: a rank that died, hangs or skipped a call makes the others raise after at most
     that long (gloo: the blocked call raises; NCCL: the watchdog aborts the process), and
     torchrun then restarts or stops the job instead of leaving it hung.
+
+    `run`, the whole configuration, is what `parallel.cp_heads` or `cp_scheme` = auto are chosen
+    for (`choose_cp_layout`); the mesh and `pc.dims` get the values chosen.
     """
     dev = resolve_device(device)
     if dev.type == "cuda":
@@ -221,7 +282,13 @@ def distributed(cfg: ParallelConfig, device: str = "auto", timeout_s: float | No
                 dist.init_process_group(**opts)
             else:
                 dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **opts)
-        dims = ParallelDims.from_config(cfg, dist.get_world_size())
+        chosen = ""
+        if AUTO in (cfg.cp_heads, cfg.cp_scheme):
+            if run is None:
+                raise ConfigError("parallel.cp_heads or cp_scheme = auto: distributed(run=) needs the run's config")
+            cp_heads, cp_scheme, chosen = choose_cp_layout(run, *_node_of_rank_0(dev))
+            cfg = dataclasses.replace(cfg, cp_heads=cp_heads, cp_scheme=cp_scheme)
+        dims = ParallelDims.from_config(cfg, dist.get_world_size(), chosen)
         mesh = dims.build_mesh(dev.type, ring_options)
         pc = ParallelContext(dims, mesh, dev, dist.get_rank(), mesh["dp"].get_local_rank(), 0)
         pc.cp_rank = pc.cp_mesh.get_local_rank()
@@ -284,7 +351,7 @@ def parallelize(model: nn.Module, pc: ParallelContext, cfg: Config) -> nn.Module
             transport=cfg.parallel.transport,
             backend=backend,
             head_group=pc.head_group,
-            scheme=cfg.parallel.cp_scheme,
+            scheme=pc.dims.cp_scheme,
         )
         if cfg.train.compile:
             # Only the parts without communication: norms and SwiGLU are memory-bound chains of

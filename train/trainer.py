@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -145,7 +145,7 @@ def _out_of_time(t_start: float, max_minutes: float, device: torch.device) -> bo
 def train(cfg: Config) -> TrainResult:
     # The loop makes its Logger only once every check has passed (a rejected run must not leave an
     # empty runs/<dir>/tb/<stamp>/ behind) and registers its close in `on_exit`.
-    with distributed(cfg.parallel, cfg.train.device) as pc, contextlib.ExitStack() as on_exit:
+    with distributed(cfg.parallel, cfg.train.device, run=cfg) as pc, contextlib.ExitStack() as on_exit:
         return _loop(cfg, pc, on_exit)
 
 
@@ -219,6 +219,7 @@ def _loop(cfg: Config, pc: ParallelContext, on_exit: contextlib.ExitStack) -> Tr
             "scheduler": scheduler.state_dict(),
             "data": loader.state_dict(),
             "config": to_dict(cfg),
+            "parallel_dims": asdict(pc.dims),  # what ran, where the config says auto
         }
         log.print(f"checkpoint: {ckpt.save(at, model, optimizer, train_state)}")
 
@@ -269,6 +270,8 @@ def _loop(cfg: Config, pc: ParallelContext, on_exit: contextlib.ExitStack) -> Tr
         f"model {n_params / 1e6:.2f}M params | dp {pc.dims.dp} × cp {pc.dims.cp} on {dev.type} "
         f"({dist.get_backend()}) | {tokens_per_step} tokens/step, {cfg.data.seq_len // pc.dims.cp} per rank per seq"
     )
+    if pc.dims.chosen:
+        log.print(pc.dims.chosen)
     if cfg.data.pack_documents or cfg.model.window:
         docs = f"packed documents ending at token {resolve_eod_token(cfg.data)}" if cfg.data.pack_documents else ""
         window = f"sliding window of {cfg.model.window} tokens" if cfg.model.window else ""

@@ -33,7 +33,7 @@ def test_choices_are_the_librarys():
 
     choices = {f.name: f.metadata["choices"] for f in dataclasses.fields(ParallelConfig)}
     assert set(choices["layout"]) == set(LAYOUTS)
-    assert set(choices["cp_scheme"]) == set(SCHEMES)
+    assert set(choices["cp_scheme"]) == set(SCHEMES) | {"auto"}
     assert set(choices["transport"]) == set(TRANSPORTS)
 
 
@@ -145,6 +145,8 @@ def test_missing_file():
         (["--model.dim=96", "--model.n_heads=32"], r"model.dim \(96\) must be n_heads \(32\) times an even head_dim"),
         (["--train.warmup_steps=-1"], r"train.warmup_steps: must be >= 0, got -1"),
         (["--parallel.timeout_s=0"], r"parallel.timeout_s: must be > 0, got 0.0"),
+        (["--model.kind=hf", "--model.hf.model_type=llama", "--parallel.cp=2", "--parallel.cp_heads=2"],
+         r"parallel.cp_heads > 1 needs model.kind = small"),
         (["--parallel.cp_scheme=tree"], r"parallel.cp_scheme"),
         (["--parallel.cp=2", "--parallel.layout=stripe"], r"parallel.layout = stripe spreads every evaluation"),
     ],
@@ -302,6 +304,86 @@ def test_cp_must_divide_world_size():
     assert ParallelDims.from_config(ParallelConfig(cp=2), 4) == ParallelDims(dp=2, cp=2, world_size=4)
     with pytest.raises(ConfigError, match=r"parallel.cp \(3\) must divide the world size \(2\)"):
         ParallelDims.from_config(ParallelConfig(cp=3), 2)
+
+
+def test_cp_heads_and_scheme_take_auto(tmp_path):
+    cfg = load_config(write(tmp_path, '[parallel]\ncp = 2\ncp_heads = "auto"\ncp_scheme = "auto"\n'))
+    assert (cfg.parallel.cp_heads, cfg.parallel.cp_scheme) == ("auto", "auto")
+    assert load_config(write(tmp_path, "[parallel]\ncp = 2\ncp_heads = 2\n")).parallel.cp_heads == 2
+    assert load_config(None, ["--parallel.cp=2", "--parallel.cp_heads=2"]).parallel.cp_heads == 2  # an int, not "2"
+    assert "--parallel.cp_heads=1  (int | str)" in describe()
+
+
+@pytest.mark.parametrize(
+    "source, match",
+    [
+        (["--parallel.cp_heads=best"], r"^parallel.cp_heads: must be an int or auto, got 'best'$"),
+        (["--parallel.cp_heads=Auto"], r"^parallel.cp_heads: must be an int or auto, got 'Auto'$"),
+        ("[parallel]\ncp_heads = 2.5\n", r"^parallel.cp_heads: expected int or str, got float 2.5$"),
+        ("[parallel]\ncp_heads = true\n", r"^parallel.cp_heads: expected int or str, got bool True$"),
+        (["--parallel.cp_heads=0"], r"^parallel.cp_heads: must be >= 1, got 0$"),
+        (["--parallel.cp=4", "--parallel.cp_heads=3"], r"parallel.cp_heads \(3\) must divide parallel.cp \(4\)"),
+        (["--parallel.cp_scheme=best"], r"^parallel.cp_scheme: must be one of ring, allgather, auto, got 'best'$"),
+    ],
+)
+def test_bad_cp_heads_names_the_key_and_what_it_takes(tmp_path, source, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(*((write(tmp_path, source), []) if isinstance(source, str) else (None, source)))
+
+
+def llama3_8b(cp: int, *overrides: str) -> Config:
+    """Llama-3-8B's attention (32 heads, 8 K/V heads, head dim 128, 32 layers), one sequence of 8k
+    tokens per GPU, bf16."""
+    shape = ["--model.dim=4096", "--model.n_heads=32", "--model.n_kv_heads=8", "--model.n_layers=32"]
+    run = ["--data.seq_len", str(8192 * cp), "--data.batch_size=1", "--data.eval_samples=0", "--train.dtype=bfloat16"]
+    return load_config(None, [*shape, *run, f"--parallel.cp={cp}", *overrides])
+
+
+def test_auto_chooses_head_parallel_for_llama3_8b_at_8k_per_gpu_on_4_h100s():
+    from ringflash.train.parallel import choose_cp_layout
+
+    u, scheme, line = choose_cp_layout(llama3_8b(4, "--parallel.cp_heads=auto"), 8, "NVIDIA H100 80GB HBM3")
+    assert (u, scheme) == (4, "ring")
+    assert line.startswith("parallel.cp_heads = auto: 4 (ringflash.plan for 4 GPUs: head-parallel u=4 is the fastest")
+    u, scheme, line = choose_cp_layout(llama3_8b(4, "--parallel.cp_heads=auto", "--parallel.cp_scheme=auto"), 8, "H200")
+    assert (u, scheme) == (4, "ring")
+    assert line.startswith("parallel.cp_heads = auto: 4, parallel.cp_scheme = auto: ring (ringflash.plan for 4 GPUs")
+
+
+@pytest.mark.parametrize(
+    "overrides, gpus_per_node, chosen, says",
+    [
+        # 12 heads, 3 K/V heads: neither u = 2 nor u = 4 splits or replicates them.
+        (["--model.dim=1536", "--model.n_heads=12", "--model.n_kv_heads=3"], 8, (1, "ring"), "for 4 GPUs: ring is"),
+        (["--parallel.cp_heads=2", "--parallel.cp_scheme=auto"], 8, (2, "ring"), "parallel.cp_scheme = auto: ring ("),
+        (["--parallel.cp_scheme=allgather"], 8, (4, "allgather"), "for 4 GPUs: head-parallel u=4"),
+        # Two GPUs a node: all-to-alls over the 4 ranks would cross InfiniBand.
+        (["--parallel.cp_scheme=auto"], 2, (1, "ring"), "for 4 GPUs on 2 nodes: ring is the fastest"),
+        (["--model.window=4096"], 8, (4, "ring"), "(model.window not modelled)"),
+        (["--model.kind=hf", "--model.hf.model_type=llama"], 8, (1, "ring"), "(model.kind = hf runs the ring alone)"),
+    ],
+    ids=["heads-do-not-split", "scheme-only", "given-scheme-kept", "two-nodes", "window", "hf"],
+)
+def test_auto_resolves_to_what_the_config_allows(overrides, gpus_per_node, chosen, says):
+    from ringflash.train.parallel import choose_cp_layout
+
+    cfg = llama3_8b(4, "--parallel.cp_heads=auto", *overrides)
+    u, scheme, line = choose_cp_layout(cfg, gpus_per_node, "NVIDIA H100 80GB HBM3")
+    assert (u, scheme) == chosen and says in line, line
+
+
+def test_auto_is_the_planners_choice_of_a_valid_u_on_any_device():
+    from ringflash.train.parallel import choose_cp_layout
+
+    for heads, kv_heads in ((32, 8), (12, 3), (8, 1), (6, 6), (4, 2)):
+        for cp in (1, 2, 4, 8):
+            shape = [f"--model.dim={128 * heads}", f"--model.n_heads={heads}", f"--model.n_kv_heads={kv_heads}"]
+            u, scheme, line = choose_cp_layout(llama3_8b(cp, *shape, "--parallel.cp_heads=auto"), 8, "cpu")
+            # The explicit value passes the config's own checks (kv_heads_per_rank among them).
+            load_config(None, [*shape, f"--data.seq_len={8192 * cp}", f"--parallel.cp={cp}", f"--parallel.cp_heads={u}",
+                               f"--parallel.cp_scheme={scheme}", "--data.eval_samples=0"])  # fmt: skip
+            assert "as H100/H200s (this run: cpu)" in line or cp == 1, line
+    assert choose_cp_layout(llama3_8b(4), 8, "cpu") == (1, "ring", "")  # nothing auto: the config's own
 
 
 @pytest.mark.parametrize(("dp", "cp", "override"), [(2, 2, True), (1, 4, False), (4, 1, False)])

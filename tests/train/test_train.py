@@ -6,7 +6,9 @@ import contextlib
 import copy
 import importlib.util
 import io
+import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -240,6 +242,44 @@ def test_torchrun_two_ranks_loss_falls(tmp_path):
     events = EventAccumulator(str(next((run / "tb").iterdir())))
     events.Reload()
     assert {"recall/acc_bucket3", "recall/acc_min", "recall/acc_key_on_rank1"} <= set(events.Tags()["scalars"])
+
+
+def _cp_heads_chosen(rank, world, cfg):
+    from ringflash.train.parallel import distributed
+
+    os.environ["LOCAL_WORLD_SIZE"] = str(world - rank)  # rank 1 sees itself alone on its node
+    with distributed(cfg.parallel, "cpu", run=cfg) as pc:
+        return pc.dims.cp_heads, pc.head_group is not None
+
+
+def test_cp_heads_auto_is_rank_0s_choice_on_every_rank():
+    # At 64k tokens the planner takes head parallelism inside one node of 2 and the ring across two
+    # nodes of 1: ranks choosing from their own views would build different meshes.
+    shape = ["--model.dim=512", "--model.n_heads=4", "--model.n_kv_heads=4", "--data.seq_len=65536"]
+    cfg = tiny(None, "--parallel.cp=2", "--parallel.cp_heads=auto", *shape)
+    assert run_ranks(_cp_heads_chosen, 2, args=(cfg,)) == [(2, True), (2, True)]
+
+
+@pytest.mark.slow
+def test_torchrun_cp_heads_auto(tmp_path):
+    out = torchrun(
+        REPO / "launch" / "train.py",
+        *TINY,
+        "--parallel.cp=2",
+        "--parallel.cp_heads=auto",
+        "--train.steps=2",
+        "--train.warmup_steps=1",
+        f"--logging.dir={tmp_path}",
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    chosen = "parallel.cp_heads = auto: 2 (ringflash.plan for 2 GPUs, as H100/H200s (this run: cpu): head-parallel u=2 "
+    assert out.stdout.count(chosen) == 1, out.stdout  # rank 0 alone says it
+    assert "done: step 2, loss " in out.stdout
+    # The checkpoint keeps what was asked and what ran.
+    state = json.loads((tmp_path / "checkpoints" / "step_00000002" / "train_state.json").read_text())
+    assert state["config"]["parallel"]["cp_heads"] == "auto"
+    assert (state["parallel_dims"]["cp_heads"], state["parallel_dims"]["cp_scheme"]) == (2, "ring")
 
 
 @pytest.mark.parametrize(
