@@ -75,19 +75,34 @@ def score_args(scale: float, softcap: float) -> tuple[float, float]:
 
 
 @triton.jit
-def _fwd_inner(
-    acc, l_i, m_i, q,
-    k_src, v_src, stride_kn, stride_vn, off_b, off_hkv,
-    offs_m, offs_n, offs_d, offs_dv, kv_lo, kv_hi, lo, hi, Nk, qk_scale, cap,
-    CAUSAL: tl.constexpr, RANGES: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-    BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
-):
+def _fwd_inner(acc, l_i, m_i, q, kv, rows, score, lo, hi, MASKED: tl.constexpr, CFG: tl.constexpr):
     """Fold key/value blocks [lo, hi) into the online-softmax state (acc, l_i, m_i).
 
+    The kernel's calls differ only in [lo, hi) and MASKED; what they share comes in groups, built
+    once by the kernel (as FA3's Params structs): `kv = (k_src, v_src, stride_kn, stride_vn, off_b,
+    off_hkv, Nk)`, the kv head's `head_base`s and row strides; `rows = (offs_m, kv_lo, kv_hi)`,
+    the query rows and the key interval each sees (RANGES); `score = (qk_scale, cap)`
+    (`score_args`); `CFG`, the compile-time settings below.
+
     MASKED blocks hide keys past Nk and, by the causal diagonal or the rows' intervals
-    [kv_lo, kv_hi) (RANGES; they lie within [0, Nk)), the keys a row does not see.
-    `k_src, v_src`: the kv head `off_hkv`'s `head_base`."""
+    [kv_lo, kv_hi) (RANGES; they lie within [0, Nk)), the keys a row does not see."""
+    k_src, v_src, stride_kn, stride_vn, off_b, off_hkv, Nk = kv
+    offs_m, kv_lo, kv_hi = rows
+    qk_scale, cap = score
+    CAUSAL: tl.constexpr = CFG[0]
+    RANGES: tl.constexpr = CFG[1]
+    UPCAST: tl.constexpr = CFG[2]
+    PRECISION: tl.constexpr = CFG[3]
+    SOFTCAP: tl.constexpr = CFG[4]
+    TMA: tl.constexpr = CFG[5]
+    BLOCK_N: tl.constexpr = CFG[6]
+    HEAD_DIM: tl.constexpr = CFG[7]
+    BLOCK_D: tl.constexpr = CFG[8]
+    HEAD_DIM_V: tl.constexpr = CFG[9]
+    BLOCK_DV: tl.constexpr = CFG[10]
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         # Keys past Nk read as zeros (only MASKED blocks reach them); the mask hides them.
@@ -176,7 +191,6 @@ def _attn_fwd_kernel(
     off_hkv = off_h // GROUP  # GQA: query heads share key/value heads, nothing is repeated
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)  # q and k's head dim
     offs_dv = tl.arange(0, BLOCK_DV)  # v and o's
 
@@ -191,6 +205,12 @@ def _attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
+    # What every stage shares, grouped once (`_fwd_inner`).
+    kv = (k_src, v_src, stride_kn, stride_vn, off_b, off_hkv, Nk)
+    score = (qk_scale, cap)
+    CFG: tl.constexpr = (
+        CAUSAL, RANGES, UPCAST, PRECISION, SOFTCAP, TMA, BLOCK_N, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV
+    )
     if RANGES:
         # Masked blocks where the rows' intervals begin, unmasked ones all rows see, masked ones
         # where the intervals end; nothing outside them (kernels/masks.py).
@@ -200,18 +220,10 @@ def _attn_fwd_kernel(
         kv_lo = tl.maximum(kv_lo, 0)
         kv_hi = tl.minimum(kv_hi, Nk)
         lo, split, split2, hi = block_bounds(kv_lo, kv_hi, row_ok, Nk, BLOCK_N)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, off_b, off_hkv,
-                                   offs_m, offs_n, offs_d, offs_dv, kv_lo, kv_hi, split, split2, Nk, qk_scale, cap,
-                                   False, True, False, UPCAST, TMA, BLOCK_N, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV,
-                                   PRECISION, SOFTCAP)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, off_b, off_hkv,
-                                   offs_m, offs_n, offs_d, offs_dv, kv_lo, kv_hi, lo, split, Nk, qk_scale, cap,
-                                   False, True, True, UPCAST, TMA, BLOCK_N, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV,
-                                   PRECISION, SOFTCAP)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, off_b, off_hkv,
-                                   offs_m, offs_n, offs_d, offs_dv, kv_lo, kv_hi, split2, hi, Nk, qk_scale, cap,
-                                   False, True, True, UPCAST, TMA, BLOCK_N, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV,
-                                   PRECISION, SOFTCAP)
+        rows = (offs_m, kv_lo, kv_hi)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, kv, rows, score, split, split2, False, CFG)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, kv, rows, score, lo, split, True, CFG)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, kv, rows, score, split2, hi, True, CFG)
     else:
         if CAUSAL:
             # Keys before this query block are visible to all of it; the block on the diagonal is
@@ -221,14 +233,9 @@ def _attn_fwd_kernel(
         else:
             split = (Nk // BLOCK_N) * BLOCK_N  # full key blocks, then a ragged tail
             hi = Nk
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, off_b, off_hkv,
-                                   offs_m, offs_n, offs_d, offs_dv, offs_m, offs_m, 0, split, Nk, qk_scale, cap,
-                                   CAUSAL, False, False, UPCAST, TMA, BLOCK_N, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV,
-                                   PRECISION, SOFTCAP)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, off_b, off_hkv,
-                                   offs_m, offs_n, offs_d, offs_dv, offs_m, offs_m, split, hi, Nk, qk_scale, cap,
-                                   CAUSAL, False, True, UPCAST, TMA, BLOCK_N, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV,
-                                   PRECISION, SOFTCAP)
+        rows = (offs_m, offs_m, offs_m)  # no intervals: never read
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, kv, rows, score, 0, split, False, CFG)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, kv, rows, score, split, hi, True, CFG)
 
     # Rows that saw no key (l_i == 0) get o = 0 and lse = -inf rather than 0/0.
     empty = l_i == 0.0

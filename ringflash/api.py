@@ -133,15 +133,22 @@ def ring_flash_attn_func(
                           learnable_sink)  # fmt: skip
     with kernels.device_guard(q):
         if head_group is not None:  # all-to-all heads, then the ring over `group` on (B, u·n, H/u, D) blocks
+            spec = None
+
+            def settings():  # the hybrid runs it, inside its checks, before ring(): the spec made here serves both
+                nonlocal spec
+                fields, spec = _agreed(q, (dropout_p, window_size, alibi_slopes, deterministic, return_attn_probs),
+                                       causal, softmax_scale, window, mask, transport, backend, softcap,
+                                       learnable_sink)  # fmt: skip
+                return fields
+
             o, lse = hybrid_attention(
                 q, k, v, head_group=head_group, group=group, layout=layout, check_ranks=check_ranks,
                 causal=causal if causal is not None else (mask.causal if isinstance(mask, RingMask) else False),
-                settings=lambda: _agreed(q, (dropout_p, window_size, alibi_slopes, deterministic, return_attn_probs),
-                                         causal, softmax_scale, window, mask, transport, backend, softcap,
-                                         learnable_sink),
+                settings=settings,
                 ring=lambda q, k, v: _attend(
                     q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, True, group,
-                    **options, learnable_sink=ops.sink_slice(learnable_sink, head_group, q.shape[2]),
+                    **options, learnable_sink=ops.sink_slice(learnable_sink, head_group, q.shape[2]), spec=spec,
                 )[:2],
             )  # fmt: skip
             return (o, lse, None) if return_attn_probs else o
@@ -170,8 +177,8 @@ def _allgather(q, k, v, flash, softmax_scale, causal, group, scheme, head_group,
                                     learnable_sink=sink, **options)  # fmt: skip
 
     def settings():  # the hybrid's grid check: the all-gather's settings, its mask's digest
-        fields = _agreed(q, flash, causal, softmax_scale, options["window"], None, "nccl", options["backend"],
-                         options["softcap"], learnable_sink)  # fmt: skip
+        fields, _ = _agreed(q, flash, causal, softmax_scale, options["window"], None, "nccl", options["backend"],
+                            options["softcap"], learnable_sink)  # fmt: skip
         window_size = getattr(getattr(mask, "call", None), "window_size", fields["window_size"])
         return dict(fields, scheme="allgather", mask_key=getattr(mask, "fingerprint", 0), window_size=window_size)
 
@@ -190,11 +197,13 @@ def _allgather(q, k, v, flash, softmax_scale, causal, group, scheme, head_group,
 def _attend(
     q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs, group,
     *, layout, backend, check_ranks, window, mask, transport, prepare=None, softcap=0.0, learnable_sink=None,
+    spec=None,
 ):  # fmt: skip
     """`ring_flash_attn_func`'s body. `prepare(spec, rank, world) -> (q, k, v, mask)` (`spec`: the
     call's `AttnSpec`, causal and window), if given, turns the caller's inputs into the ring's
     inside the checks, so that its errors too are refused on every rank (the varlen forms of
-    ringflash/ring_flash_attn.py)."""
+    ringflash/ring_flash_attn.py). `spec`: that spec, when the caller has already made it from
+    these arguments (the hybrid's grid check, `_agreed`)."""
     # Traced, not run, under torch.compile: only the metadata checks happen here; the group is
     # checked (RingComm) and the ranks compared inside the op. Eager checks the group first.
     compiling = torch.compiler.is_compiling()
@@ -204,7 +213,8 @@ def _attend(
     if causal is None:
         causal = mask.causal if isinstance(mask, RingMask) else False
     try:
-        spec = flash_options(dropout_p, window_size, alibi_slopes, deterministic, return_attn_probs, causal, window)
+        if spec is None:
+            spec = flash_options(dropout_p, window_size, alibi_slopes, deterministic, return_attn_probs, causal, window)
         if prepare is not None:
             q, k, v, mask = prepare(spec, 0 if comm is None else comm.rank, world)
             q, k, v = autocast_inputs(q, k, v)
@@ -255,15 +265,15 @@ def _attend(
 
 
 def _agreed(q, flash: tuple, causal, softmax_scale, window, mask, transport, backend, softcap=0.0,
-            learnable_sink=None) -> dict:  # fmt: skip
+            learnable_sink=None) -> tuple[dict, kernels.AttnSpec]:  # fmt: skip
     """The ring's settings the hybrid's grid check compares (`agree.row`'s keywords), checked here,
-    before its all-to-all; `flash`: `flash_options`' first five arguments."""
+    before its all-to-all, and the call's `AttnSpec`; `flash`: `flash_options`' first five arguments."""
     causal = causal if causal is not None else (mask.causal if isinstance(mask, RingMask) else False)
     spec = flash_options(*flash, causal, window)
     kernels.get_backend(backend, q.device)  # an unknown name raises here; the backend is not compared
     kernels.check_softcap(softcap)
     ops.check_sink(learnable_sink, q)
-    return dict(
+    fields = dict(
         softcap=softcap,
         learnable_sink=learnable_sink,
         window_size=(mask.spec if isinstance(mask, RingMask) else spec).window_size,
@@ -271,6 +281,7 @@ def _agreed(q, flash: tuple, causal, softmax_scale, window, mask, transport, bac
         mask_key=mask.fingerprint if isinstance(mask, RingMask) else 0,
         transport=resolve_transport(transport),
     )
+    return fields, spec
 
 
 def _refuse(error: Exception, comm, check_ranks: bool, q, k, causal, layout) -> NoReturn:

@@ -57,6 +57,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import itertools
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -106,6 +107,7 @@ class RingMask:
         ints, tensors = _encode(self.steps)
         object.__setattr__(self, "plan", tuple(ints))
         object.__setattr__(self, "tensors", tuple(tensors))
+        _LIVE[_op_key(self.plan, self.tensors)] = self
 
     @property
     def causal(self) -> bool:
@@ -158,8 +160,23 @@ def _encode(steps) -> tuple[list[int], list[torch.Tensor]]:
     return ints, tensors
 
 
+# Every live RingMask by its op arguments, so that `decode` hands the ops (which see only ints
+# and tensors) the mask's own steps instead of rebuilding them on every call, forward and
+# backward. Weak: an entry goes with its mask, and while the mask lives so do its tensors, so no
+# other tensor can have their ids.
+_LIVE: weakref.WeakValueDictionary[tuple, RingMask] = weakref.WeakValueDictionary()
+
+
+def _op_key(ints, tensors) -> tuple:
+    return tuple(ints), tuple(map(id, tensors))
+
+
 def decode(ints: list[int], tensors: list[torch.Tensor]) -> list[Step | None]:
-    """Inverse of `op_args`: the steps ring.py loops over, from `mask_plan` and the tensors."""
+    """Inverse of `op_args`: the steps ring.py loops over, from `mask_plan` and the tensors (a live
+    mask's own steps when they are its arguments)."""
+    mask = _LIVE.get(_op_key(ints, tensors))
+    if mask is not None:
+        return list(mask.steps)
     if len(ints) % 5:
         raise ValueError(f"mask plan must hold 5 ints per step, got {len(ints)}")
     out: list[Step | None] = []

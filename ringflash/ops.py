@@ -30,7 +30,8 @@ its `Visibility` tensors as the flat input list `mask_vis` (4 per masked step; `
 mask), its host metadata (rows and kind of each step, skipped steps) as the ints `mask_plan`
 (5 per step; empty without a mask), and, for the cross-rank check, its window as flash_attn's
 `window_size` and its `mask_key` (a hash of its global definition: documents' boundaries, window,
-layout, world). `masks.op_args` encodes a mask so and `masks.decode` decodes it.
+layout, world). `masks.op_args` encodes a mask so and `masks.decode` decodes it (to the mask's
+own steps while it lives: nothing is rebuilt per call).
 Under torch.compile the ints are constants of the graph: a batch whose plan differs (other
 skipped steps or rows) recompiles; the tensors are inputs and change freely.
 

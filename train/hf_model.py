@@ -24,6 +24,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn as nn
 
+from ringflash.kernels import AttnSpec
 from ringflash.train.config import Config, ConfigError, ModelConfig
 
 
@@ -99,15 +100,16 @@ class HFCausalLM(nn.Module):
 
     @property
     def flops_config(self) -> SimpleNamespace:
-        """What `train.metrics.flops_per_token` reads: layers, attention width, window (0: none;
-        mixed full and sliding layers count as full)."""
+        """What `train.metrics.flops_per_token` reads: layers, attention width, and the attention as
+        an `AttnSpec` (mixed full and sliding layers count as full)."""
         import ringflash.hf
 
         c = self.hf.config
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         windows = {ringflash.hf.layer_window(c, i) for i in range(c.num_hidden_layers)}
-        window = next(iter(windows)) if len(windows) == 1 and None not in windows else 0
-        return SimpleNamespace(n_layers=c.num_hidden_layers, dim=c.num_attention_heads * head_dim, window=window)
+        window = next(iter(windows)) if len(windows) == 1 else None
+        spec = AttnSpec(causal=True, window=window)
+        return SimpleNamespace(n_layers=c.num_hidden_layers, dim=c.num_attention_heads * head_dim, attn_spec=spec)
 
 
 def build_hf_model(cfg: Config) -> HFCausalLM:

@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from ringflash.kernels import check_window
+
 # Dense bf16 peak TFLOP/s by GPU name fragment (no sparsity), most specific first.
 _PEAK_TFLOPS = (
     ("H200", 989.0),
@@ -31,21 +33,24 @@ _PEAK_TFLOPS = (
 def flops_per_token(model_cfg, n_matmul_params: int, seq_len: int, doc_ids: torch.Tensor | None = None) -> float:
     """Training FLOPs per token: 6·(matmul params) + 12·n_layers·dim·(keys a query sees on average).
 
-    The keys come from `attended_keys`: causal attention, a sliding window (`model_cfg.window`),
-    and, with `doc_ids`, packed documents each attending only to itself, so MFU counts only the
-    work the masks leave.
+    `model_cfg` gives `n_layers`, `dim` and `attn_spec` (a `ModelConfig`, or an HF model's
+    `flops_config`). The keys come from `attended_keys`: causal attention, the spec's sliding
+    window, and, with `doc_ids`, packed documents each attending only to itself, so MFU counts only
+    the work the masks leave.
     """
-    keys = attended_keys(seq_len, getattr(model_cfg, "window", 0), doc_ids)
+    keys = attended_keys(seq_len, model_cfg.attn_spec.window, doc_ids)
     return 6.0 * n_matmul_params + 12.0 * model_cfg.n_layers * keys * model_cfg.dim
 
 
-def attended_keys(seq_len: int, window: int = 0, doc_ids: torch.Tensor | None = None) -> float:
+def attended_keys(seq_len: int, window: int | None = None, doc_ids: torch.Tensor | None = None) -> float:
     """Keys a query sees on average over sequences of `seq_len` tokens.
 
     A causal document of n tokens counts n²/2 (query, key) pairs, FlashAttention's convention; with
-    a window of w < n keys, the exact n·w − w(w − 1)/2. `doc_ids (B, seq_len)`: packed documents
-    (non-decreasing ids along each row), each counted on its own; None: one document per sequence.
+    a window of w < n keys (None: no window), the exact n·w − w(w − 1)/2. `doc_ids (B, seq_len)`:
+    packed documents (non-decreasing ids along each row), each counted on its own; None: one
+    document per sequence.
     """
+    check_window(window, causal=True)  # 0 is not "off": that is None
     if doc_ids is None:
         lengths = torch.tensor([float(seq_len)], dtype=torch.float64)
         n_rows = 1
@@ -54,7 +59,7 @@ def attended_keys(seq_len: int, window: int = 0, doc_ids: torch.Tensor | None = 
         lengths = torch.cat([torch.unique_consecutive(r, return_counts=True)[1] for r in rows]).double()
         n_rows = rows.shape[0]
     pairs = lengths * lengths / 2
-    if window:
+    if window is not None:
         pairs = torch.where(lengths > window, lengths * window - window * (window - 1) / 2, pairs)
     return float(pairs.sum()) / (n_rows * seq_len)
 

@@ -251,7 +251,7 @@ def _loop(cfg: Config, pc: ParallelContext, on_exit: contextlib.ExitStack) -> Tr
 
     # ---- what a step costs, for throughput and MFU (at the step's sequence length)
     world, n_matmul = pc.dims.world_size, matmul_params(raw)
-    shape = getattr(raw, "flops_config", cfg.model)  # layers, width and window for the attention FLOPs
+    shape = getattr(raw, "flops_config", cfg.model)  # layers, width and attn_spec for the attention FLOPs
 
     def step_cost(at: int, micros=None) -> tuple[int, float]:
         """Tokens and model FLOPs of step `at`, all ranks together. With packed documents the

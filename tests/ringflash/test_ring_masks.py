@@ -14,8 +14,10 @@ different documents. CPU time: about 15 s (most of it the interpreted Triton cas
 
 from __future__ import annotations
 
+import gc
 import math
 import re
+import weakref
 
 import pytest
 import torch
@@ -251,6 +253,28 @@ def test_one_document_per_row_is_the_plain_schedule(layout, causal):
         steps = ringflash.layout.ring_schedule(rank, 4, N // 4, causal, layout)
         assert list(m.steps) == steps, f"rank {rank}: {m}"
         assert m.tensors == (), f"rank {rank}: a Visibility where the dense kernels suffice"
+
+
+def test_ops_decode_a_live_mask_to_its_own_steps():
+    # The ops see a mask only as ints and tensors (`op_args`). Rebuilding its steps from them on
+    # every call, forward and backward in every layer, is host time: a live mask's own come back.
+    from ringflash.masks import decode, op_args
+
+    m = ringflash.masks._build(doc_ids("odd", 2), N, 1, 4, "zigzag", CAUSAL, torch.device("cpu"))
+    vis, kwargs = op_args(m)
+    assert len(vis) >= 4  # steps with intervals, the ones that cost most to rebuild
+    assert all(a is b for a, b in zip(decode(kwargs["mask_plan"], vis), m.steps, strict=True))
+    # Tensors of the same values that are not the mask's are decoded, into steps holding them.
+    copies = [t.clone() for t in vis]
+    fresh = decode(kwargs["mask_plan"], copies)
+    held = [t for st in fresh if st is not None and st.spec.intervals is not None for t in st.spec.intervals]
+    assert all(a is b for a, b in zip(held, copies, strict=True))
+    assert [(st.q, st.kv) if st else None for st in fresh] == [(st.q, st.kv) if st else None for st in m.steps]
+    # Finding masks must not keep them (and their device tensors) alive.
+    gone = weakref.ref(m)
+    del m, vis
+    gc.collect()
+    assert gone() is None
 
 
 # ---- errors -------------------------------------------------------------------------------------

@@ -157,3 +157,18 @@ def test_training_loop_refuses_a_model_the_ring_cannot_serve():
              "--model.hf.n_layer=2", "--model.hf.n_head=4"]  # fmt: skip
     with pytest.raises(RankFailure, match=r"model.hf: .*bloom"):
         run_ranks(_parallelize, 2, args=(tiny_hf(*bloom, "--parallel.cp=2"),), timeout_s=60)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "window"),
+    [(LLAMA, None), ([*LLAMA, "--model.hf.model_type=mistral", "--model.hf.sliding_window=40"], 40), (QWEN2, None)],
+    ids=["full", "sliding-everywhere", "mixed-counts-as-full"],
+)
+def test_hf_flops_config_carries_the_window_as_a_spec(overrides, window):
+    from ringflash.train.hf_model import build_hf_model
+    from ringflash.train.metrics import attended_keys, flops_per_token
+
+    shape = build_hf_model(load_config(None, overrides)).flops_config
+    assert shape.attn_spec.window == window  # None when off, never 0
+    assert (shape.n_layers, shape.dim) == (2, 32)
+    assert flops_per_token(shape, 0, 256) == pytest.approx(12 * 2 * 32 * attended_keys(256, window))

@@ -167,7 +167,7 @@ def test_no_mask_without_documents_or_window():
     assert attention_mask(None, 256, None, "zigzag", None) is None
 
 
-def _pairs_brute(doc_ids: torch.Tensor, window: int) -> float:
+def _pairs_brute(doc_ids: torch.Tensor, window: int | None) -> float:
     """(query, key) pairs of causal attention within each document (and window), counted on the
     dense mask, with FlashAttention's n²/2 for a document no window cuts (its diagonal counts half)."""
     total = 0.0
@@ -175,14 +175,14 @@ def _pairs_brute(doc_ids: torch.Tensor, window: int) -> float:
         for n in torch.unique_consecutive(row, return_counts=True)[1].tolist():
             i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
             seen = j <= i
-            if window and window < n:
+            if window is not None and window < n:
                 total += float((seen & (i - j < window)).sum())  # exact
             else:
                 total += n * n / 2
     return total
 
 
-@pytest.mark.parametrize("window", [0, 1, 7, 40, 1000])
+@pytest.mark.parametrize("window", [None, 1, 7, 40, 1000])
 def test_model_flops_count_only_the_masked_attention(window):
     from ringflash.train.config import ModelConfig
     from ringflash.train.metrics import attended_keys, flops_per_token
@@ -193,11 +193,20 @@ def test_model_flops_count_only_the_masked_attention(window):
     assert attended_keys(L, window, doc) == pytest.approx(_pairs_brute(doc, window) / doc.numel())
     one_doc = torch.zeros(1, L, dtype=torch.long)
     assert attended_keys(L, window, one_doc) == pytest.approx(attended_keys(L, window))  # None: one document
-    if not window:
+    if window is None:
         assert attended_keys(L) == L / 2  # FlashAttention's causal convention
     # The attention term of the model FLOPs scales with these keys; documents only ever remove work.
-    cfg = ModelConfig(dim=64, n_layers=3, n_heads=2, n_kv_heads=1, vocab_size=256, window=window)
+    cfg = ModelConfig(dim=64, n_layers=3, n_heads=2, n_kv_heads=1, vocab_size=256, window=window or 0)  # TOML's 0
     attn = flops_per_token(cfg, 0, L, doc)
     assert attn == pytest.approx(12 * 3 * 64 * attended_keys(L, window, doc))
     assert flops_per_token(cfg, 1000, L, doc) == pytest.approx(attn + 6000)
     assert attn < flops_per_token(cfg, 0, L)
+
+
+@pytest.mark.parametrize("window", [0, -3, 2.5, True])
+def test_attended_keys_refuse_a_window_that_is_not_one(window):
+    from ringflash.train.metrics import attended_keys
+
+    # No window is None; a 0 that counted as "off" would report full causal work for a one-key window.
+    with pytest.raises(ValueError, match=rf"window must be a positive int .* or None, got {window!r}"):
+        attended_keys(96, window)
