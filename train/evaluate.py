@@ -18,20 +18,23 @@ from ringflash.train.data import IGNORE, PasskeyTask, RecallTask
 from ringflash.train.parallel import ParallelContext, attention_mask, shard_batch
 
 
-def _position_owners(L: int, cp: int, layout: str) -> torch.Tensor:
-    """`(L,)` the cp rank that holds each position of a sequence of `L` tokens."""
+def _position_owners(L: int, cp: int, layout: str, head_world: int = 1) -> torch.Tensor:
+    """`(L,)` the cp rank that holds each position of a sequence of `L` tokens (on a grid of
+    `head_world` head ranks, `parallel.cp_heads`: each ring shard cut into consecutive pieces)."""
     import ringflash
 
     owner = torch.empty(L, dtype=torch.long)
     for r in range(cp):
-        owner[ringflash.global_positions(L // cp, r, cp, layout=layout)] = r
+        ring_rank, head_rank = ringflash.grid_coords(r, head_world)
+        owner[ringflash.global_positions(L // cp, ring_rank, cp // head_world, layout=layout, head_rank=head_rank,
+                                         head_world=head_world)] = r  # fmt: skip
     return owner
 
 
-def bucket_owners(task: PasskeyTask | RecallTask, cp: int, layout: str) -> list[int]:
+def bucket_owners(task: PasskeyTask | RecallTask, cp: int, layout: str, head_world: int = 1) -> list[int]:
     """The cp rank that holds the keys of each depth bucket's evaluation samples; a bucket whose
     keys lie on two ranks has no such rank (data.eval_buckets must be a multiple of 2·cp or cp)."""
-    owner = _position_owners(task.L, cp, layout)
+    owner = _position_owners(task.L, cp, layout, head_world)
     owners = []
     for b in range(task.buckets):
         keys = task.key_range(b)
@@ -45,9 +48,9 @@ def bucket_owners(task: PasskeyTask | RecallTask, cp: int, layout: str) -> list[
     return owners
 
 
-def query_owner(task: PasskeyTask | RecallTask, cp: int, layout: str) -> int:
+def query_owner(task: PasskeyTask | RecallTask, cp: int, layout: str, head_world: int = 1) -> int:
     """The cp rank that predicts the answer: it holds the sequence's last input position."""
-    return int(_position_owners(task.L, cp, layout)[task.L - 1])
+    return int(_position_owners(task.L, cp, layout, head_world)[task.L - 1])
 
 
 def accuracy_by_owner(acc: list[float], owners: list[int]) -> dict[int, float]:
@@ -56,16 +59,17 @@ def accuracy_by_owner(acc: list[float], owners: list[int]) -> dict[int, float]:
 
 
 def report(
-    name: str, acc: list[float], task: PasskeyTask | RecallTask, cp: int, layout: str, samples: int
+    name: str, acc: list[float], task: PasskeyTask | RecallTask, cp: int, layout: str, samples: int,
+    head_world: int = 1,
 ) -> list[str]:
     """The closing table: accuracy per depth bucket, where its keys are, which rank holds them."""
-    owners, query = bucket_owners(task, cp, layout), query_owner(task, cp, layout)
+    owners, query = bucket_owners(task, cp, layout, head_world), query_owner(task, cp, layout, head_world)
     lines = [
         f"{name} accuracy on {samples} unseen sequences per depth bucket; the query, at the end, is on rank {query}:"
     ]
     for b, (a, r) in enumerate(zip(acc, owners)):
         lo, hi = task.key_range(b)[0], task.key_range(b)[-1]
-        where = "the query's rank" if r == query else "another rank, across the ring"
+        where = "the query's rank" if r == query else "another rank"
         lines.append(f"  bucket {b}: key at tokens {lo:>5d}-{hi:<5d} held by rank {r} ({where}): {a:.2f}")
     by_rank = accuracy_by_owner(acc, owners)
     lines.append(

@@ -224,7 +224,7 @@ def _loop(cfg: Config, pc: ParallelContext, on_exit: contextlib.ExitStack) -> Tr
         log.print(f"checkpoint: {ckpt.save(at, model, optimizer, train_state)}")
 
     name = cfg.data.kind  # passkey or recall: the printed name and the TensorBoard tag prefix
-    owners = bucket_owners(passkey, pc.dims.cp, cfg.parallel.layout) if passkey is not None else []
+    owners = bucket_owners(passkey, pc.dims.cp, cfg.parallel.layout, pc.dims.cp_heads) if passkey is not None else []
 
     def evaluate(at: int) -> list[float]:
         acc = evaluate_passkey(
@@ -359,7 +359,8 @@ def _loop(cfg: Config, pc: ParallelContext, on_exit: contextlib.ExitStack) -> Tr
         f"{dev.type} processes (cp = {pc.dims.cp}, dp = {pc.dims.dp}); loss {losses[0]:.4f} -> {losses[-1]:.4f}"
     )
     if result.passkey is not None:
-        for line in report(name, result.passkey, passkey, pc.dims.cp, cfg.parallel.layout, cfg.data.eval_samples):
+        for line in report(name, result.passkey, passkey, pc.dims.cp, cfg.parallel.layout, cfg.data.eval_samples,
+                           pc.dims.cp_heads):
             log.print(line)
     if log.writer is not None:
         log.print(f"TensorBoard logs: {log.writer.get_logdir()} (every run: tensorboard --logdir {cfg.logging.dir})")

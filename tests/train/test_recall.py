@@ -51,8 +51,18 @@ def test_recall_buckets_and_ranks():
     assert accuracy_by_owner([1.0, 0.5, 0.25, 0.75], [0, 1, 1, 0]) == {0: 0.875, 1: 0.375}
     lines = report("recall", [1.0, 0.5, 0.25, 0.75], recall(), 2, "zigzag", 8)
     assert lines[0] == "recall accuracy on 8 unseen sequences per depth bucket; the query, at the end, is on rank 0:"
-    assert "held by rank 1 (another rank, across the ring): 0.50" in lines[2]
+    assert "held by rank 1 (another rank): 0.50" in lines[2]
     assert lines[-1] == "  by the rank holding the key: rank 0 0.88, rank 1 0.38 | lowest bucket 0.25"
+
+
+def test_bucket_owners_on_a_head_grid():
+    # cp = 4 as 2 ring ranks × 2 head ranks (parallel.cp_heads = 2), zigzag over 4 chunks of 64:
+    # ring rank 0 holds chunks 0 and 3, cut into head pieces 0 | 3 (cp ranks 0, 1); ring rank 1
+    # holds chunks 1 and 2, pieces 1 | 2 (cp ranks 2, 3). The query, at the end, is on cp rank 1.
+    task = recall(seq_len=256, eval_buckets=8)
+    assert bucket_owners(task, 4, "zigzag", head_world=2) == [0, 0, 2, 2, 3, 3, 1, 1]
+    assert query_owner(task, 4, "zigzag", head_world=2) == 1
+    assert bucket_owners(task, 4, "zigzag") == [0, 1, 2, 3, 3, 2, 1, 0]  # the ring over all 4
 
 
 def test_bucket_across_two_ranks_has_no_owner_label():

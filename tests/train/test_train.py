@@ -233,7 +233,7 @@ def test_torchrun_two_ranks_loss_falls(tmp_path):
     # The closing lines: what ran, accuracy by depth and by the rank holding the key, where the logs are.
     assert "summary: trained 20 steps in " in out.stdout and "on 2 cpu processes (cp = 2, dp = 1)" in out.stdout
     assert "the query, at the end, is on rank 0:" in out.stdout
-    assert "  bucket 1: key at tokens    33-62    held by rank 1 (another rank, across the ring): " in out.stdout
+    assert "  bucket 1: key at tokens    33-62    held by rank 1 (another rank): " in out.stdout
     assert "  by the rank holding the key: rank 0 " in out.stdout
     assert f"(every run: tensorboard --logdir {tmp_path / 'run'})" in out.stdout
     assert f"checkpoint of step 20: {run / 'checkpoints' / 'step_00000020'}" in out.stdout
