@@ -483,7 +483,10 @@ def validate(cfg: Config) -> None:
     if p.cp_heads != AUTO and p.cp_heads > 1 and m.kind == "hf":
         # Their attention runs the ring over all of cp (ringflash.hf): a head grid would shard the
         # tokens one way and attend to them another.
-        raise ConfigError("parallel.cp_heads > 1 needs model.kind = small (transformers models run the ring or the all-gather over all of cp)")
+        raise ConfigError(
+            "parallel.cp_heads > 1 needs model.kind = small (transformers models run the ring or the all-gather "
+            "over all of cp)"
+        )
     if p.cp_heads != AUTO and p.cp_heads > 1:
         from ringflash.hybrid import kv_heads_per_rank
 

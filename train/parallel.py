@@ -204,7 +204,8 @@ def choose_cp_layout(run: Config, gpus_per_node: int, device_name: str) -> tuple
     if m.kind == "hf" or p.cp == 1:
         u, scheme = u or 1, "ring" if p.cp_scheme == AUTO else p.cp_scheme
         # A transformers model's shape is its HF config's, which the planner is not given: u = 1.
-        why = "model.kind = hf: no head grid, the ring unless cp_scheme says" if m.kind == "hf" else "cp = 1: nothing to split"
+        hf = "model.kind = hf: no head grid, the ring unless cp_scheme says"
+        why = hf if m.kind == "hf" else "cp = 1: nothing to split"
     else:
         shape = plan.Model(m.n_heads, m.n_kv_heads, m.dim // m.n_heads, m.n_layers, run.data.batch_size,
                            dtype_bytes=4 if run.train.dtype == "float32" else 2)  # fmt: skip

@@ -443,7 +443,7 @@ def test_null_comm_runs_the_same_schedule():
 
 
 def test_pack_kv_is_k_then_v():
-    q, k, v, _ = global_inputs(make_case(1, n_local=16))
+    _, k, v, _ = global_inputs(make_case(1, n_local=16))
     assert pack_kv(k, v).view(-1).equal(torch.stack((k, v)).view(-1))  # one block, the bytes of k then v
     v = v[..., :8].contiguous()  # a value head dim of its own
     assert all(a.equal(b) for a, b in zip(kv_views(pack_kv(k, v), k.shape[3]), (k, v)))

@@ -360,7 +360,8 @@ def test_auto_chooses_head_parallel_for_llama3_8b_at_8k_per_gpu_on_4_h100s():
         # Two GPUs a node: all-to-alls over the 4 ranks would cross InfiniBand.
         (["--parallel.cp_scheme=auto"], 2, (1, "ring"), "for 4 GPUs on 2 nodes: ring is the fastest"),
         (["--model.window=4096"], 8, (4, "ring"), "(model.window not modelled)"),
-        (["--model.kind=hf", "--model.hf.model_type=llama"], 8, (1, "ring"), "(model.kind = hf: no head grid, the ring unless cp_scheme says)"),
+        (["--model.kind=hf", "--model.hf.model_type=llama"], 8, (1, "ring"),
+         "(model.kind = hf: no head grid, the ring unless cp_scheme says)"),
     ],
     ids=["heads-do-not-split", "scheme-only", "given-scheme-kept", "two-nodes", "window", "hf"],
 )
