@@ -87,31 +87,45 @@ def _load_lse2(LSE, rows, Nq):
 
 
 @triton.jit
-def _dkdv_inner(
-    dk, dv, k, v, Q, DO, LSE, Delta,
-    KV_LO, KV_HI, stride_qn, stride_don, off_b, off_h, offs_n, offs_d, offs_dv, lo, hi, Nq, qk_scale, cap,
-    CAUSAL: tl.constexpr, RANGES: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
-    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-    BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
-):
-    """Accumulate dK, dV of one key block over query blocks [lo, hi) of one query head.
+def _dkdv_inner(dk, dv, k, v, offs_n, qdo, rows, score, lo, hi, MASKED: tl.constexpr, CFG: tl.constexpr):
+    """Accumulate dK, dV of one key block (rows `offs_n`) over query blocks [lo, hi) of one query head.
 
     Works on transposed scores `S^T (BLOCK_N, BLOCK_M)` so that dV = P^T·dO and dK = dS^T·Q are
-    plain products with the key block as rows. `Q, DO`: query head `off_h`'s `head_base`.
+    plain products with the key block as rows. As in `_fwd_inner`, the calls differ only in
+    [lo, hi) and MASKED; the rest comes in groups: `qdo = (q_src, do_src, stride_qn, stride_don,
+    off_b, off_h, Nq)`, the query head's `head_base`s and row strides; `rows = (LSE, Delta, KV_LO,
+    KV_HI)`, where its rows' lse, delta and key intervals (RANGES) begin; `score = (qk_scale, cap)`
+    (`score_args`); `CFG`, `_fwd_inner`'s settings with the query block BLOCK_M as the step.
     """
+    q_src, do_src, stride_qn, stride_don, off_b, off_h, Nq = qdo
+    LSE, Delta, KV_LO, KV_HI = rows
+    qk_scale, cap = score
+    CAUSAL: tl.constexpr = CFG[0]
+    RANGES: tl.constexpr = CFG[1]
+    UPCAST: tl.constexpr = CFG[2]
+    PRECISION: tl.constexpr = CFG[3]
+    SOFTCAP: tl.constexpr = CFG[4]
+    TMA: tl.constexpr = CFG[5]
+    BLOCK_M: tl.constexpr = CFG[6]
+    HEAD_DIM: tl.constexpr = CFG[7]
+    BLOCK_D: tl.constexpr = CFG[8]
+    HEAD_DIM_V: tl.constexpr = CFG[9]
+    BLOCK_DV: tl.constexpr = CFG[10]
     offs_m0 = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     for start_m in range(lo, hi, BLOCK_M):
-        rows = start_m + offs_m0
+        offs_m = start_m + offs_m0
         # Query rows past Nq load as zeros with lse = +inf, so they contribute exactly nothing.
-        q = head_rows(Q, stride_qn, off_b, start_m, off_h * HEAD_DIM, offs_d, Nq, True, TMA, BLOCK_M, HEAD_DIM,
-                      BLOCK_D)
-        do = head_rows(DO, stride_don, off_b, start_m, off_h * HEAD_DIM_V, offs_dv, Nq, True, TMA, BLOCK_M,
+        q = head_rows(q_src, stride_qn, off_b, start_m, off_h * HEAD_DIM, offs_d, Nq, True, TMA, BLOCK_M,
+                      HEAD_DIM, BLOCK_D)
+        do = head_rows(do_src, stride_don, off_b, start_m, off_h * HEAD_DIM_V, offs_dv, Nq, True, TMA, BLOCK_M,
                        HEAD_DIM_V, BLOCK_DV)
         if UPCAST:
             q = q.to(tl.float32)
             do = do.to(tl.float32)
-        lse2 = _load_lse2(LSE, rows, Nq)
-        delta = tl.load(Delta + rows, mask=rows < Nq, other=0.0)
+        lse2 = _load_lse2(LSE, offs_m, Nq)
+        delta = tl.load(Delta + offs_m, mask=offs_m < Nq, other=0.0)
         s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale
         if SOFTCAP:
             t_t = tanh(s_t)
@@ -119,11 +133,11 @@ def _dkdv_inner(
         p_t = tl.math.exp2(s_t - lse2[None, :])
         if MASKED:
             if RANGES:  # the forward's mask: query row i sees key rows [kv_lo[i], kv_hi[i])
-                kv_lo = tl.load(KV_LO + rows, mask=rows < Nq, other=0)
-                kv_hi = tl.load(KV_HI + rows, mask=rows < Nq, other=0)
+                kv_lo = tl.load(KV_LO + offs_m, mask=offs_m < Nq, other=0)
+                kv_hi = tl.load(KV_HI + offs_m, mask=offs_m < Nq, other=0)
                 p_t = tl.where((offs_n[:, None] >= kv_lo[None, :]) & (offs_n[:, None] < kv_hi[None, :]), p_t, 0.0)
             elif CAUSAL:
-                p_t = tl.where(rows[None, :] >= offs_n[:, None], p_t, 0.0)
+                p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
         dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
@@ -134,20 +148,34 @@ def _dkdv_inner(
 
 
 @triton.jit
-def _dkdv_block(
-    start_n, off_b, off_hkv, Q, K, V, DO, LSE, Delta, DK, DV, DKA, DVA,
-    stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
-    stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-    stride_dkab, stride_dkan, stride_dkah, stride_dvab, stride_dvan, stride_dvah,
-    KV_LO, KV_HI, Q_LO, Q_HI, stride_rqb, stride_rkb,
-    Hkv, Nq, Nk, qk_scale, cap, softmax_scale,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr,
-    RANGES: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, TMA: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-):
-    """dK, dV of the key block at `start_n` of K/V head `off_hkv`: computed and stored."""
+def _dkdv_block(start_n, off_b, off_hkv, ins, grads, ranges, sizes, score, softmax_scale, CFG: tl.constexpr):
+    """dK, dV of the key block at `start_n` of K/V head `off_hkv`: computed and stored.
+
+    `_bwd_dkdv`'s arguments, grouped by role: `ins = (Q, K, V, DO, LSE, Delta)` and Q, K, V and
+    DO's (batch, row, head) strides; `grads = (DK, DV, DKA, DVA)` and their strides; `ranges =
+    (KV_LO, KV_HI, Q_LO, Q_HI, stride_rqb, stride_rkb)`; `sizes = (Hkv, Nq, Nk)`; `score =
+    (qk_scale, cap)`; `CFG`, `_fwd_inner`'s settings and BLOCK_M, GROUP, ACCUMULATE.
+    """
+    (Q, K, V, DO, LSE, Delta, stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
+     stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh) = ins
+    (DK, DV, DKA, DVA, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+     stride_dkab, stride_dkan, stride_dkah, stride_dvab, stride_dvan, stride_dvah) = grads
+    KV_LO, KV_HI, Q_LO, Q_HI, stride_rqb, stride_rkb = ranges
+    Hkv, Nq, Nk = sizes
+    CAUSAL: tl.constexpr = CFG[0]
+    RANGES: tl.constexpr = CFG[1]
+    UPCAST: tl.constexpr = CFG[2]
+    PRECISION: tl.constexpr = CFG[3]
+    SOFTCAP: tl.constexpr = CFG[4]
+    TMA: tl.constexpr = CFG[5]
+    BLOCK_N: tl.constexpr = CFG[6]
+    HEAD_DIM: tl.constexpr = CFG[7]
+    BLOCK_D: tl.constexpr = CFG[8]
+    HEAD_DIM_V: tl.constexpr = CFG[9]
+    BLOCK_DV: tl.constexpr = CFG[10]
+    BLOCK_M: tl.constexpr = CFG[11]
+    GROUP: tl.constexpr = CFG[12]
+    ACCUMULATE: tl.constexpr = CFG[13]
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)  # q and k's head dim
     offs_dv = tl.arange(0, BLOCK_DV)  # v, o and do's
@@ -179,24 +207,20 @@ def _dkdv_block(
         split = tl.maximum(lo, split)
         split2 = Nq
         hi = Nq
+    INNER: tl.constexpr = (  # _dkdv_inner's CFG: the query block is its step
+        CAUSAL, RANGES, UPCAST, PRECISION, SOFTCAP, TMA, BLOCK_M, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV
+    )
     for g in range(GROUP):  # the query heads sharing this kv head, in a fixed order
         off_h = off_hkv * GROUP + g
         q_base = head_base(Q, off_b, off_h, stride_qb, stride_qh, TMA)
         do_base = head_base(DO, off_b, off_h, stride_dob, stride_doh, TMA)
         row_base = (off_b * Hkv * GROUP + off_h) * Nq
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, Delta + row_base, kv_lo_ptr, kv_hi_ptr,
-                             stride_qn, stride_don, off_b, off_h, offs_n, offs_d, offs_dv, lo, split, Nq, qk_scale, cap,
-                             CAUSAL, RANGES, True, UPCAST, TMA, BLOCK_M, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV,
-                             PRECISION, SOFTCAP)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, Delta + row_base, kv_lo_ptr, kv_hi_ptr,
-                             stride_qn, stride_don, off_b, off_h, offs_n, offs_d, offs_dv, split, split2, Nq,
-                             qk_scale, cap, CAUSAL, RANGES, False, UPCAST, TMA, BLOCK_M, HEAD_DIM, BLOCK_D,
-                             HEAD_DIM_V, BLOCK_DV, PRECISION, SOFTCAP)
+        qdo = (q_base, do_base, stride_qn, stride_don, off_b, off_h, Nq)
+        rows = (LSE + row_base, Delta + row_base, kv_lo_ptr, kv_hi_ptr)
+        dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, qdo, rows, score, lo, split, True, INNER)
+        dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, qdo, rows, score, split, split2, False, INNER)
         if RANGES:
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, Delta + row_base, kv_lo_ptr, kv_hi_ptr,
-                                 stride_qn, stride_don, off_b, off_h, offs_n, offs_d, offs_dv, split2, hi, Nq,
-                                 qk_scale, cap, CAUSAL, RANGES, True, UPCAST, TMA, BLOCK_M, HEAD_DIM, BLOCK_D,
-                                 HEAD_DIM_V, BLOCK_DV, PRECISION, SOFTCAP)
+            dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, qdo, rows, score, split2, hi, True, INNER)
 
     # ptxas's register allocation for this kernel swings its speed by 10%+ with small changes
     # (float32 stores without the causal mask compile to a slow loop; adding into DK/DV does not):
@@ -236,36 +260,55 @@ def _bwd_dkdv(
     off_hkv = off_bh % Hkv
     n_blocks = tl.cdiv(Nk, BLOCK_N)
     n_halves: tl.constexpr = 2 if PAIRED else 1
+
+    # The arguments by role (`_dkdv_block`).
+    ins = (Q, K, V, DO, LSE, Delta, stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
+           stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh)
+    grads = (DK, DV, DKA, DVA, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+             stride_dkab, stride_dkan, stride_dkah, stride_dvab, stride_dvan, stride_dvah)
+    ranges = (KV_LO, KV_HI, Q_LO, Q_HI, stride_rqb, stride_rkb)
+    sizes = (Hkv, Nq, Nk)
+    score = (qk_scale, cap)
+    CFG: tl.constexpr = (
+        CAUSAL, RANGES, UPCAST, PRECISION, SOFTCAP, TMA, BLOCK_N, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV,
+        BLOCK_M, GROUP, ACCUMULATE,
+    )
     for half in tl.static_range(n_halves):
         block = rank if half == 0 else n_blocks - 1 - rank  # first key blocks first: every query sees them
         if block >= rank + half:  # the second half of the middle program of an odd count: done already
-            _dkdv_block(block * BLOCK_N, off_b, off_hkv, Q, K, V, DO, LSE, Delta, DK, DV, DKA, DVA,
-                        stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
-                        stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
-                        stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-                        stride_dkab, stride_dkan, stride_dkah, stride_dvab, stride_dvan, stride_dvah,
-                        KV_LO, KV_HI, Q_LO, Q_HI, stride_rqb, stride_rkb, Hkv, Nq, Nk, qk_scale, cap,
-                        softmax_scale, HEAD_DIM, HEAD_DIM_V, GROUP, CAUSAL, RANGES, UPCAST, PRECISION, ACCUMULATE,
-                        TMA, BLOCK_N, BLOCK_M, BLOCK_D, BLOCK_DV, SOFTCAP)
+            _dkdv_block(block * BLOCK_N, off_b, off_hkv, ins, grads, ranges, sizes, score, softmax_scale, CFG)
 
 
 @triton.jit
-def _dq_inner(
-    dq, q, do, lse2, delta, K, V, stride_kn, stride_vn, off_b, off_hkv, offs_m, offs_d, offs_dv, kv_lo, kv_hi, lo, hi,
-    Nk, qk_scale, cap, CAUSAL: tl.constexpr, RANGES: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr,
-    TMA: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
-):
+def _dq_inner(dq, q, do, lse2, delta, kv, rows, score, lo, hi, MASKED: tl.constexpr, CFG: tl.constexpr):
     """Accumulate dQ of one query block over key blocks [lo, hi).
 
-    `K, V`: kv head `off_hkv`'s `head_base`."""
+    Its arguments are `_fwd_inner`'s groups: `kv = (k_src, v_src, stride_kn, stride_vn, off_b,
+    off_hkv, Nk)`, `rows = (offs_m, kv_lo, kv_hi)`, `score = (qk_scale, cap)` and `CFG`, the same
+    settings in the same order."""
+    k_src, v_src, stride_kn, stride_vn, off_b, off_hkv, Nk = kv
+    offs_m, kv_lo, kv_hi = rows
+    qk_scale, cap = score
+    CAUSAL: tl.constexpr = CFG[0]
+    RANGES: tl.constexpr = CFG[1]
+    UPCAST: tl.constexpr = CFG[2]
+    PRECISION: tl.constexpr = CFG[3]
+    SOFTCAP: tl.constexpr = CFG[4]
+    TMA: tl.constexpr = CFG[5]
+    BLOCK_N: tl.constexpr = CFG[6]
+    HEAD_DIM: tl.constexpr = CFG[7]
+    BLOCK_D: tl.constexpr = CFG[8]
+    HEAD_DIM_V: tl.constexpr = CFG[9]
+    BLOCK_DV: tl.constexpr = CFG[10]
     offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n0
         # Keys past Nk read as zeros (only MASKED blocks reach them); the mask hides them.
-        k = head_rows(K, stride_kn, off_b, start_n, off_hkv * HEAD_DIM, offs_d, Nk, MASKED, TMA, BLOCK_N, HEAD_DIM,
-                      BLOCK_D)
-        v = head_rows(V, stride_vn, off_b, start_n, off_hkv * HEAD_DIM_V, offs_dv, Nk, MASKED, TMA, BLOCK_N,
+        k = head_rows(k_src, stride_kn, off_b, start_n, off_hkv * HEAD_DIM, offs_d, Nk, MASKED, TMA, BLOCK_N,
+                      HEAD_DIM, BLOCK_D)
+        v = head_rows(v_src, stride_vn, off_b, start_n, off_hkv * HEAD_DIM_V, offs_dv, Nk, MASKED, TMA, BLOCK_N,
                       HEAD_DIM_V, BLOCK_DV)
         if UPCAST:
             k = k.to(tl.float32)
@@ -321,20 +364,21 @@ def _bwd_dq(
     delta = tl.load(Delta + off_bh * Nq + offs_m, mask=offs_m < Nq, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
+    # What every stage shares, grouped once (`_dq_inner`, as the forward's `_fwd_inner`).
+    kv = (k_base, v_base, stride_kn, stride_vn, off_b, off_hkv, Nk)
+    score = (qk_scale, cap)
+    CFG: tl.constexpr = (
+        CAUSAL, RANGES, UPCAST, PRECISION, SOFTCAP, TMA, BLOCK_N, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV
+    )
     if RANGES:  # as the forward: masked, unmasked, masked key blocks from the rows' intervals
         row_ok = offs_m < Nq
         kv_lo = tl.maximum(tl.load(KV_LO + off_b * stride_rqb + offs_m, mask=row_ok, other=0), 0)
         kv_hi = tl.minimum(tl.load(KV_HI + off_b * stride_rqb + offs_m, mask=row_ok, other=0), Nk)
         lo, split, split2, hi = block_bounds(kv_lo, kv_hi, row_ok, Nk, BLOCK_N)
-        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, off_b, off_hkv, offs_m,
-                       offs_d, offs_dv, kv_lo, kv_hi, split, split2, Nk, qk_scale, cap, False, True, False, UPCAST,
-                       TMA, BLOCK_N, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, PRECISION, SOFTCAP)
-        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, off_b, off_hkv, offs_m,
-                       offs_d, offs_dv, kv_lo, kv_hi, lo, split, Nk, qk_scale, cap, False, True, True, UPCAST,
-                       TMA, BLOCK_N, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, PRECISION, SOFTCAP)
-        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, off_b, off_hkv, offs_m,
-                       offs_d, offs_dv, kv_lo, kv_hi, split2, hi, Nk, qk_scale, cap, False, True, True, UPCAST,
-                       TMA, BLOCK_N, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, PRECISION, SOFTCAP)
+        rows = (offs_m, kv_lo, kv_hi)
+        dq = _dq_inner(dq, q, do, lse2, delta, kv, rows, score, split, split2, False, CFG)
+        dq = _dq_inner(dq, q, do, lse2, delta, kv, rows, score, lo, split, True, CFG)
+        dq = _dq_inner(dq, q, do, lse2, delta, kv, rows, score, split2, hi, True, CFG)
     else:
         if CAUSAL:
             split = start_m  # BLOCK_M is a multiple of BLOCK_N: keys before the block are all visible
@@ -342,12 +386,9 @@ def _bwd_dq(
         else:
             split = (Nk // BLOCK_N) * BLOCK_N
             hi = Nk
-        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, off_b, off_hkv, offs_m,
-                       offs_d, offs_dv, offs_m, offs_m, 0, split, Nk, qk_scale, cap, CAUSAL, False, False, UPCAST,
-                       TMA, BLOCK_N, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, PRECISION, SOFTCAP)
-        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, off_b, off_hkv, offs_m,
-                       offs_d, offs_dv, offs_m, offs_m, split, hi, Nk, qk_scale, cap, CAUSAL, False, True, UPCAST,
-                       TMA, BLOCK_N, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, PRECISION, SOFTCAP)
+        rows = (offs_m, offs_m, offs_m)  # no intervals: never read
+        dq = _dq_inner(dq, q, do, lse2, delta, kv, rows, score, 0, split, False, CFG)
+        dq = _dq_inner(dq, q, do, lse2, delta, kv, rows, score, split, hi, True, CFG)
 
     dq = dq * softmax_scale
     if ACCUMULATE:  # add the sums in DQA: DQ itself (accumulate=True) or another (acc=)
