@@ -61,17 +61,15 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, NonFiniteLossError, ValueError, TypeError) as e:
         if not isinstance(e, (ConfigError, NonFiniteLossError)) and not _raised_by_library(e):
             raise  # a bug, not bad input: its traceback is what helps
-        print(f"{who}error: {_one_line(e)}", file=sys.stderr, flush=True)
+        _say(f"{who}error: {_one_line(e)}")
         return 3 if isinstance(e, NonFiniteLossError) else 2
     except RuntimeError as e:
         if not _is_comm_failure(e):
             raise
         # Each rank sees its own side of it (a timeout here, a closed connection there).
-        print(
+        _say(
             f"{who}error: communication failed: {_first_line(e)}. A peer rank died, hung longer than "
-            f"parallel.timeout_s, or skipped a collective; see the first rank that failed.",
-            file=sys.stderr,
-            flush=True,
+            f"parallel.timeout_s, or skipped a collective; see the first rank that failed."
         )
         return 4
     if rank == 0 and result.losses:
@@ -95,6 +93,13 @@ def _is_comm_failure(e: RuntimeError) -> bool:
 
 def _first_line(e: BaseException) -> str:
     return next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+
+
+def _say(line: str) -> None:
+    """`line` to stderr in one write: the ranks share torchrun's stream, and print's separate write
+    of the newline let another rank's line in before it."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def _one_line(e: BaseException) -> str:
