@@ -85,8 +85,8 @@ def _ring_buffers(home: torch.Tensor, comm, hold: bool = False):
     held = hold and comm.world > 3  # below 4 ranks no later step would reuse it
     n = min(2, comm.world - 1) + held
     bufs = [home] + [comm.buffer(f"kv{i}", home.shape, home.dtype, home.device) for i in range(n)]
-    turn = bufs[1 + held :]
-    return lambda s: home if s == 0 else bufs[1] if held and s == 1 else turn[(s - 1 - held) % len(turn)]
+    own, turn = bufs[: 1 + held], bufs[1 + held :]  # the steps with a buffer of their own; the rest alternate
+    return lambda s: own[s] if s < len(own) else turn[(s - len(own)) % len(turn)]
 
 
 def _check_plan(plan: list[Step | None], comm) -> None:
