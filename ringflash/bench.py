@@ -61,11 +61,11 @@ def time_ms(fn: Callable[[], object], warmup_ms: float = 100, rep_ms: float = 50
 
 
 def exit_without_teardown(code: int | None = 0) -> NoReturn:
-    """End a torchrun script with `code` (None: 0) once its work is done, skipping the interpreter's
-    teardown: on CPU (gloo) a rank sometimes aborts there after main() returned, its groups
-    destroyed and everything written ("terminate called without an active exception", from a C++
-    thread of torch's; about 1 run in 15 with 2-4 ranks on 2 busy cores, torch 2.13), and the run
-    fails. docs/RELIABILITY.md has the measurements."""
+    """End a torchrun script (training, a benchmark, a check) with `code` (None: 0) once its work
+    is done, skipping the interpreter's teardown: on CPU (gloo) a rank sometimes aborts there after
+    main() returned, its groups destroyed and everything written ("terminate called without an
+    active exception", from a C++ thread of torch's; about 1 run in 15 with 2-4 ranks on 2 busy
+    cores, torch 2.13), and the run fails. docs/RELIABILITY.md has the measurements."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code or 0)
