@@ -23,7 +23,7 @@ bench_ring.py --masks) through the scheme's mask (`ring_mask` / `gather_mask` ov
 - efficiency = (single/W) ÷ fwd+bwd (bench_ring's and ring-flash-attention's definition);
 - visible: the mask's (query, key) pairs over dense causal's; TFLOP/s/GPU counts those only;
 - predicted ms: the planner's (`ringflash.plan.predict`, default Cluster: 8 GPUs per node, the
-  kernel rates of benchmarks/kernels.jsonl) for the same model, sequence, (u, r) and scheme
+  --backend's kernel rates of benchmarks/kernels.jsonl) for the same model, sequence, (u, r) and scheme
   (dense rows); predicted efficiency: the planner's one-GPU time ÷ W over its (u, r) time;
 - torch CP: `context_parallel` (flash and cuDNN SDPA; the mha shape only, as bench_ring: it
   has no GQA) beside the ring, efficiency against SDPA on one GPU with the same backend.
@@ -64,6 +64,7 @@ from ringflash.bench import (
     visible_fraction,
 )
 from ringflash.hybrid import kv_heads_per_rank
+from ringflash.kernel_rates import BACKEND_IMPLS
 from ringflash.plan import Cluster, KernelRates, Model, predict
 
 SHAPES = {"gqa": (32, 8, 128), "mha": (32, 32, 128)}  # (H, Hkv, D): Llama-3-8B attention; no GQA
@@ -173,12 +174,13 @@ def single_ms(args, cache: dict, n_global: int, shape, dev, dtype, sdpa: str | N
 
 
 def predicted(rates, n_global: int, shape, u: int, r: int, scheme: str, stride: int) -> tuple[float, float]:
-    """The planner's (ms, efficiency in this benchmark's definition) for the grid and scheme."""
+    """The planner's (ms, efficiency in this benchmark's definition) for the grid and scheme;
+    `rates`: the kernel rates by scheme (the all-gather's per-row intervals run on Triton's)."""
     H, Hkv, D = shape
     m = Model(H, Hkv, D)
     c = Cluster()
-    t = predict(m, n_global, c, u, r, "nccl", "zigzag", rates, scheme, stride).time_s
-    one = predict(m, n_global, c, 1, 1, "nccl", "zigzag", rates).time_s
+    t = predict(m, n_global, c, u, r, "nccl", "zigzag", rates[scheme], scheme, stride).time_s
+    one = predict(m, n_global, c, 1, 1, "nccl", "zigzag", rates["ring"]).time_s
     return t * 1e3, one / (u * r) / t
 
 
@@ -310,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
             args.tokens_per_gpu, args.total = [32], [4 * 32 * world]
         wanted = [int(x) for x in args.grids.split(",")] if args.grids else None
         cases = [("weak", n * world) for n in args.tokens_per_gpu] + [("strong", t) for t in args.total]
-        rates = KernelRates.from_records()
+        impl = BACKEND_IMPLS.get(args.backend, BACKEND_IMPLS["triton"])
+        rates = {"ring": KernelRates.from_records(impl=impl), "allgather": KernelRates.from_records()}
         groups, cache, table = Groups(), {}, Table(rank)
         for shape_name in shapes:
             for mode, n_global in cases:
@@ -326,9 +329,9 @@ def main(argv: list[str] | None = None) -> int:
             text = ("efficiency = (one GPU's fwd+bwd on the whole sequence with the same kernels ÷ W) ÷ fwd+bwd "
                     "(dense rows); visible = the mask's (query, key) pairs over dense causal's, TFLOP/s/GPU counting "
                     "those; documents log-uniform in [doc_min, doc_max] tokens, seed 0; predicted = "
-                    "ringflash.plan.predict (default Cluster, kernels.jsonl rates), its efficiency the planner's "
-                    "one-GPU time ÷ W over its grid time; torch CP efficiency against SDPA with the same backend on "
-                    "one GPU. " + " ".join(table.notes))  # fmt: skip
+                    "ringflash.plan.predict (default Cluster, the backend's kernels.jsonl rates), its efficiency the "
+                    "planner's one-GPU time ÷ W over its grid time; torch CP efficiency against SDPA with the same "
+                    "backend on one GPU. " + " ".join(table.notes))  # fmt: skip
             run_args = {"world": world, "causal": True, "layout": "zigzag",
                         "shapes": {s: shapes_table[s] for s in shapes},
                         "tokens_per_gpu": args.tokens_per_gpu, "total": args.total, "grids": args.grids,

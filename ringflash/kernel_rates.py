@@ -1,7 +1,8 @@
 """Kernel TFLOP/s by head dim, causality and direction, over block lengths: the planner's compute rates.
 
-Shipped as ringflash/kernel_rates.json (so an installed package needs no repository), made by
-`KernelRates.from_records()` from benchmarks/kernels.jsonl of a repository checkout.
+One table per kernel backend (`triton`, `hopper`, `cudnn`), shipped as ringflash/kernel_rates.json
+(so an installed package needs no repository), made by `KernelRates.from_records()` from
+benchmarks/kernels.jsonl of a repository checkout (`save_all` writes the shipped file).
 """
 
 from __future__ import annotations
@@ -13,10 +14,16 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["BWD_FLOPS", "REPO", "KernelRates", "records"]
+__all__ = ["BACKEND_IMPLS", "BWD_FLOPS", "REPO", "KernelRates", "records"]
 
 REPO = Path(__file__).resolve().parent.parent  # benchmarks/ there: a repository checkout only
 BWD_FLOPS = 2.5  # backward FLOPs / forward FLOPs (FlashAttention-2's accounting: 5 matmuls vs 2)
+# Each kernel backend's kernels, as benchmarks/kernels.jsonl names them (`cudnn`: SDPA's cuDNN).
+BACKEND_IMPLS = {"triton": "ringflash", "hopper": "ringflash-hopper", "cudnn": "sdpa-cudnn"}
+# The share of a backward's time before its dK/dV are complete, which a ring step can send on
+# only then: the Triton backward runs its dK/dV kernel (4 of its 7 matmuls) before the dQ kernel;
+# the Gluon and cuDNN backwards are one kernel, so their dK/dV leave after all of it.
+DKDV_SHARE = {"ringflash": 4 / 7, "ringflash-hopper": 1.0, "sdpa-cudnn": 1.0}
 
 
 def records(path: Path) -> list[dict]:
@@ -34,12 +41,13 @@ class KernelRates:
     """
 
     table: dict[tuple[int, bool, str], list[tuple[int, float]]] = field(default_factory=dict)
+    dkdv_share: float = DKDV_SHARE["ringflash"]  # of the backward's time, before dK/dV are complete
     POOLED = 5
 
     @classmethod
     def from_records(cls, path: Path = REPO / "benchmarks" / "kernels.jsonl", impl: str = "ringflash") -> KernelRates:
         """`impl`: whose kernels, as kernels.jsonl names them (`ringflash`: the Triton kernels;
-        `ringflash-hopper`: the Gluon ones)."""
+        `ringflash-hopper`: the Gluon ones; `BACKEND_IMPLS` maps the kernel backends)."""
         recs = records(path)
         # Dense MHA tables only: a GQA run (args.group) covers one head dim and its own tiles.
         recs = [r for r in recs if (r.get("args") or {}).get("group", 1) == 1
@@ -52,29 +60,40 @@ class KernelRates:
                 for direction in ("fwd", "bwd"):
                     by_n = samples.setdefault((x["D"], x["causal"] == "yes", direction), {})
                     by_n.setdefault(x["N"], []).append(float(x[f"{direction} TFLOP/s"]))
-        return cls({k: sorted((n, statistics.median(v)) for n, v in by_n.items()) for k, by_n in samples.items()})
+        table = {k: sorted((n, statistics.median(v)) for n, v in by_n.items()) for k, by_n in samples.items()}
+        return cls(table, DKDV_SHARE.get(impl, 1.0))
 
     @classmethod
-    def default(cls) -> KernelRates:
-        """The rates shipped with the package (ringflash/kernel_rates.json, `from_records` of the
-        repository's benchmarks/kernels.jsonl when it was last regenerated)."""
-        return cls.load(importlib.resources.files("ringflash") / "kernel_rates.json")
+    def default(cls, backend: str = "triton") -> KernelRates:
+        """The rates shipped with the package for a kernel backend (`triton`, `hopper`, `cudnn`; the
+        others run Triton's kernels on GPUs): ringflash/kernel_rates.json, `from_records` of the
+        repository's benchmarks/kernels.jsonl when it was last regenerated."""
+        return cls.load(importlib.resources.files("ringflash") / "kernel_rates.json", backend)
 
     @classmethod
-    def load(cls, path) -> KernelRates:
-        """Rates saved by `save`, or (a `.jsonl` path) `from_records` of a kernels.jsonl."""
+    def load(cls, path, backend: str = "triton") -> KernelRates:
+        """One backend's rates from a file `save_all` wrote, or (a `.jsonl` path) `from_records` of
+        a kernels.jsonl."""
+        impl = BACKEND_IMPLS.get(backend, BACKEND_IMPLS["triton"])
         if str(path).endswith(".jsonl"):
-            return cls.from_records(Path(path))
+            return cls.from_records(Path(path), impl)
         text = path.read_text() if hasattr(path, "read_text") else Path(path).read_text()
-        rows = json.loads(text)["rates"]
-        return cls({(r["head_dim"], r["causal"], r["direction"]): [tuple(pt) for pt in r["points"]] for r in rows})
+        saved = json.loads(text)["backends"][impl]
+        table = {(r["head_dim"], r["causal"], r["direction"]): [tuple(pt) for pt in r["points"]]
+                 for r in saved["rates"]}  # fmt: skip
+        return cls(table, saved["dkdv_share"])
 
-    def save(self, path: Path) -> None:
-        """Write the table as JSON (regenerate the shipped one: docs/planner.md)."""
-        rows = [{"head_dim": d, "causal": c, "direction": k, "points": [list(pt) for pt in pts]}
-                for (d, c, k), pts in sorted(self.table.items())]  # fmt: skip
-        source = f"KernelRates.from_records: the median of the newest {self.POOLED} dense records per shape"
-        Path(path).write_text(json.dumps({"source": source, "rates": rows}, indent=1) + "\n")
+    @classmethod
+    def save_all(cls, path: Path, records_path: Path = REPO / "benchmarks" / "kernels.jsonl") -> None:
+        """Write every backend's `from_records` as JSON (the shipped file: docs/planner.md says when)."""
+        backends = {}
+        for impl in BACKEND_IMPLS.values():
+            rates = cls.from_records(records_path, impl)
+            rows = [{"head_dim": d, "causal": c, "direction": k, "points": [list(pt) for pt in pts]}
+                    for (d, c, k), pts in sorted(rates.table.items())]  # fmt: skip
+            backends[impl] = {"dkdv_share": rates.dkdv_share, "rates": rows}
+        source = f"KernelRates.from_records: the median of the newest {cls.POOLED} dense records per shape"
+        Path(path).write_text(json.dumps({"source": source, "backends": backends}, indent=1) + "\n")
 
     @classmethod
     def constant(cls, fwd: float, bwd: float) -> KernelRates:

@@ -11,8 +11,13 @@ all-gathered in chunks of `heads_k_stride` heads), the forward + backward time o
 the sum of:
 - **ring steps**: step s computes its block pair (the layout's schedule: zigzag's half blocks,
   contiguous's full block on the critical rank, the causal diagonal at step 0) while the next
-  K/V block travels, so a step costs max(compute, transfer) + a fixed per-step overhead; in the
-  backward the float32 dK/dV travel beside the K/V.
+  K/V block travels, so a step costs max(compute, transfer) + a fixed per-step overhead. In the
+  backward each block's float32 dK/dV sums travel on to the next rank too, and can leave only
+  once the step's dK/dV are complete: after the dK/dV kernel of a split backward (Triton's; the
+  dQ kernel hides the hop), after all of a fused one (`hopper`, `cudnn`; the next step waits for
+  the whole hop). The last step's sums are the rank's own: no hop follows it. A ring hop's rate
+  depends on the transport: NCCL send/recv (`nccl_p2p_gbs`, or `nccl_pair_gbs` between two
+  ranks), the copy engine (`copy_engine_gbs`), InfiniBand across nodes.
 - **all-gather chunks**: chunk i computes this rank's queries against all keys (the layout
   balances any mask exactly: 1/r of the work) while chunk i + 1's K/V are gathered, and in the
   backward while chunk i − 1's float32 dK/dV are reduce-scattered; the first gather and the last
@@ -20,9 +25,10 @@ the sum of:
 - **all-to-alls** (u > 1): q, k, v to heads and o back (forward), dO to heads and dq, dk, dv
   back (backward), exposed (nothing overlaps them); over NVLink when the head group fits in a
   node (heads are the inner grid dimension), else partly over InfiniBand.
-Compute = FLOPs / the kernel rate recorded in benchmarks/kernels.jsonl at the block's length and
-head dim (ringflash/kernel_rates.py); NCCL's kernels take SMs from attention (`nccl_sm_slowdown`),
-copy engines do not. Links are NVLink when the whole grid is one node, else InfiniBand.
+Compute = FLOPs / the kernel backend's rate recorded in benchmarks/kernels.jsonl at the block's
+length and head dim (ringflash/kernel_rates.py); NCCL's kernels take SMs from attention
+(`nccl_sm_slowdown`), copy engines do not. Links are NVLink when the whole grid is one node, else
+InfiniBand.
 Memory: the bytes per GPU one attention call holds beyond its inputs and outputs (K/V blocks in
 flight and float32 dK/dV for the ring, gathered chunks and their float32 gradients for the
 all-gather, head-layout copies for u > 1); the recommendation is the fastest layout within
@@ -72,15 +78,31 @@ class Model:
 class Cluster:
     """GPUs and links. Bandwidths in GB/s per GPU, one direction; latencies in µs.
 
-    Defaults: H100/H200 SXM nodes: NVLink 4 at 900 GB/s both ways (450 one way) of which NCCL p2p
-    reaches ~80%; one 400 Gb/s InfiniBand NIC per GPU (50 GB/s, ~85% reached); latencies of a
+    Defaults: H100/H200 SXM nodes: NVLink 4 at 900 GB/s both ways (450 one way), of which NCCL's
+    collectives reach ~80%, its send/recv in a ring of 4 only ~35% (`nccl_p2p_gbs`) and copy
+    engines ~75%; one 400 Gb/s InfiniBand NIC per GPU (50 GB/s, ~85% reached); latencies of a
     small NCCL message; `step_overhead_us`: per ring step or all-gather chunk and direction;
     `nccl_sm_slowdown`: attention's slowdown while an NCCL transfer kernel holds SMs.
     """
 
     gpus_per_node: int = field(default=8, metadata={"help": "GPUs of one node (NVLink between them)"})
     nodes: int = field(default=1, metadata={"help": "nodes (InfiniBand between them)"})
-    nvlink_gbs: float = field(default=360.0, metadata={"help": "NVLink GB/s per GPU, one direction, as NCCL reaches"})
+    nvlink_gbs: float = field(
+        default=360.0, metadata={"help": "NVLink GB/s per GPU, one direction, as NCCL's collectives reach "
+                                 "(the all-gather, the all-to-alls)"}
+    )  # fmt: skip
+    nccl_p2p_gbs: float = field(
+        default=155.0, metadata={"help": "GB/s of a ring hop over NCCL send/recv inside a node, each rank sending "
+                                 "to one peer and receiving from another (measured: 64 MiB in 0.43 ms, 4×H100)"}
+    )  # fmt: skip
+    nccl_pair_gbs: float = field(
+        default=280.0, metadata={"help": "GB/s of a ring hop over NCCL between two ranks of a node, each sending "
+                                 "to the other (measured: 270-295, 2×H200)"}
+    )  # fmt: skip
+    copy_engine_gbs: float = field(
+        default=335.0, metadata={"help": "GB/s of a ring hop by copy engines inside a node (measured: 64 MiB in "
+                                 "0.20 ms, 4×H100)"}
+    )  # fmt: skip
     ib_gbs: float = field(default=42.0, metadata={"help": "InfiniBand GB/s per GPU, one direction, as NCCL reaches"})
     nvlink_lat_us: float = field(default=10.0, metadata={"help": "latency of a small NCCL message over NVLink, µs"})
     ib_lat_us: float = field(default=20.0, metadata={"help": "latency of a small NCCL message over InfiniBand, µs"})
@@ -140,19 +162,23 @@ def _steps(m: Model, r: int, n: float, layout: str) -> list[tuple[float, float, 
 
 
 def _ring(m, rates, c, h, hkv, n, r, layout, slow, bw, lat) -> tuple[float, float]:
-    """(compute, time) of the ring's r steps, forward and backward."""
-    kv_bytes = 2 * m.batch * n * hkv * m.head_dim * m.dtype_bytes
-    dkv_bytes = 2 * m.batch * n * hkv * m.head_dim * 4  # float32 sums travel behind their block
+    """(compute, time) of the ring's r steps, forward and backward (module docstring)."""
+    kv_hop = lat + 2 * m.batch * n * hkv * m.head_dim * m.dtype_bytes / bw
+    dkv_hop = lat + 2 * m.batch * n * hkv * m.head_dim * 4 / bw  # the float32 sums
     overhead = c.step_overhead_us * 1e-6 if r > 1 else 0.0
     compute = ring = 0.0
-    for direction, flops_x, comm_bytes in (("fwd", 1.0, kv_bytes), ("bwd", BWD_FLOPS, kv_bytes + dkv_bytes)):
+    for direction, flops_x in (("fwd", 1.0), ("bwd", BWD_FLOPS)):
         for s, (nq, nk, causal) in enumerate(_steps(m, r, n, layout)):
             rate = rates.rate(m.head_dim, math.sqrt(nq * nk), causal, direction) * 1e12
             t = flops_x * _flops(m, h, nq, nk, causal) / rate
             compute += t
-            in_flight = s < r - 1 or (direction == "bwd" and r > 1)  # the backward's last dK/dV hop too
-            hop = lat + (comm_bytes if s < r - 1 else kv_bytes) / bw
-            ring += (max(t * slow, hop) if in_flight else t) + overhead
+            if s == r - 1:
+                step = t  # nothing travels after the last step
+            elif direction == "fwd":
+                step = max(t * slow, kv_hop)
+            else:  # the next block's K/V from the start; the sums once dK/dV are complete
+                step = max(t * slow, rates.dkdv_share * t * slow + dkv_hop, kv_hop + dkv_hop)
+            ring += step + overhead
     return compute, ring
 
 
@@ -225,12 +251,14 @@ def predict(m: Model, seqlen: int, c: Cluster, u: int, r: int, transport: str = 
     h, hkv = m.heads // u, kv_heads_per_rank(m.heads, m.kv_heads, u)
     n = seqlen / r  # tokens of a ring shard (each head rank holds all of them after the all-to-all)
     one_node = u * r <= c.gpus_per_node
-    bw = (c.nvlink_gbs if one_node else c.ib_gbs) * 1e9
     lat = (c.nvlink_lat_us if one_node else c.ib_lat_us) * 1e-6
     slow = 1 + (c.nccl_sm_slowdown if transport == "nccl" and r > 1 else 0.0)
     if scheme == "allgather" and r > 1:
+        bw = (c.nvlink_gbs if one_node else c.ib_gbs) * 1e9
         compute, across = _allgather(m, rates, c, h, hkv, n, r, heads_k_stride, slow, bw, lat)
     else:
+        hop = c.copy_engine_gbs if transport == "copy-engine" else c.nccl_pair_gbs if r == 2 else c.nccl_p2p_gbs
+        bw = (hop if one_node else c.ib_gbs) * 1e9
         compute, across = _ring(m, rates, c, h, hkv, n, r, layout, slow, bw, lat)
     a2a = _a2a(m, c, hkv, seqlen, u, r)
     time = across + a2a
@@ -262,11 +290,13 @@ def feasible(m: Model, c: Cluster) -> list[tuple[int, int, str, str]]:
 
 
 def plan(m: Model, seqlen: int, c: Cluster, layout: str = "zigzag", rates: KernelRates | None = None,
-         heads_k_stride: int = 1) -> list[Prediction]:  # fmt: skip
-    """Predictions of every feasible layout (`feasible`), fastest first."""
-    rates = rates or KernelRates.default()
-    preds = [predict(m, seqlen, c, u, r, t, layout, rates, scheme, heads_k_stride)
-             for u, r, t, scheme in feasible(m, c)]  # fmt: skip
+         heads_k_stride: int = 1, backend: str = "triton") -> list[Prediction]:  # fmt: skip
+    """Predictions of every feasible layout (`feasible`), fastest first, at the rates of the kernel
+    `backend`'s kernels (shipped with the package), but the all-gather's at the Triton kernels'
+    (its per-row key intervals run on them whatever the backend); `rates`: one table for all."""
+    ring_rates, allgather_rates = rates or KernelRates.default(backend), rates or KernelRates.default("triton")
+    preds = [predict(m, seqlen, c, u, r, t, layout, allgather_rates if scheme == "allgather" else ring_rates,
+                     scheme, heads_k_stride) for u, r, t, scheme in feasible(m, c)]  # fmt: skip
     return sorted(preds, key=lambda p: p.time_s)
 
 
@@ -305,7 +335,7 @@ def cluster_of(gpus: int, gpus_per_node: int, **links) -> Cluster:
 
 def choose_layout(m: Model, seqlen: int, c: Cluster, *, transport: str = "nccl", layout: str = "zigzag",
                   schemes: tuple[str, ...] = ("ring", "allgather"), u: int | None = None, heads_k_stride: int = 1,
-                  rates: KernelRates | None = None) -> tuple[Prediction, str]:  # fmt: skip
+                  rates: KernelRates | None = None, backend: str = "triton") -> tuple[Prediction, str]:  # fmt: skip
     """The layout to run one attention call on all of `c`'s GPUs, and why, in one sentence.
 
     Among the feasible grids (`feasible`: u divides H and splits or replicates the K/V heads)
@@ -323,13 +353,13 @@ def choose_layout(m: Model, seqlen: int, c: Cluster, *, transport: str = "nccl",
         layout: how the sequence is cut; "stripe" is balanced at every step and predicted as zigzag.
         schemes: the schemes to choose among, of "ring" and "allgather".
         u: only grids of this many head ranks (None: any).
-        heads_k_stride, rates: `predict`'s.
+        heads_k_stride, rates, backend: `plan`'s (backend: the kernel backend the layers run).
     Return:
         (the `Prediction` chosen, why). Raises ValueError if no grid is a candidate (the
         copy-engine across nodes, where u = all GPUs does not divide the heads).
     """
     predicted_as = "contiguous" if layout == "contiguous" else "zigzag"
-    preds = [p for p in plan(m, seqlen, c, predicted_as, rates, heads_k_stride)
+    preds = [p for p in plan(m, seqlen, c, predicted_as, rates, heads_k_stride, backend)
              if (p.r == 1 or (p.transport == transport and p.scheme in schemes)) and u in (None, p.u)]  # fmt: skip
     if not preds:
         grids = f"grid of {c.gpus} GPUs" + ("" if u is None else f" with u = {u} head ranks")
@@ -387,7 +417,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--layout", default="zigzag", choices=("zigzag", "contiguous"), help="how the ring cuts a sequence")
     p.add_argument("--non-causal", action="store_true", help="full attention instead of causal")
     p.add_argument("--heads-k-stride", type=_positive, default=1, help="allgather: K/V heads gathered per chunk")
-    p.add_argument("--kernels", metavar="PATH", help="a kernels.jsonl to take the kernel rates from "
+    p.add_argument("--backend", default="triton", choices=("triton", "hopper", "cudnn"),
+                   help="the kernel backend whose rates the ring and head parallelism run at (the all-gather: "
+                   "Triton's, whose per-row key intervals it runs on)")  # fmt: skip
+    p.add_argument("--kernels", metavar="PATH", help="a kernels.jsonl to take the --backend's kernel rates from "
                    "(without: those shipped in ringflash/kernel_rates.json)")  # fmt: skip
     gpus = p.add_mutually_exclusive_group()
     gpus.add_argument("--gpus", type=_positive, help="all GPUs: --gpus-per-node of them per node "
@@ -411,11 +444,12 @@ def main(argv: list[str] | None = None) -> None:
         else:
             a.nodes = a.gpus // a.gpus_per_node
     c = Cluster(**{f.name: getattr(a, f.name) for f in fields(Cluster)})
-    rates = KernelRates.load(a.kernels) if a.kernels else KernelRates.default()
+    rates = KernelRates.load(a.kernels, a.backend) if a.kernels else None
     m = Model(a.heads, a.kv_heads, a.head_dim, a.layers, a.batch, not a.non_causal)
-    preds = plan(m, a.seqlen, c, a.layout, rates, a.heads_k_stride)
+    preds = plan(m, a.seqlen, c, a.layout, rates, a.heads_k_stride, a.backend)
     print(f"H={m.heads} Hkv={m.kv_heads} D={m.head_dim} layers={m.layers} B={m.batch} N={a.seqlen} on "
-          f"{c.nodes}x{c.gpus_per_node} GPUs ({a.layout}, {'causal' if m.causal else 'non-causal'})")  # fmt: skip
+          f"{c.nodes}x{c.gpus_per_node} GPUs ({a.layout}, {'causal' if m.causal else 'non-causal'}, "
+          f"{a.backend} kernels)")  # fmt: skip
     print(f"{'scheme':>10} {'u':>5} {'r':>5} {'transport':>12} {'layer ms':>10} {'a2a ms':>8} {'buffers GiB':>11} "
           f"{'model s':>9} {'efficiency':>10}")  # fmt: skip
     for q in preds:

@@ -193,9 +193,10 @@ def choose_cp_layout(run: Config, gpus_per_node: int, device_name: str) -> tuple
 
     The planner (`ringflash.plan.choose_layout`) predicts the model's attention (heads, K/V heads,
     head dim, data.batch_size sequences of data.seq_len tokens, causal, dense) on cp GPUs,
-    `gpus_per_node` of them a node, over the run's transport and layout, at the kernel rates and
-    links of H100/H200s whatever `device_name` says. A pure function of its arguments, so ranks
-    handed the same ones choose alike.
+    `gpus_per_node` of them a node, over the run's transport and layout, at the rates of the run's
+    kernel backend (`hopper`, `cudnn`; else the Triton kernels') and the links of H100/H200s
+    whatever `device_name` says. A pure function of its arguments, so ranks handed the same ones
+    choose alike.
     """
     p, m = run.parallel, run.model
     if AUTO not in (p.cp_heads, p.cp_scheme):
@@ -211,9 +212,10 @@ def choose_cp_layout(run: Config, gpus_per_node: int, device_name: str) -> tuple
                            dtype_bytes=4 if run.train.dtype == "float32" else 2)  # fmt: skip
         cluster = plan.cluster_of(p.cp, gpus_per_node)
         schemes = SCHEMES if p.cp_scheme == AUTO else (p.cp_scheme,)
+        backend = kernel_backend(p)[0] if kernel_backend(p)[0] in ("hopper", "cudnn") else "triton"
         try:
             best, why = plan.choose_layout(shape, run.data.seq_len, cluster, transport=p.transport, layout=p.layout,
-                                           schemes=schemes, u=u)  # fmt: skip
+                                           schemes=schemes, u=u, backend=backend)  # fmt: skip
         except ValueError as e:
             raise ConfigError(f"parallel.cp_heads = {p.cp_heads}, parallel.cp_scheme = {p.cp_scheme}: {e}") from None
         # r = 1 has no scheme (the prediction says ring): a scheme the config gives stays.
@@ -222,7 +224,8 @@ def choose_cp_layout(run: Config, gpus_per_node: int, device_name: str) -> tuple
         masks = (("model.window", m.window), ("data.pack_documents", run.data.pack_documents))
         unmodelled = " and ".join(key for key, on in masks if on)
         nodes = "" if cluster.nodes == 1 else f" on {cluster.nodes} nodes"
-        why = f"ringflash.plan for {p.cp} GPUs{nodes}{gpu}: {why}"
+        kernels_named = "" if backend == "triton" else f", {backend} kernels"
+        why = f"ringflash.plan for {p.cp} GPUs{nodes}{gpu}{kernels_named}: {why}"
         if unmodelled:
             why += f"; predicted as dense causal attention ({unmodelled} not modelled)"
     chosen = [f"parallel.{key} = auto: {value}" for key, value, asked in

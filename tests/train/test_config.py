@@ -350,6 +350,21 @@ def test_auto_chooses_head_parallel_for_llama3_8b_at_8k_per_gpu_on_4_h100s():
     assert line.startswith("parallel.cp_heads = auto: 4, parallel.cp_scheme = auto: ring (ringflash.plan for 4 GPUs")
 
 
+def test_auto_predicts_at_the_run_kernel_backends_rates():
+    # MHA at 8k tokens per GPU on 4 H100s with the Gluon kernels: their backward is one kernel, so
+    # each ring step over NCCL waits for the dK/dV sums (measured 10.3 ms against head
+    # parallelism's 8.3, docs/performance.md); the planner sees it at the hopper kernels' rates.
+    from ringflash.plan import Model, choose_layout, cluster_of
+    from ringflash.train.parallel import choose_cp_layout
+
+    mha = ["--model.dim=2048", "--model.n_heads=16", "--model.n_kv_heads=16"]
+    cfg = llama3_8b(4, *mha, "--parallel.cp_heads=auto", "--parallel.kernel_backend=hopper")
+    u, scheme, line = choose_cp_layout(cfg, 8, "NVIDIA H100 80GB HBM3")
+    assert (u, scheme) == (4, "ring") and "ringflash.plan for 4 GPUs, hopper kernels: head-parallel u=4" in line
+    ring, _ = choose_layout(Model(16, 16, 128), 4 * 8192, cluster_of(4, 8), backend="hopper", u=1)
+    assert 10.0 < ring.time_s * 1e3 < 11.5  # measured 10.3-10.8 ms over NCCL
+
+
 @pytest.mark.parametrize(
     "overrides, gpus_per_node, chosen, says",
     [
@@ -357,8 +372,9 @@ def test_auto_chooses_head_parallel_for_llama3_8b_at_8k_per_gpu_on_4_h100s():
         (["--model.dim=1536", "--model.n_heads=12", "--model.n_kv_heads=3"], 8, (1, "ring"), "for 4 GPUs: ring is"),
         (["--parallel.cp_heads=2", "--parallel.cp_scheme=auto"], 8, (2, "ring"), "parallel.cp_scheme = auto: ring ("),
         (["--parallel.cp_scheme=allgather"], 8, (4, "allgather"), "for 4 GPUs: head-parallel u=4"),
-        # Two GPUs a node: all-to-alls over the 4 ranks would cross InfiniBand.
-        (["--parallel.cp_scheme=auto"], 2, (1, "ring"), "for 4 GPUs on 2 nodes: ring is the fastest"),
+        # Two GPUs a node: all-to-alls over the 4 ranks would cross InfiniBand; with u = 2 they stay
+        # inside a node and only the ring of two crosses it.
+        (["--parallel.cp_scheme=auto"], 2, (2, "ring"), "for 4 GPUs on 2 nodes: ring, u=2 × r=2 is the fastest"),
         (["--model.window=4096"], 8, (4, "ring"), "(model.window not modelled)"),
         (["--model.kind=hf", "--model.hf.model_type=llama"], 8, (1, "ring"),
          "(model.kind = hf: no head grid, the ring unless cp_scheme says)"),

@@ -253,9 +253,9 @@ def _cp_heads_chosen(rank, world, cfg):
 
 
 def test_cp_heads_auto_is_rank_0s_choice_on_every_rank():
-    # At 64k tokens the planner takes head parallelism inside one node of 2 and the ring across two
-    # nodes of 1: ranks choosing from their own views would build different meshes.
-    shape = ["--model.dim=512", "--model.n_heads=4", "--model.n_kv_heads=4", "--data.seq_len=65536"]
+    # At 16k tokens with 2 K/V heads the planner takes head parallelism inside one node of 2 and the
+    # ring across two nodes of 1: ranks choosing from their own views would build different meshes.
+    shape = ["--model.dim=512", "--model.n_heads=8", "--model.n_kv_heads=2", "--data.seq_len=16384"]
     cfg = tiny(None, "--parallel.cp=2", "--parallel.cp_heads=auto", *shape)
     assert run_ranks(_cp_heads_chosen, 2, args=(cfg,)) == [(2, True), (2, True)]
 
