@@ -74,6 +74,11 @@ class Model:
     dtype_bytes: int = 2
 
 
+def _option(default, help: str):
+    """A `Cluster` field; `help` is what `python -m ringflash.plan --help` says of its option."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class Cluster:
     """GPUs and links. Bandwidths in GB/s per GPU, one direction; latencies in µs.
@@ -85,40 +90,26 @@ class Cluster:
     `nccl_sm_slowdown`: attention's slowdown while an NCCL transfer kernel holds SMs.
     """
 
-    gpus_per_node: int = field(default=8, metadata={"help": "GPUs of one node (NVLink between them)"})
-    nodes: int = field(default=1, metadata={"help": "nodes (InfiniBand between them)"})
-    nvlink_gbs: float = field(
-        default=360.0, metadata={"help": "NVLink GB/s per GPU, one direction, as NCCL's collectives reach "
-                                 "(the all-gather, the all-to-alls)"}
-    )  # fmt: skip
-    nccl_p2p_gbs: float = field(
-        default=155.0, metadata={"help": "GB/s of a ring hop over NCCL send/recv inside a node, each rank sending "
-                                 "to one peer and receiving from another (measured: 64 MiB in 0.43 ms, 4×H100)"}
-    )  # fmt: skip
-    nccl_pair_gbs: float = field(
-        default=280.0, metadata={"help": "GB/s of a ring hop over NCCL between two ranks of a node, each sending "
-                                 "to the other (measured: 270-295, 2×H200)"}
-    )  # fmt: skip
-    copy_engine_gbs: float = field(
-        default=335.0, metadata={"help": "GB/s of a ring hop by copy engines inside a node (measured: 64 MiB in "
-                                 "0.20 ms, 4×H100)"}
-    )  # fmt: skip
-    ib_gbs: float = field(default=42.0, metadata={"help": "InfiniBand GB/s per GPU, one direction, as NCCL reaches"})
-    nvlink_lat_us: float = field(default=10.0, metadata={"help": "latency of a small NCCL message over NVLink, µs"})
-    ib_lat_us: float = field(default=20.0, metadata={"help": "latency of a small NCCL message over InfiniBand, µs"})
-    a2a_efficiency: float = field(
-        default=0.8, metadata={"help": "all-to-all bandwidth / point-to-point bandwidth (NCCL's, on NVLink)"}
-    )
-    step_overhead_us: float = field(
-        default=60.0, metadata={"help": "µs per direction of each ring step or all-gather chunk (launches, waits)"}
-    )
-    nccl_sm_slowdown: float = field(
-        default=0.05, metadata={"help": "attention's slowdown while an NCCL transfer kernel holds SMs"}
-    )
-    memory_gib: float = field(
-        default=8.0, metadata={"help": "GiB per GPU an attention call's buffers may take beyond its inputs and "
-                               "outputs (the rest holds weights and activations); the recommendation keeps within it"}
-    )  # fmt: skip
+    gpus_per_node: int = _option(8, "GPUs of one node (NVLink between them)")
+    nodes: int = _option(1, "nodes (InfiniBand between them)")
+    nvlink_gbs: float = _option(360.0, "NVLink GB/s per GPU, one direction, as NCCL's collectives reach (the "
+                              "all-gather, the all-to-alls)")  # fmt: skip
+    nccl_p2p_gbs: float = _option(155.0, "GB/s of a ring hop over NCCL send/recv inside a node, each rank "
+                                "sending to one peer and receiving from another (measured: 64 MiB in 0.43 ms, "
+                                "4×H100)")  # fmt: skip
+    nccl_pair_gbs: float = _option(280.0, "GB/s of a ring hop over NCCL between two ranks of a node, each sending to "
+                                 "the other (measured: 270-295, 2×H200)")  # fmt: skip
+    copy_engine_gbs: float = _option(335.0, "GB/s of a ring hop by copy engines inside a node (measured: 64 MiB in "
+                                   "0.20 ms, 4×H100)")  # fmt: skip
+    ib_gbs: float = _option(42.0, "InfiniBand GB/s per GPU, one direction, as NCCL reaches")
+    nvlink_lat_us: float = _option(10.0, "latency of a small NCCL message over NVLink, µs")
+    ib_lat_us: float = _option(20.0, "latency of a small NCCL message over InfiniBand, µs")
+    a2a_efficiency: float = _option(0.8, "all-to-all bandwidth / point-to-point bandwidth (NCCL's, on NVLink)")
+    step_overhead_us: float = _option(60.0, "µs per direction of each ring step or all-gather chunk (launches, waits)")
+    nccl_sm_slowdown: float = _option(0.05, "attention's slowdown while an NCCL transfer kernel holds SMs")
+    memory_gib: float = _option(8.0, "GiB per GPU an attention call's buffers may take beyond its inputs and "
+                              "outputs (the rest holds weights and activations); the recommendation keeps "
+                              "within it")  # fmt: skip
 
     @property
     def gpus(self) -> int:
