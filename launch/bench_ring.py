@@ -21,6 +21,9 @@ Per tokens-per-rank N (global sequence W·N), bf16, causal, D = 128, H = 16 (H·
 - efficiency = (single/W) ÷ ring fwd+bwd (the definition of ring-flash-attn's README).
 - hop: one K/V transfer alone per transport, ms and GB/s (the record's `ceilings`): the
   bandwidth the overlap has to work with.
+- predicted ms: the planner's fwd+bwd for each ringflash row (`ringflash.plan.predict`: one node
+  of W H100/H200s, the row's kernel backend's shipped rates, transport and layout), beside what
+  was measured.
 - torch CP: `torch.distributed.tensor.experimental.context_parallel` (head-tail load balancing,
   torch's default rotate method unless --cp-rotate) with the SDPA flash and cuDNN backends;
   'n/a' with the reason where unavailable.
@@ -69,6 +72,7 @@ from ringflash.bench import (
     visible_fraction,
 )
 from ringflash.layout import ring_schedule
+from ringflash.plan import Cluster, KernelRates, Model, predict
 from ringflash.ring import ring_backward, ring_forward
 from ringflash.transport import TRANSPORTS, ring_comm
 
@@ -241,6 +245,16 @@ def bench_masks(args, n_local, layout, dev, dtype) -> list[list]:
     return rows
 
 
+def predicted_ms(args, n_global: int, world: int, backend: str, transport: str, layout: str) -> float:
+    """The planner's fwd+bwd ms for a ring row (one node of `world` H100/H200s; `reference` and
+    `auto` at the Triton kernels' rates; stripe, balanced at every step, as zigzag)."""
+    m = Model(args.heads, args.kv_heads, args.head_dim, batch=args.batch, dtype_bytes=DTYPES[args.dtype].itemsize)
+    rates = KernelRates.default(backend if backend in ("hopper", "cudnn") else "triton")
+    predicted_as = "contiguous" if layout == "contiguous" else "zigzag"
+    pred = predict(m, n_global, Cluster(gpus_per_node=world), 1, world, transport, predicted_as, rates)
+    return round(pred.time_s * 1e3, 3)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens-per-rank", type=parse_tokens, default=parse_tokens("8k,32k,128k"))
@@ -354,7 +368,7 @@ def main() -> None:
                     impl = "ringflash" + ("" if backend in ("auto", "triton") else f" [{backend}]")
                     impl += "" if transport == "nccl" else f" ({transport})"
                     row = [n, impl, layout, fwd, fwd_bwd, compute, single, single / fwd_bwd]
-                    rows.append([*row, tflops])
+                    rows.append([*row, tflops, predicted_ms(args, n_global, world, backend, transport, layout)])
                     if rank == 0:
                         print(
                             f"{n} tokens/rank {impl} {layout}: fwd+bwd {fwd_bwd:.3g} ms, "
@@ -363,12 +377,13 @@ def main() -> None:
             for sdpa in () if args.no_torch_cp else ("flash", "cudnn"):
                 ms, why = bench_torch_cp(args, n_global, dev, dtype, sdpa)
                 if ms is None:
-                    rows.append([n, f"torch CP ({sdpa})", "head-tail", *["n/a"] * 6])
+                    rows.append([n, f"torch CP ({sdpa})", "head-tail", *["n/a"] * 6, None])
                     if rank == 0:
                         print(f"torch CP ({sdpa}) n/a: {why}")
                 else:
                     own = bench_single_sdpa(args, n_global, dev, dtype, sdpa) / world
-                    rows.append([n, f"torch CP ({sdpa})", "head-tail", None, ms, None, own, own / ms, flops / ms / 1e9])
+                    rows.append([n, f"torch CP ({sdpa})", "head-tail", None, ms, None, own, own / ms, flops / ms / 1e9,
+                                 None])  # fmt: skip
             if cuda:
                 torch.cuda.empty_cache()
         if rank == 0:
@@ -382,6 +397,7 @@ def main() -> None:
                 "single/W ms",
                 "efficiency",
                 "TFLOP/s/GPU",
+                "predicted ms",
             ]
             title = (
                 f"Ring attention, {world} ranks ({dist.get_backend()}), {args.dtype}, causal, "

@@ -31,7 +31,8 @@ def test_bench_ring_quick_runs_over_gloo(tmp_path):
     assert len(rows) == 2, out.stdout  # zigzag and contiguous
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
-        assert all(float(c) > 0 for c in cells[3:]), row  # fwd, fwd+bwd, compute-only, single/W, efficiency, TFLOP/s
+        # fwd, fwd+bwd, compute-only, single/W, efficiency, TFLOP/s, the planner's prediction
+        assert len(cells) == 10 and all(float(c) > 0 for c in cells[3:]), row
     assert re.search(r"One K/V hop alone \(256 tokens/rank, nccl\): [0-9.e+-]+ ms for 0\.0625 MiB", out.stdout, re.I)
     assert "## Ring attention" in out.stdout  # printed,
     assert _recorded_state() == before  # not recorded
@@ -48,6 +49,11 @@ def test_bench_ring_rows_per_kernel_backend_recorded_where_asked(tmp_path):
     rec = json.loads(line)
     assert rec["benchmark"] == "ring" and rec["title"].startswith("Ring attention, 2 ranks (gloo)")
     assert [r["impl"] for r in rec["results"]] == impls and rec["peers"] == []
+    # Predicted as on H100/H200s at the row's backend's rates (reference: the Triton kernels').
+    from ringflash.plan import Cluster, KernelRates, Model, predict
+
+    expected = predict(Model(2, 2, 32), 512, Cluster(gpus_per_node=2), 1, 2, rates=KernelRates.default())  # --quick
+    assert [r["predicted ms"] for r in rec["results"]] == [round(expected.time_s * 1e3, 3)] * 2
     assert rec["args"]["kernel_backends"] == "auto,reference" and rec["args"]["transports"] == "nccl"
     assert rec["ceilings"]["kv_hop_alone"][0]["tokens_per_rank"] == 256
     bad = torchrun(REPO / "launch" / "bench_ring.py", "--quick", "--kernel-backends", "cudnn", cwd=tmp_path)
