@@ -54,7 +54,7 @@ from ringflash.kernels.tiles import (
     tile_ptrs,
     visible_keys,
 )
-from ringflash.kernels.triton_fwd import score_args, tanh
+from ringflash.kernels.triton_fwd import Settings, score_args, tanh
 from ringflash.kernels.tuning import Tile, launch, pairs_dkdv
 
 
@@ -95,66 +95,56 @@ def _dkdv_inner(dk, dv, k, v, offs_n, qdo, rows, score, lo, hi, MASKED: tl.const
     [lo, hi) and MASKED; the rest comes in groups: `qdo = (q_src, do_src, stride_qn, stride_don,
     off_b, off_h, Nq)`, the query head's `head_base`s and row strides; `rows = (LSE, Delta, KV_LO,
     KV_HI)`, where its rows' lse, delta and key intervals (RANGES) begin; `score = (qk_scale, cap)`
-    (`score_args`); `CFG`, `_fwd_inner`'s settings with the query block BLOCK_M as the step.
+    (`score_args`); `CFG`, the kernel's `Settings` (BLOCK_M is the step).
     """
     q_src, do_src, stride_qn, stride_don, off_b, off_h, Nq = qdo
     LSE, Delta, KV_LO, KV_HI = rows
     qk_scale, cap = score
-    CAUSAL: tl.constexpr = CFG[0]
-    RANGES: tl.constexpr = CFG[1]
-    UPCAST: tl.constexpr = CFG[2]
-    PRECISION: tl.constexpr = CFG[3]
-    SOFTCAP: tl.constexpr = CFG[4]
-    TMA: tl.constexpr = CFG[5]
-    BLOCK_M: tl.constexpr = CFG[6]
-    HEAD_DIM: tl.constexpr = CFG[7]
-    BLOCK_D: tl.constexpr = CFG[8]
-    HEAD_DIM_V: tl.constexpr = CFG[9]
-    BLOCK_DV: tl.constexpr = CFG[10]
-    offs_m0 = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    for start_m in range(lo, hi, BLOCK_M):
+    offs_m0 = tl.arange(0, CFG.BLOCK_M)
+    offs_d = tl.arange(0, CFG.BLOCK_D)
+    offs_dv = tl.arange(0, CFG.BLOCK_DV)
+    for start_m in range(lo, hi, CFG.BLOCK_M):
         offs_m = start_m + offs_m0
         # Query rows past Nq load as zeros with lse = +inf, so they contribute exactly nothing.
-        q = head_rows(q_src, stride_qn, off_b, start_m, off_h * HEAD_DIM, offs_d, Nq, True, TMA, BLOCK_M,
-                      HEAD_DIM, BLOCK_D)
-        do = head_rows(do_src, stride_don, off_b, start_m, off_h * HEAD_DIM_V, offs_dv, Nq, True, TMA, BLOCK_M,
-                       HEAD_DIM_V, BLOCK_DV)
-        if UPCAST:
+        q = head_rows(q_src, stride_qn, off_b, start_m, off_h * CFG.HEAD_DIM, offs_d, Nq, True, CFG.TMA,
+                      CFG.BLOCK_M, CFG.HEAD_DIM, CFG.BLOCK_D)
+        do = head_rows(do_src, stride_don, off_b, start_m, off_h * CFG.HEAD_DIM_V, offs_dv, Nq, True, CFG.TMA,
+                       CFG.BLOCK_M, CFG.HEAD_DIM_V, CFG.BLOCK_DV)
+        if CFG.UPCAST:
             q = q.to(tl.float32)
             do = do.to(tl.float32)
         lse2 = _load_lse2(LSE, offs_m, Nq)
         delta = tl.load(Delta + offs_m, mask=offs_m < Nq, other=0.0)
-        s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale
-        if SOFTCAP:
+        s_t = tl.dot(k, tl.trans(q), input_precision=CFG.PRECISION) * qk_scale
+        if CFG.SOFTCAP:
             t_t = tanh(s_t)
             s_t = cap * t_t
         p_t = tl.math.exp2(s_t - lse2[None, :])
         if MASKED:
-            if RANGES:  # the forward's mask: query row i sees key rows [kv_lo[i], kv_hi[i])
+            if CFG.RANGES:  # the forward's mask: query row i sees key rows [kv_lo[i], kv_hi[i])
                 kv_lo = tl.load(KV_LO + offs_m, mask=offs_m < Nq, other=0)
                 kv_hi = tl.load(KV_HI + offs_m, mask=offs_m < Nq, other=0)
                 p_t = tl.where((offs_n[:, None] >= kv_lo[None, :]) & (offs_n[:, None] < kv_hi[None, :]), p_t, 0.0)
-            elif CAUSAL:
+            elif CFG.CAUSAL:
                 p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
-        dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        dv += tl.dot(p_t.to(do.dtype), do, input_precision=CFG.PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=CFG.PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
-        if SOFTCAP:  # through the cap: d(c·tanh(x/c))/dx = 1 − tanh²
+        if CFG.SOFTCAP:  # through the cap: d(c·tanh(x/c))/dx = 1 − tanh²
             ds_t = ds_t * (1.0 - t_t * t_t)
-        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
+        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=CFG.PRECISION)
     return dk, dv
 
 
 @triton.jit
-def _dkdv_block(start_n, off_b, off_hkv, ins, grads, ranges, sizes, score, softmax_scale, CFG: tl.constexpr):
+def _dkdv_block(start_n, off_b, off_hkv, ins, grads, ranges, sizes, score, softmax_scale, CFG: tl.constexpr,
+                ACCUMULATE: tl.constexpr):
     """dK, dV of the key block at `start_n` of K/V head `off_hkv`: computed and stored.
 
     `_bwd_dkdv`'s arguments, grouped by role: `ins = (Q, K, V, DO, LSE, Delta)` and Q, K, V and
     DO's (batch, row, head) strides; `grads = (DK, DV, DKA, DVA)` and their strides; `ranges =
     (KV_LO, KV_HI, Q_LO, Q_HI, stride_rqb, stride_rkb)`; `sizes = (Hkv, Nq, Nk)`; `score =
-    (qk_scale, cap)`; `CFG`, `_fwd_inner`'s settings and BLOCK_M, GROUP, ACCUMULATE.
+    (qk_scale, cap)`; `CFG`, the kernel's `Settings`.
     """
     (Q, K, V, DO, LSE, Delta, stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
      stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh) = ins
@@ -162,65 +152,48 @@ def _dkdv_block(start_n, off_b, off_hkv, ins, grads, ranges, sizes, score, softm
      stride_dkab, stride_dkan, stride_dkah, stride_dvab, stride_dvan, stride_dvah) = grads
     KV_LO, KV_HI, Q_LO, Q_HI, stride_rqb, stride_rkb = ranges
     Hkv, Nq, Nk = sizes
-    CAUSAL: tl.constexpr = CFG[0]
-    RANGES: tl.constexpr = CFG[1]
-    UPCAST: tl.constexpr = CFG[2]
-    PRECISION: tl.constexpr = CFG[3]
-    SOFTCAP: tl.constexpr = CFG[4]
-    TMA: tl.constexpr = CFG[5]
-    BLOCK_N: tl.constexpr = CFG[6]
-    HEAD_DIM: tl.constexpr = CFG[7]
-    BLOCK_D: tl.constexpr = CFG[8]
-    HEAD_DIM_V: tl.constexpr = CFG[9]
-    BLOCK_DV: tl.constexpr = CFG[10]
-    BLOCK_M: tl.constexpr = CFG[11]
-    GROUP: tl.constexpr = CFG[12]
-    ACCUMULATE: tl.constexpr = CFG[13]
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)  # q and k's head dim
-    offs_dv = tl.arange(0, BLOCK_DV)  # v, o and do's
+    offs_n = start_n + tl.arange(0, CFG.BLOCK_N)
+    offs_d = tl.arange(0, CFG.BLOCK_D)  # q and k's head dim
+    offs_dv = tl.arange(0, CFG.BLOCK_DV)  # v, o and do's
 
-    k = head_rows(head_base(K, off_b, off_hkv, stride_kb, stride_kh, TMA), stride_kn, off_b, start_n,
-                  off_hkv * HEAD_DIM, offs_d, Nk, True, TMA, BLOCK_N, HEAD_DIM, BLOCK_D)
-    v = head_rows(head_base(V, off_b, off_hkv, stride_vb, stride_vh, TMA), stride_vn, off_b, start_n,
-                  off_hkv * HEAD_DIM_V, offs_dv, Nk, True, TMA, BLOCK_N, HEAD_DIM_V, BLOCK_DV)
-    if UPCAST:
+    k = head_rows(head_base(K, off_b, off_hkv, stride_kb, stride_kh, CFG.TMA), stride_kn, off_b, start_n,
+                  off_hkv * CFG.HEAD_DIM, offs_d, Nk, True, CFG.TMA, CFG.BLOCK_N, CFG.HEAD_DIM, CFG.BLOCK_D)
+    v = head_rows(head_base(V, off_b, off_hkv, stride_vb, stride_vh, CFG.TMA), stride_vn, off_b, start_n,
+                  off_hkv * CFG.HEAD_DIM_V, offs_dv, Nk, True, CFG.TMA, CFG.BLOCK_N, CFG.HEAD_DIM_V, CFG.BLOCK_DV)
+    if CFG.UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    dk = tl.zeros([CFG.BLOCK_N, CFG.BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([CFG.BLOCK_N, CFG.BLOCK_DV], dtype=tl.float32)
 
     kv_lo_ptr = KV_LO + off_b * stride_rqb
     kv_hi_ptr = KV_HI + off_b * stride_rqb
-    if RANGES:
+    if CFG.RANGES:
         # The query blocks some row of which sees this key block (kernels/masks.py), in three
         # stages: unmasked where every query row sees every key row here, masked at either end.
         col_ok = offs_n < Nk
         q_lo = tl.load(Q_LO + off_b * stride_rkb + offs_n, mask=col_ok, other=0)
         q_hi = tl.load(Q_HI + off_b * stride_rkb + offs_n, mask=col_ok, other=0)
-        lo, split, split2, hi = block_bounds(q_lo, q_hi, col_ok, Nq, BLOCK_M)
+        lo, split, split2, hi = block_bounds(q_lo, q_hi, col_ok, Nq, CFG.BLOCK_M)
     else:
         # Causal: query blocks before this key block see none of it; the ones overlapping it
         # (BLOCK_N is a multiple of BLOCK_M) need the mask; every later one sees all of it.
-        lo = start_n if CAUSAL else 0
-        split = tl.minimum(start_n + BLOCK_N, Nq) if CAUSAL else 0
+        lo = start_n if CFG.CAUSAL else 0
+        split = tl.minimum(start_n + CFG.BLOCK_N, Nq) if CFG.CAUSAL else 0
         split = tl.maximum(lo, split)
         split2 = Nq
         hi = Nq
-    INNER: tl.constexpr = (  # _dkdv_inner's CFG: the query block is its step
-        CAUSAL, RANGES, UPCAST, PRECISION, SOFTCAP, TMA, BLOCK_M, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV
-    )
-    for g in range(GROUP):  # the query heads sharing this kv head, in a fixed order
-        off_h = off_hkv * GROUP + g
-        q_base = head_base(Q, off_b, off_h, stride_qb, stride_qh, TMA)
-        do_base = head_base(DO, off_b, off_h, stride_dob, stride_doh, TMA)
-        row_base = (off_b * Hkv * GROUP + off_h) * Nq
+    for g in range(CFG.GROUP):  # the query heads sharing this kv head, in a fixed order
+        off_h = off_hkv * CFG.GROUP + g
+        q_base = head_base(Q, off_b, off_h, stride_qb, stride_qh, CFG.TMA)
+        do_base = head_base(DO, off_b, off_h, stride_dob, stride_doh, CFG.TMA)
+        row_base = (off_b * Hkv * CFG.GROUP + off_h) * Nq
         qdo = (q_base, do_base, stride_qn, stride_don, off_b, off_h, Nq)
         rows = (LSE + row_base, Delta + row_base, kv_lo_ptr, kv_hi_ptr)
-        dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, qdo, rows, score, lo, split, True, INNER)
-        dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, qdo, rows, score, split, split2, False, INNER)
-        if RANGES:
-            dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, qdo, rows, score, split2, hi, True, INNER)
+        dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, qdo, rows, score, lo, split, True, CFG)
+        dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, qdo, rows, score, split, split2, False, CFG)
+        if CFG.RANGES:
+            dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, qdo, rows, score, split2, hi, True, CFG)
 
     # ptxas's register allocation for this kernel swings its speed by 10%+ with small changes
     # (float32 stores without the causal mask compile to a slow loop; adding into DK/DV does not):
@@ -229,13 +202,13 @@ def _dkdv_block(start_n, off_b, off_hkv, ins, grads, ranges, sizes, score, softm
     dk = dk * softmax_scale
     if ACCUMULATE:  # add the sums in DKA, DVA: DK, DV themselves (accumulate=True) or others (acc=)
         dk += load_tile(tile_ptrs(DKA, off_b, off_hkv, offs_n, offs_d, stride_dkab, stride_dkan, stride_dkah),
-                        offs_n, offs_d, Nk, True, HEAD_DIM, BLOCK_D).to(tl.float32)
+                        offs_n, offs_d, Nk, True, CFG.HEAD_DIM, CFG.BLOCK_D).to(tl.float32)
         dv += load_tile(tile_ptrs(DVA, off_b, off_hkv, offs_n, offs_dv, stride_dvab, stride_dvan, stride_dvah),
-                        offs_n, offs_dv, Nk, True, HEAD_DIM_V, BLOCK_DV).to(tl.float32)
+                        offs_n, offs_dv, Nk, True, CFG.HEAD_DIM_V, CFG.BLOCK_DV).to(tl.float32)
     store_tile(tile_ptrs(DK, off_b, off_hkv, offs_n, offs_d, stride_dkb, stride_dkn, stride_dkh),
-               dk.to(DK.dtype.element_ty), offs_n, offs_d, Nk, HEAD_DIM, BLOCK_D)
+               dk.to(DK.dtype.element_ty), offs_n, offs_d, Nk, CFG.HEAD_DIM, CFG.BLOCK_D)
     store_tile(tile_ptrs(DV, off_b, off_hkv, offs_n, offs_dv, stride_dvb, stride_dvn, stride_dvh),
-               dv.to(DV.dtype.element_ty), offs_n, offs_dv, Nk, HEAD_DIM_V, BLOCK_DV)
+               dv.to(DV.dtype.element_ty), offs_n, offs_dv, Nk, CFG.HEAD_DIM_V, CFG.BLOCK_DV)
 
 
 @triton.jit
@@ -269,14 +242,16 @@ def _bwd_dkdv(
     ranges = (KV_LO, KV_HI, Q_LO, Q_HI, stride_rqb, stride_rkb)
     sizes = (Hkv, Nq, Nk)
     score = (qk_scale, cap)
-    CFG: tl.constexpr = (
-        CAUSAL, RANGES, UPCAST, PRECISION, SOFTCAP, TMA, BLOCK_N, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV,
-        BLOCK_M, GROUP, ACCUMULATE,
+    CFG: tl.constexpr = Settings(
+        CAUSAL=CAUSAL, RANGES=RANGES, UPCAST=UPCAST, PRECISION=PRECISION, SOFTCAP=SOFTCAP, TMA=TMA,
+        HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, GROUP=GROUP,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
     )
     for half in tl.static_range(n_halves):
         block = rank if half == 0 else n_blocks - 1 - rank  # first key blocks first: every query sees them
         if block >= rank + half:  # the second half of the middle program of an odd count: done already
-            _dkdv_block(block * BLOCK_N, off_b, off_hkv, ins, grads, ranges, sizes, score, softmax_scale, CFG)
+            _dkdv_block(block * BLOCK_N, off_b, off_hkv, ins, grads, ranges, sizes, score, softmax_scale, CFG,
+                        ACCUMULATE)
 
 
 @triton.jit
@@ -284,48 +259,37 @@ def _dq_inner(dq, q, do, lse2, delta, kv, rows, score, lo, hi, MASKED: tl.conste
     """Accumulate dQ of one query block over key blocks [lo, hi).
 
     Its arguments are `_fwd_inner`'s groups: `kv = (k_src, v_src, stride_kn, stride_vn, off_b,
-    off_hkv, Nk)`, `rows = (offs_m, kv_lo, kv_hi)`, `score = (qk_scale, cap)` and `CFG`, the same
-    settings in the same order."""
+    off_hkv, Nk)`, `rows = (offs_m, kv_lo, kv_hi)`, `score = (qk_scale, cap)` and `CFG`, the kernel's
+    `Settings`."""
     k_src, v_src, stride_kn, stride_vn, off_b, off_hkv, Nk = kv
     offs_m, kv_lo, kv_hi = rows
     qk_scale, cap = score
-    CAUSAL: tl.constexpr = CFG[0]
-    RANGES: tl.constexpr = CFG[1]
-    UPCAST: tl.constexpr = CFG[2]
-    PRECISION: tl.constexpr = CFG[3]
-    SOFTCAP: tl.constexpr = CFG[4]
-    TMA: tl.constexpr = CFG[5]
-    BLOCK_N: tl.constexpr = CFG[6]
-    HEAD_DIM: tl.constexpr = CFG[7]
-    BLOCK_D: tl.constexpr = CFG[8]
-    HEAD_DIM_V: tl.constexpr = CFG[9]
-    BLOCK_DV: tl.constexpr = CFG[10]
-    offs_n0 = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    for start_n in range(lo, hi, BLOCK_N):
+    offs_n0 = tl.arange(0, CFG.BLOCK_N)
+    offs_d = tl.arange(0, CFG.BLOCK_D)
+    offs_dv = tl.arange(0, CFG.BLOCK_DV)
+    for start_n in range(lo, hi, CFG.BLOCK_N):
         cols = start_n + offs_n0
         # Keys past Nk read as zeros (only MASKED blocks reach them); the mask hides them.
-        k = head_rows(k_src, stride_kn, off_b, start_n, off_hkv * HEAD_DIM, offs_d, Nk, MASKED, TMA, BLOCK_N,
-                      HEAD_DIM, BLOCK_D)
-        v = head_rows(v_src, stride_vn, off_b, start_n, off_hkv * HEAD_DIM_V, offs_dv, Nk, MASKED, TMA, BLOCK_N,
-                      HEAD_DIM_V, BLOCK_DV)
-        if UPCAST:
+        k = head_rows(k_src, stride_kn, off_b, start_n, off_hkv * CFG.HEAD_DIM, offs_d, Nk, MASKED, CFG.TMA,
+                      CFG.BLOCK_N, CFG.HEAD_DIM, CFG.BLOCK_D)
+        v = head_rows(v_src, stride_vn, off_b, start_n, off_hkv * CFG.HEAD_DIM_V, offs_dv, Nk, MASKED, CFG.TMA,
+                      CFG.BLOCK_N, CFG.HEAD_DIM_V, CFG.BLOCK_DV)
+        if CFG.UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        if SOFTCAP:
+        sc = tl.dot(q, tl.trans(k), input_precision=CFG.PRECISION) * qk_scale
+        if CFG.SOFTCAP:
             t = tanh(sc)
             sc = cap * t
         p = tl.math.exp2(sc - lse2[:, None])
         if MASKED:
-            visible = visible_keys(offs_m, cols, kv_lo, kv_hi, Nk, CAUSAL, RANGES)
+            visible = visible_keys(offs_m, cols, kv_lo, kv_hi, Nk, CFG.CAUSAL, CFG.RANGES)
             p = tl.where(visible, p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        dp = tl.dot(do, tl.trans(v), input_precision=CFG.PRECISION)
         ds = p * (dp - delta[:, None])
-        if SOFTCAP:
+        if CFG.SOFTCAP:
             ds = ds * (1.0 - t * t)
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=CFG.PRECISION)
     return dq
 
 
@@ -367,8 +331,10 @@ def _bwd_dq(
     # What every stage shares, grouped once (`_dq_inner`, as the forward's `_fwd_inner`).
     kv = (k_base, v_base, stride_kn, stride_vn, off_b, off_hkv, Nk)
     score = (qk_scale, cap)
-    CFG: tl.constexpr = (
-        CAUSAL, RANGES, UPCAST, PRECISION, SOFTCAP, TMA, BLOCK_N, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV
+    CFG: tl.constexpr = Settings(
+        CAUSAL=CAUSAL, RANGES=RANGES, UPCAST=UPCAST, PRECISION=PRECISION, SOFTCAP=SOFTCAP, TMA=TMA,
+        HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, GROUP=GROUP,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
     )
     if RANGES:  # as the forward: masked, unmasked, masked key blocks from the rows' intervals
         row_ok = offs_m < Nq

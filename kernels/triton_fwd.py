@@ -29,6 +29,8 @@ pointers; the results are the same, and the freed registers and issue slots make
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -74,6 +76,27 @@ def score_args(scale: float, softcap: float) -> tuple[float, float]:
     return scale / softcap, softcap * LOG2E
 
 
+class Settings(NamedTuple):
+    """A kernel's compile-time settings (its constexpr arguments of the same names), handed to the
+    functions it calls as the one constexpr `CFG`. They read each by name, `CFG.BLOCK_N`: Triton keeps
+    a NamedTuple's fields constexpr, where unpacking a plain tuple would make tensors of them, and no
+    list of settings has to be kept in the same order in two places."""
+
+    CAUSAL: bool
+    RANGES: bool
+    UPCAST: bool
+    PRECISION: str
+    SOFTCAP: bool
+    TMA: bool
+    HEAD_DIM: int
+    HEAD_DIM_V: int
+    GROUP: int
+    BLOCK_M: int
+    BLOCK_N: int
+    BLOCK_D: int
+    BLOCK_DV: int
+
+
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, kv, rows, score, lo, hi, MASKED: tl.constexpr, CFG: tl.constexpr):
     """Fold key/value blocks [lo, hi) into the online-softmax state (acc, l_i, m_i).
@@ -82,42 +105,31 @@ def _fwd_inner(acc, l_i, m_i, q, kv, rows, score, lo, hi, MASKED: tl.constexpr, 
     once by the kernel (as FA3's Params structs): `kv = (k_src, v_src, stride_kn, stride_vn, off_b,
     off_hkv, Nk)`, the kv head's `head_base`s and row strides; `rows = (offs_m, kv_lo, kv_hi)`,
     the query rows and the key interval each sees (RANGES); `score = (qk_scale, cap)`
-    (`score_args`); `CFG`, the compile-time settings below.
+    (`score_args`); `CFG`, the kernel's `Settings` (BLOCK_N is the step).
 
     MASKED blocks hide keys past Nk and, by the causal diagonal or the rows' intervals
     [kv_lo, kv_hi) (RANGES; they lie within [0, Nk)), the keys a row does not see."""
     k_src, v_src, stride_kn, stride_vn, off_b, off_hkv, Nk = kv
     offs_m, kv_lo, kv_hi = rows
     qk_scale, cap = score
-    CAUSAL: tl.constexpr = CFG[0]
-    RANGES: tl.constexpr = CFG[1]
-    UPCAST: tl.constexpr = CFG[2]
-    PRECISION: tl.constexpr = CFG[3]
-    SOFTCAP: tl.constexpr = CFG[4]
-    TMA: tl.constexpr = CFG[5]
-    BLOCK_N: tl.constexpr = CFG[6]
-    HEAD_DIM: tl.constexpr = CFG[7]
-    BLOCK_D: tl.constexpr = CFG[8]
-    HEAD_DIM_V: tl.constexpr = CFG[9]
-    BLOCK_DV: tl.constexpr = CFG[10]
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    for start_n in range(lo, hi, BLOCK_N):
+    offs_n = tl.arange(0, CFG.BLOCK_N)
+    offs_d = tl.arange(0, CFG.BLOCK_D)
+    offs_dv = tl.arange(0, CFG.BLOCK_DV)
+    for start_n in range(lo, hi, CFG.BLOCK_N):
         cols = start_n + offs_n
         # Keys past Nk read as zeros (only MASKED blocks reach them); the mask hides them.
-        k = head_rows(k_src, stride_kn, off_b, start_n, off_hkv * HEAD_DIM, offs_d, Nk, MASKED, TMA, BLOCK_N,
-                      HEAD_DIM, BLOCK_D)
-        v = head_rows(v_src, stride_vn, off_b, start_n, off_hkv * HEAD_DIM_V, offs_dv, Nk, MASKED, TMA, BLOCK_N,
-                      HEAD_DIM_V, BLOCK_DV)
-        if UPCAST:
+        k = head_rows(k_src, stride_kn, off_b, start_n, off_hkv * CFG.HEAD_DIM, offs_d, Nk, MASKED, CFG.TMA,
+                      CFG.BLOCK_N, CFG.HEAD_DIM, CFG.BLOCK_D)
+        v = head_rows(v_src, stride_vn, off_b, start_n, off_hkv * CFG.HEAD_DIM_V, offs_dv, Nk, MASKED, CFG.TMA,
+                      CFG.BLOCK_N, CFG.HEAD_DIM_V, CFG.BLOCK_DV)
+        if CFG.UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        if SOFTCAP:  # before the mask, as flash_attn: masked keys stay at -inf
+        qk = tl.dot(q, tl.trans(k), input_precision=CFG.PRECISION) * qk_scale
+        if CFG.SOFTCAP:  # before the mask, as flash_attn: masked keys stay at -inf
             qk = cap * tanh(qk)
         if MASKED:
-            visible = visible_keys(offs_m, cols, kv_lo, kv_hi, Nk, CAUSAL, RANGES)
+            visible = visible_keys(offs_m, cols, kv_lo, kv_hi, Nk, CFG.CAUSAL, CFG.RANGES)
             qk = tl.where(visible, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_shift = m_new
@@ -131,7 +143,7 @@ def _fwd_inner(acc, l_i, m_i, q, kv, rows, score, lo, hi, MASKED: tl.constexpr, 
         p = tl.math.exp2(qk - m_shift[:, None])
         alpha = tl.math.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=CFG.PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -208,8 +220,10 @@ def _attn_fwd_kernel(
     # What every stage shares, grouped once (`_fwd_inner`).
     kv = (k_src, v_src, stride_kn, stride_vn, off_b, off_hkv, Nk)
     score = (qk_scale, cap)
-    CFG: tl.constexpr = (
-        CAUSAL, RANGES, UPCAST, PRECISION, SOFTCAP, TMA, BLOCK_N, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV
+    CFG: tl.constexpr = Settings(
+        CAUSAL=CAUSAL, RANGES=RANGES, UPCAST=UPCAST, PRECISION=PRECISION, SOFTCAP=SOFTCAP, TMA=TMA,
+        HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, GROUP=GROUP,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
     )
     if RANGES:
         # Masked blocks where the rows' intervals begin, unmasked ones all rows see, masked ones
