@@ -346,11 +346,13 @@ def choose_layout(m: Model, seqlen: int, c: Cluster, *, transport: str = "nccl",
         u: only grids of this many head ranks (None: any).
         heads_k_stride, rates, backend: `plan`'s (backend: the kernel backend the layers run).
     Return:
-        (the `Prediction` chosen, why). Raises ValueError if no grid is a candidate (the
+        (the `Prediction` chosen, why; why also names the other transport's fastest layout when it
+        is predicted 3% faster or more). Raises ValueError if no grid is a candidate (the
         copy-engine across nodes, where u = all GPUs does not divide the heads).
     """
     predicted_as = "contiguous" if layout == "contiguous" else "zigzag"
-    preds = [p for p in plan(m, seqlen, c, predicted_as, rates, heads_k_stride, backend)
+    every = plan(m, seqlen, c, predicted_as, rates, heads_k_stride, backend)
+    preds = [p for p in every
              if (p.r == 1 or (p.transport == transport and p.scheme in schemes)) and u in (None, p.u)]  # fmt: skip
     if not preds:
         grids = f"grid of {c.gpus} GPUs" + ("" if u is None else f" with u = {u} head ranks")
@@ -360,6 +362,14 @@ def choose_layout(m: Model, seqlen: int, c: Cluster, *, transport: str = "nccl",
     if best is None:
         best = min(preds, key=lambda p: p.memory_bytes)
         why += "; choosing it"
+    # The transport is the caller's to choose (copy engines need one host and symmetric memory):
+    # say when the other one is predicted clearly faster.
+    other = [p for p in every if p.transport != transport and p.scheme in schemes and u in (None, p.u)
+             and p.memory_bytes <= c.memory_gib * 2**30 and p.time_s < 0.97 * best.time_s]  # fmt: skip
+    if other:
+        alt = other[0]
+        why += (f"; the {alt.transport} transport would be faster: {alt.describe()}, {alt.time_s * 1e3:.2f} ms "
+                f"({alt.time_s / best.time_s - 1:+.1%})")  # fmt: skip
     return best, why
 
 
