@@ -6,6 +6,7 @@
 #   bash launch/multigpu_runs.sh --steps exact,scaling   # a part (the device tool's 10-min commands)
 #   bash launch/multigpu_runs.sh --worlds 4 --steps exact # the exact and scaling steps at W = 4 only
 #   bash launch/multigpu_runs.sh --smoke                 # the same sequence on CPU gloo, 2-4 processes
+#   bash launch/multigpu_runs.sh --steps ring8k          # issue 41's measurements on a 4-GPU host
 #
 # Steps, in order (each under its own `timeout`, so a hang cannot eat the lease; a failure is
 # logged and the script goes on; the summary at the end lists each step's status):
@@ -18,6 +19,11 @@
 #   scaling  launch/bench_scaling.py at W = 2, 4, 8, two steps each: 8k and 32k tokens per GPU
 #            (weak), a fixed 256k sequence (strong); ring, head-parallel, hybrid, torch CP, each with
 #            the planner's prediction; appends to benchmarks/scaling.jsonl.
+#   ring8k   issue 41 (N >= 4, at W = 4): bench_ring at 8k tokens per rank, zigzag, the `hopper`
+#            kernels over NCCL and the copy engine, MHA (H = 16) and Llama-3-8B's 32/8 heads, each row
+#            with the planner's prediction; bench_scaling at 8k and 32k per GPU on the `hopper`
+#            kernels (ring, head-parallel, hybrid, torch CP); the 7B config at cp = 4, 10 steps.
+#            Not in the default --steps (it repeats parts of the others on 4 GPUs).
 #   train    launch/train.py: configs/hf_llama_1b_gpu.toml (~1.1B, transformers) at cp = 8 and at
 #            dp 2 x cp 4, 32k tokens, 30 steps; then configs/gpu8_llama8b_fsdp_128k.toml (Llama-3-8B's
 #            transformer in ringflash's own model, 256-token vocabulary: ~7.0B; FSDP2, cp = 8,
@@ -163,6 +169,28 @@ if want scaling; then
         --tokens-per-gpu "" --total 256k --iters 5 --warmup 2
     fi
   done
+fi
+
+# ---- 3b. issue 41: the ring at 8k tokens per GPU on 4 GPUs --------------------------------------
+if want ring8k; then
+  if [ "$SMOKE" = 1 ]; then
+    step ring8k_bench "${TORCHRUN[@]}" --nproc_per_node=4 launch/bench_ring.py --quick --layouts zigzag \
+      --kv-heads 1 --no-torch-cp "${RECORD[@]}"
+  elif [ "$N" -ge 4 ]; then
+    for heads in "16 16" "32 8"; do
+      set -- $heads
+      step "ring8k_bench_h$1_kv$2" "${TORCHRUN[@]}" --nproc_per_node=4 launch/bench_ring.py --tokens-per-rank 8k \
+        --layouts zigzag --kernel-backends hopper --transports nccl,copy-engine --heads "$1" --kv-heads "$2" \
+        --no-torch-cp
+    done
+    step ring8k_scaling "${TORCHRUN[@]}" --nproc_per_node=4 launch/bench_scaling.py --tokens-per-gpu 8k,32k \
+      --total "" --shapes gqa,mha --grids 1,2,4 --schemes ring --backend hopper --iters 5 --warmup 2
+    step ring8k_train_7b_cp4 "${TORCHRUN[@]}" --nproc_per_node=4 launch/train.py \
+      --config configs/gpu8_llama8b_fsdp_128k.toml --parallel.cp=4 --train.steps=10 \
+      --logging.dir="$LOGDIR/ring8k_train_7b_cp4"
+  else
+    echo "   ring8k: skipped (needs 4 GPUs, found $N)" | tee -a "$SUMMARY"
+  fi
 fi
 
 # ---- 4. training --------------------------------------------------------------------------------
