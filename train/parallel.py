@@ -195,21 +195,26 @@ def choose_cp_layout(run: Config, gpus_per_node: int, device_name: str) -> tuple
     head dim, data.batch_size sequences of data.seq_len tokens, causal, dense) on cp GPUs,
     `gpus_per_node` of them a node, over the run's transport and layout, at the rates of the run's
     kernel backend (`hopper`, `cudnn`; else the Triton kernels') and the links of H100/H200s
-    whatever `device_name` says. A pure function of its arguments, so ranks handed the same ones
-    choose alike.
+    whatever `device_name` says. A transformers model (`model.kind = hf`) runs its attention over
+    all of cp (u = 1): with `cp_scheme = "auto"` the planner chooses the scheme for its HF
+    config's shape. A pure function of its arguments, so ranks handed the same ones choose alike.
     """
     p, m = run.parallel, run.model
     if AUTO not in (p.cp_heads, p.cp_scheme):
         return p.cp_heads, p.cp_scheme, ""
     u = None if p.cp_heads == AUTO else p.cp_heads
-    if m.kind == "hf" or p.cp == 1:
+    if p.cp == 1 or (m.kind == "hf" and p.cp_scheme != AUTO):
         u, scheme = u or 1, "ring" if p.cp_scheme == AUTO else p.cp_scheme
-        # A transformers model's shape is its HF config's, which the planner is not given: u = 1.
-        hf = "model.kind = hf: no head grid, the ring unless cp_scheme says"
-        why = hf if m.kind == "hf" else "cp = 1: nothing to split"
+        why = "model.kind = hf: no head grid, the scheme cp_scheme gives" if p.cp > 1 else "cp = 1: nothing to split"
     else:
-        shape = plan.Model(m.n_heads, m.n_kv_heads, m.dim // m.n_heads, m.n_layers, run.data.batch_size,
-                           dtype_bytes=4 if run.train.dtype == "float32" else 2)  # fmt: skip
+        dtype_bytes = 4 if run.train.dtype == "float32" else 2
+        if m.kind == "hf":
+            shape, windows = _hf_attention(m, run.data.batch_size, dtype_bytes)
+            u = 1  # its attention crosses all of cp (ringflash.hf): no head grid
+        else:
+            shape = plan.Model(m.n_heads, m.n_kv_heads, m.dim // m.n_heads, m.n_layers, run.data.batch_size,
+                               dtype_bytes=dtype_bytes)  # fmt: skip
+            windows = bool(m.window)
         cluster = plan.cluster_of(p.cp, gpus_per_node)
         schemes = SCHEMES if p.cp_scheme == AUTO else (p.cp_scheme,)
         backend = kernel_backend(p)[0] if kernel_backend(p)[0] in ("hopper", "cudnn") else "triton"
@@ -221,16 +226,32 @@ def choose_cp_layout(run: Config, gpus_per_node: int, device_name: str) -> tuple
         # r = 1 has no scheme (the prediction says ring): a scheme the config gives stays.
         u, scheme = best.u, best.scheme if p.cp_scheme == AUTO else p.cp_scheme
         gpu = "" if any(g in device_name for g in ("H100", "H200")) else f", as H100/H200s (this run: {device_name})"
-        masks = (("model.window", m.window), ("data.pack_documents", run.data.pack_documents))
+        window_key = "the HF config's sliding windows" if m.kind == "hf" else "model.window"
+        masks = ((window_key, windows), ("data.pack_documents", run.data.pack_documents))
         unmodelled = " and ".join(key for key, on in masks if on)
         nodes = "" if cluster.nodes == 1 else f" on {cluster.nodes} nodes"
         kernels_named = "" if backend == "triton" else f", {backend} kernels"
-        why = f"ringflash.plan for {p.cp} GPUs{nodes}{gpu}{kernels_named}: {why}"
+        heads = f" ({shape.heads}/{shape.kv_heads} heads of {shape.head_dim}, HF config)" if m.kind == "hf" else ""
+        why = f"ringflash.plan for {p.cp} GPUs{nodes}{gpu}{kernels_named}{heads}: {why}"
         if unmodelled:
             why += f"; predicted as dense causal attention ({unmodelled} not modelled)"
     chosen = [f"parallel.{key} = auto: {value}" for key, value, asked in
               (("cp_heads", u, p.cp_heads), ("cp_scheme", scheme, p.cp_scheme)) if asked == AUTO]  # fmt: skip
     return u, scheme, f"{', '.join(chosen)} ({why})"
+
+
+def _hf_attention(m, batch: int, dtype_bytes: int) -> tuple[plan.Model, bool]:
+    """(the attention shape of a transformers model's config, whether any of its layers has a
+    sliding window)."""
+    from ringflash.hf import model_windows
+    from ringflash.train.hf_model import hf_config
+
+    hf = hf_config(m)
+    heads = hf.num_attention_heads
+    kv_heads = getattr(hf, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+    windows = any(w is not None for w in model_windows(hf))
+    return plan.Model(heads, kv_heads, head_dim, hf.num_hidden_layers, batch, dtype_bytes=dtype_bytes), windows
 
 
 def _node_of_rank_0(device: torch.device) -> tuple[int, str]:
@@ -468,7 +489,7 @@ def parallelize_hf(model: nn.Module, pc: ParallelContext, cfg: Config) -> nn.Mod
 
     backend = _kernel_backend(model, cfg)
     model.context = ringflash.hf.RingContext(pc.cp_group, cfg.parallel.layout, backend, cfg.parallel.transport,
-                                             scheme=cfg.parallel.cp_scheme)  # fmt: skip
+                                             scheme=pc.dims.cp_scheme)  # fmt: skip
     model.hf.set_attn_implementation(ringflash.hf.ATTN_IMPLEMENTATION)
     try:  # a model whose attention would not route through the ring trains on its shard alone
         ringflash.hf.check_model(model.hf.config)

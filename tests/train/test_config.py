@@ -377,7 +377,7 @@ def test_auto_predicts_at_the_run_kernel_backends_rates():
         (["--parallel.cp_scheme=auto"], 2, (2, "ring"), "for 4 GPUs on 2 nodes: ring, u=2 × r=2 is the fastest"),
         (["--model.window=4096"], 8, (4, "ring"), "(model.window not modelled)"),
         (["--model.kind=hf", "--model.hf.model_type=llama"], 8, (1, "ring"),
-         "(model.kind = hf: no head grid, the ring unless cp_scheme says)"),
+         "(model.kind = hf: no head grid, the scheme cp_scheme gives)"),
     ],
     ids=["heads-do-not-split", "scheme-only", "given-scheme-kept", "two-nodes", "window", "hf"],
 )
@@ -387,6 +387,30 @@ def test_auto_resolves_to_what_the_config_allows(overrides, gpus_per_node, chose
     cfg = llama3_8b(4, "--parallel.cp_heads=auto", *overrides)
     u, scheme, line = choose_cp_layout(cfg, gpus_per_node, "NVIDIA H100 80GB HBM3")
     assert (u, scheme) == chosen and says in line, line
+
+
+@pytest.mark.parametrize(
+    "hf, scheme, says",
+    [
+        # Qwen2-0.5B's attention: 14 heads, 2 K/V heads of 64. The gathered K/V are small.
+        (["model_type=qwen2", "hidden_size=896", "num_attention_heads=14", "num_key_value_heads=2",
+          "num_hidden_layers=24"], "allgather", "(14/2 heads of 64, HF config): allgather is the fastest"),
+        # Llama-3-8B's: 32 heads, 8 K/V heads of 128 (as for the native model above).
+        (["model_type=llama", "hidden_size=4096", "num_attention_heads=32", "num_key_value_heads=8",
+          "num_hidden_layers=32"], "ring", "(32/8 heads of 128, HF config): ring is the fastest"),
+        (["model_type=mistral", "hidden_size=4096", "num_attention_heads=32", "num_key_value_heads=8",
+          "num_hidden_layers=32", "sliding_window=4096"], "ring", "(the HF config's sliding windows not modelled)"),
+    ],
+    ids=["qwen2-0.5b", "llama-3-8b", "mistral-window"],
+)
+def test_auto_scheme_of_a_transformers_model_is_planned_for_its_hf_config(hf, scheme, says):
+    pytest.importorskip("transformers", reason="needs the hf extra: pip install 'ringflash[hf]'")
+    from ringflash.train.parallel import choose_cp_layout
+
+    cfg = llama3_8b(4, "--model.kind=hf", *(f"--model.hf.{kv}" for kv in hf), "--parallel.cp_scheme=auto")
+    u, chosen, line = choose_cp_layout(cfg, 8, "NVIDIA H100 80GB HBM3")
+    assert (u, chosen) == (1, scheme) and says in line, line
+    assert line.startswith(f"parallel.cp_scheme = auto: {scheme} (ringflash.plan for 4 GPUs ("), line
 
 
 def test_auto_is_the_planners_choice_of_a_valid_u_on_any_device():

@@ -38,12 +38,14 @@ def _cp_vs_sdpa(rank, world, cfg):
     from ringflash.train.parallel import distributed, parallelize_hf
     from ringflash.train.trainer import forward_backward
 
-    with distributed(cfg.parallel, "cpu") as pc:
+    with distributed(cfg.parallel, "cpu", run=cfg) as pc:
         torch.manual_seed(0)
         model = build_model(cfg)
         reference = copy.deepcopy(model)  # HF's own (sdpa) attention on whole sequences: the oracle
         ddp = parallelize_hf(model, pc, cfg)
-        assert model.context.scheme == cfg.parallel.cp_scheme  # every layer's masks and attention follow it
+        assert model.context.scheme == pc.dims.cp_scheme  # every layer's masks and attention follow it
+        if cfg.parallel.cp_scheme == "auto":  # the planner's choice for the HF config's shape
+            assert pc.dims.cp_scheme == "allgather" and "(4/1 heads of 8, HF config)" in pc.dims.chosen
         micros = DataLoader(build_source(cfg.data, cfg.model.vocab_size), cfg.data.batch_size, 1, 0, 1).next()
         loss = forward_backward(ddp, micros, pc, cfg.parallel.layout, contextlib.nullcontext(), mask_fn=model.masks)
         n_tokens = sum(int((y != IGNORE).sum()) for _, y in micros)
@@ -63,8 +65,10 @@ def _cp_vs_sdpa(rank, world, cfg):
         [*LLAMA, "--parallel.cp=2", "--data.passkey_loss=all"],
         [*QWEN2, "--parallel.cp=2", "--data.passkey_loss=all", "--parallel.layout=contiguous"],
         [*QWEN2, "--parallel.cp=2", "--data.passkey_loss=all", "--parallel.cp_scheme=allgather"],
+        # One K/V head: the planner takes the all-gather (its K/V are small).
+        [*LLAMA, "--model.hf.num_key_value_heads=1", "--parallel.cp=2", "--parallel.cp_scheme=auto"],
     ],
-    ids=["llama-zigzag", "qwen2-windows-contiguous", "qwen2-windows-allgather"],
+    ids=["llama-zigzag", "qwen2-windows-contiguous", "qwen2-windows-allgather", "llama-mqa-auto"],
 )
 def test_hf_step_matches_sdpa(overrides):
     cfg = tiny_hf(*overrides)
