@@ -249,7 +249,7 @@ def predicted_ms(args, n_global: int, world: int, backend: str, transport: str, 
     """The planner's fwd+bwd ms for a ring row (one node of `world` H100/H200s; `reference` and
     `auto` at the Triton kernels' rates; stripe, balanced at every step, as zigzag)."""
     m = Model(args.heads, args.kv_heads, args.head_dim, batch=args.batch, dtype_bytes=DTYPES[args.dtype].itemsize)
-    rates = KernelRates.default(backend if backend in ("hopper", "cudnn") else "triton")
+    rates = KernelRates.default(backend)
     predicted_as = "contiguous" if layout == "contiguous" else "zigzag"
     pred = predict(m, n_global, Cluster(gpus_per_node=world), 1, world, transport, predicted_as, rates)
     return round(pred.time_s * 1e3, 3)

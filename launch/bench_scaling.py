@@ -64,7 +64,7 @@ from ringflash.bench import (
     visible_fraction,
 )
 from ringflash.hybrid import kv_heads_per_rank
-from ringflash.kernel_rates import BACKEND_IMPLS
+from ringflash.kernel_rates import BACKEND_IMPLS, rates_backend
 from ringflash.plan import Cluster, KernelRates, Model, predict
 
 SHAPES = {"gqa": (32, 8, 128), "mha": (32, 32, 128)}  # (H, Hkv, D): Llama-3-8B attention; no GQA
@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
             args.tokens_per_gpu, args.total = [32], [4 * 32 * world]
         wanted = [int(x) for x in args.grids.split(",")] if args.grids else None
         cases = [("weak", n * world) for n in args.tokens_per_gpu] + [("strong", t) for t in args.total]
-        impl = BACKEND_IMPLS.get(args.backend, BACKEND_IMPLS["triton"])
+        impl = BACKEND_IMPLS[rates_backend(args.backend)]
         rates = {"ring": KernelRates.from_records(impl=impl), "allgather": KernelRates.from_records()}
         groups, cache, table = Groups(), {}, Table(rank)
         for shape_name in shapes:

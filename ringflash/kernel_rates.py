@@ -14,12 +14,20 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["BACKEND_IMPLS", "BWD_FLOPS", "REPO", "KernelRates", "records"]
+__all__ = ["BACKEND_IMPLS", "BWD_FLOPS", "REPO", "KernelRates", "rates_backend", "records"]
 
 REPO = Path(__file__).resolve().parent.parent  # benchmarks/ there: a repository checkout only
 BWD_FLOPS = 2.5  # backward FLOPs / forward FLOPs (FlashAttention-2's accounting: 5 matmuls vs 2)
 # Each kernel backend's kernels, as benchmarks/kernels.jsonl names them (`cudnn`: SDPA's cuDNN).
 BACKEND_IMPLS = {"triton": "ringflash", "hopper": "ringflash-hopper", "cudnn": "sdpa-cudnn"}
+
+
+def rates_backend(backend: str) -> str:
+    """The backend of `BACKEND_IMPLS` whose rates stand for kernel backend `backend`: `hopper` and
+    `cudnn` their own; `auto`, `triton` and `reference` run the Triton kernels on GPUs."""
+    return backend if backend in BACKEND_IMPLS else "triton"
+
+
 # The share of a backward's time before its dK/dV are complete, which a ring step can send on
 # only then: the Triton backward runs its dK/dV kernel (4 of its 7 matmuls) before the dQ kernel;
 # the Gluon and cuDNN backwards are one kernel, so their dK/dV leave after all of it.
@@ -74,7 +82,7 @@ class KernelRates:
     def load(cls, path, backend: str = "triton") -> KernelRates:
         """One backend's rates from a file `save_all` wrote, or (a `.jsonl` path) `from_records` of
         a kernels.jsonl."""
-        impl = BACKEND_IMPLS.get(backend, BACKEND_IMPLS["triton"])
+        impl = BACKEND_IMPLS[rates_backend(backend)]
         if str(path).endswith(".jsonl"):
             return cls.from_records(Path(path), impl)
         text = path.read_text() if hasattr(path, "read_text") else Path(path).read_text()

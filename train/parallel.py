@@ -34,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ringflash
 from ringflash import kernels, plan
+from ringflash.kernel_rates import rates_backend
 from ringflash.layout import SCHEMES
 from ringflash.train.config import AUTO, Config, ConfigError, ParallelConfig, kernel_backend, to_dict
 from ringflash.transport.groups import register_grid
@@ -217,7 +218,7 @@ def choose_cp_layout(run: Config, gpus_per_node: int, device_name: str) -> tuple
             windows = bool(m.window)
         cluster = plan.cluster_of(p.cp, gpus_per_node)
         schemes = SCHEMES if p.cp_scheme == AUTO else (p.cp_scheme,)
-        backend = kernel_backend(p)[0] if kernel_backend(p)[0] in ("hopper", "cudnn") else "triton"
+        backend = rates_backend(kernel_backend(p)[0])
         try:
             best, why = plan.choose_layout(shape, run.data.seq_len, cluster, transport=p.transport, layout=p.layout,
                                            schemes=schemes, u=u, backend=backend)  # fmt: skip
