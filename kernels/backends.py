@@ -51,9 +51,13 @@ class Backend:
       (merged) o goes instead, in its own dtype; o_acc is then only read and may be in
       `partial_dtype`.
     `bwd_step(do, q, k, v, o, lse, spec, scale, *, grad_dtype=None, out=None, accumulate=False,
-      acc=None, after_dkdv=None) -> (dq, dk, dv)`: o and lse may be global (a ring's merged
-      ones). `out=(dq, dk, dv)`: write there; `accumulate=True`: add to what out holds;
-      `acc=(...)`: add to these sums and write the totals to out, rounded to `grad_dtype`.
+      acc=None, acc_ready=None, after_dkdv=None) -> (dq, dk, dv)`: o and lse may be global (a
+      ring's merged ones). `out=(dq, dk, dv)`: write there; `accumulate=True`: add to what out
+      holds; `acc=(...)`: add to these sums and write the totals to out, rounded to `grad_dtype`.
+      `acc_ready()` is called before acc's (or, accumulating, out's) dk and dv are first read: a
+      ring waits there for the sums arriving from the previous rank. The one-kernel backwards
+      (`hopper`, `cudnn`) call it after their kernel and add afterwards, so that the sums travel
+      while it runs; the Triton backward, before its dK/dV kernel, which adds them on chip.
       `after_dkdv()` is called once dk and dv are final, before dq is computed (`hopper`: after its
       one kernel, which computes all three together).
     """
@@ -80,7 +84,8 @@ class Backend:
         raise NotImplementedError
 
     def bwd_step(self, do, q, k, v, o, lse, spec: AttnSpec, scale: float | None, *, grad_dtype=None, out=None,
-                 accumulate: bool = False, acc=None, after_dkdv: Callable[[], None] | None = None) -> Grads:
+                 accumulate: bool = False, acc=None, acc_ready: Callable[[], None] | None = None,
+                 after_dkdv: Callable[[], None] | None = None) -> Grads:
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -96,9 +101,11 @@ class _Triton(Backend):
         return triton_attn_fwd(q, k, v, spec, scale, out_dtype=out_dtype, acc=acc, out=out)
 
     def bwd_step(self, do, q, k, v, o, lse, spec, scale, *, grad_dtype=None, out=None, accumulate=False, acc=None,
-                 after_dkdv=None):
+                 acc_ready=None, after_dkdv=None):
         from ringflash.kernels.triton_bwd import triton_attn_bwd
 
+        if acc_ready is not None:  # the dK/dV kernel adds the sums in its epilogue: they must be here
+            acc_ready()
         return triton_attn_bwd(do, q, k, v, o, lse, spec, scale, grad_dtype=grad_dtype, out=out,
                                accumulate=accumulate, acc=acc, after_dkdv=after_dkdv)
 
@@ -115,13 +122,13 @@ class _Hopper(_Triton):
         return run(q, k, v, spec, scale, out_dtype=out_dtype, acc=acc, out=out)
 
     def bwd_step(self, do, q, k, v, o, lse, spec, scale, *, grad_dtype=None, out=None, accumulate=False, acc=None,
-                 after_dkdv=None):
+                 acc_ready=None, after_dkdv=None):
         from ringflash.kernels.hopper_bwd import hopper_attn_bwd, hopper_bwd_unsupported
 
         check_qkv(q, k, v)
         run = hopper_attn_bwd if hopper_bwd_unsupported(q, k, v, spec) is None else super().bwd_step
         return run(do, q, k, v, o, lse, spec, scale, grad_dtype=grad_dtype, out=out, accumulate=accumulate, acc=acc,
-                   after_dkdv=after_dkdv)
+                   acc_ready=acc_ready, after_dkdv=after_dkdv)
 
 
 class _Unfused(Backend):
@@ -138,12 +145,14 @@ class _Unfused(Backend):
             out.copy_(base + grad)
 
     def bwd_step(self, do, q, k, v, o, lse, spec, scale, *, grad_dtype=None, out=None, accumulate=False, acc=None,
-                 after_dkdv=None):
+                 acc_ready=None, after_dkdv=None):
         summed = acc is not None or accumulate
         if out is not None or summed:  # before the work, as the Triton path checks
             check_grad_out(out, accumulate, q, k, v, grad_dtype or q.dtype, acc)
         # Added to a sum: rounded after the sum, once, as on chip.
         grads = self._grads(do, q, k, v, o, lse, spec, scale, torch.float32 if summed else grad_dtype)
+        if acc_ready is not None:  # the sums are first read by the adds below, not by the kernels
+            acc_ready()
         if out is None:
             if after_dkdv is not None:
                 after_dkdv()

@@ -247,13 +247,18 @@ def hopper_attn_bwd(
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     accumulate: bool = False,
     acc: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    acc_ready: Callable[[], None] | None = None,
     after_dkdv: Callable[[], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`triton_attn_bwd`'s contract (kernels/triton_bwd.py) where `hopper_bwd_unsupported` is None.
 
     dQ is summed in float32: in `out`'s dq itself where that is a contiguous float32 tensor (the
     ring's running sums), else in a workspace rounded into it afterwards. `after_dkdv` runs after
-    the kernel: dK, dV and dQ are final together, so a ring's last dK/dV hop cannot hide behind dQ.
+    the kernel: dK, dV and dQ are final together, so a ring's dK/dV hop cannot hide behind dQ.
+    With `acc_ready` and sums to add, the kernel writes this block's dK/dV in float32 to a
+    scratch and `acc_ready()` runs after it, before one pass adds them to the sums: a ring's
+    sums then travel while the kernel runs, where adding them in its epilogue would make its
+    launch wait for their arrival (`Backend.bwd_step`).
     """
     from ringflash.kernels.triton_bwd import row_deltas
 
@@ -286,16 +291,24 @@ def hopper_attn_bwd(
         dq_sum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     else:  # a copy: acc is only read, even where it is float32 already
         dq_sum = torch.empty(q.shape, dtype=torch.float32, device=q.device).copy_(sums[0])
+    late = acc_ready is not None and sums is not None  # the sums added after the kernel, not in it
+    # Where the kernel writes dK, dV: out's, or this block's alone (float32) for the pass after it.
+    dk_k, dv_k = (torch.empty(t.shape, dtype=torch.float32, device=q.device) for t in (k, v)) if late else (dk, dv)
     dka, dva = (sums[1], sums[2]) if sums is not None else (dk, dv)  # placeholders, never read, without sums
     _hopper_bwd[(triton.cdiv(Nk, BLOCK_N), B * Hkv)](
         rows_descriptor(q, block_m), rows_descriptor(do, block_m), rows_descriptor(k, BLOCK_N),
         rows_descriptor(v, BLOCK_N), rows_descriptor(dq_sum, block_m, DQ_SWIZZLE[D]),
-        lse_desc, delta_desc, dk, dv, dka, dva,
-        *bhnd_strides(dk), *bhnd_strides(dv), *bhnd_strides(dka), *bhnd_strides(dva),
+        lse_desc, delta_desc, dk_k, dv_k, dka, dva,
+        *bhnd_strides(dk_k), *bhnd_strides(dv_k), *bhnd_strides(dka), *bhnd_strides(dva),
         H, H // Hkv, Nq, Nk, scale * LOG2E, scale, num_sms(q.device),
-        CAUSAL=spec.causal, ACCUMULATE=sums is not None, BLOCK_M=block_m, BLOCK_N=BLOCK_N, D=D, STAGES=STAGES,
-        num_warps=NUM_WARPS,
+        CAUSAL=spec.causal, ACCUMULATE=sums is not None and not late, BLOCK_M=block_m, BLOCK_N=BLOCK_N, D=D,
+        STAGES=STAGES, num_warps=NUM_WARPS,
     )
+    if acc_ready is not None:
+        acc_ready()
+    if late:  # summed in float32, rounded once into out (in place where out holds the sums)
+        torch.add(sums[1], dk_k, out=dk)
+        torch.add(sums[2], dv_k, out=dv)
     if after_dkdv is not None:
         after_dkdv()
     if not in_place:

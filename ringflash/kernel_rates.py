@@ -32,6 +32,9 @@ def rates_backend(backend: str) -> str:
 # only then: the Triton backward runs its dK/dV kernel (4 of its 7 matmuls) before the dQ kernel;
 # the Gluon and cuDNN backwards are one kernel, so their dK/dV leave after all of it.
 DKDV_SHARE = {"ringflash": 4 / 7, "ringflash-hopper": 1.0, "sdpa-cudnn": 1.0}
+# The backwards whose ring step adds the arriving dK/dV sums in a pass after its kernel (ring.py),
+# so that they travel while the kernel runs; the Triton dK/dV kernel adds them in its epilogue.
+LATE_ADD = {"ringflash-hopper", "sdpa-cudnn"}
 
 
 def records(path: Path) -> list[dict]:
@@ -50,6 +53,7 @@ class KernelRates:
 
     table: dict[tuple[int, bool, str], list[tuple[int, float]]] = field(default_factory=dict)
     dkdv_share: float = DKDV_SHARE["ringflash"]  # of the backward's time, before dK/dV are complete
+    late_add: bool = False  # the arriving dK/dV sums added after the kernel (`LATE_ADD`)
     POOLED = 5
 
     @classmethod
@@ -69,7 +73,7 @@ class KernelRates:
                     by_n = samples.setdefault((x["D"], x["causal"] == "yes", direction), {})
                     by_n.setdefault(x["N"], []).append(float(x[f"{direction} TFLOP/s"]))
         table = {k: sorted((n, statistics.median(v)) for n, v in by_n.items()) for k, by_n in samples.items()}
-        return cls(table, DKDV_SHARE.get(impl, 1.0))
+        return cls(table, DKDV_SHARE.get(impl, 1.0), impl in LATE_ADD)
 
     @classmethod
     def default(cls, backend: str = "triton") -> KernelRates:
@@ -89,7 +93,7 @@ class KernelRates:
         saved = json.loads(text)["backends"][impl]
         table = {(r["head_dim"], r["causal"], r["direction"]): [tuple(pt) for pt in r["points"]]
                  for r in saved["rates"]}  # fmt: skip
-        return cls(table, saved["dkdv_share"])
+        return cls(table, saved["dkdv_share"], impl in LATE_ADD)
 
     @classmethod
     def save_all(cls, path: Path, records_path: Path = REPO / "benchmarks" / "kernels.jsonl") -> None:

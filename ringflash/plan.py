@@ -13,9 +13,11 @@ the sum of:
   contiguous's full block on the critical rank, the causal diagonal at step 0) while the next
   K/V block travels, so a step costs max(compute, transfer) + a fixed per-step overhead. In the
   backward each block's float32 dK/dV sums travel on to the next rank too, and can leave only
-  once the step's dK/dV are complete: after the dK/dV kernel of a split backward (Triton's; the
-  dQ kernel hides the hop), after all of a fused one (`hopper`, `cudnn`; the next step waits for
-  the whole hop). The last step's sums are the rank's own: no hop follows it. A ring hop's rate
+  once the step's dK/dV are complete: after the dK/dV kernel of a split backward (Triton's, which
+  adds the arriving sums in its epilogue: the dQ kernel hides the hop), after all of a fused one
+  (`hopper`, `cudnn`), which adds the arriving sums in a pass after its kernel (`hbm_gbs`): the
+  hop travels during the next step's kernel. The last step's sums are the rank's own: no hop
+  follows it. A ring hop's rate
   depends on the transport: NCCL send/recv (`nccl_p2p_gbs`, or `nccl_pair_gbs` between two
   ranks), the copy engine (`copy_engine_gbs`), InfiniBand across nodes.
 - **all-gather chunks**: chunk i computes this rank's queries against all keys (the layout
@@ -102,6 +104,8 @@ class Cluster:
     copy_engine_gbs: float = _option(335.0, "GB/s of a ring hop by copy engines inside a node (measured: 64 MiB in "
                                    "0.20 ms, 4×H100)")  # fmt: skip
     ib_gbs: float = _option(42.0, "InfiniBand GB/s per GPU, one direction, as NCCL reaches")
+    hbm_gbs: float = _option(3000.0, "GB/s of an elementwise pass over GPU memory (the fused backwards' dK/dV "
+                           "sums; H100 SXM's HBM3: 3350 peak)")  # fmt: skip
     nvlink_lat_us: float = _option(10.0, "latency of a small NCCL message over NVLink, µs")
     ib_lat_us: float = _option(20.0, "latency of a small NCCL message over InfiniBand, µs")
     a2a_efficiency: float = _option(0.8, "all-to-all bandwidth / point-to-point bandwidth (NCCL's, on NVLink)")
@@ -163,9 +167,14 @@ def _ring(m, rates, c, h, hkv, n, r, layout, slow, bw, lat) -> tuple[float, floa
             rate = rates.rate(m.head_dim, math.sqrt(nq * nk), causal, direction) * 1e12
             t = flops_x * _flops(m, h, nq, nk, causal) / rate
             compute += t
-            if s == r - 1:
+            if direction == "bwd" and rates.late_add and s > 0:
+                # The sums that left the previous rank when this step began travel during its kernel;
+                # then one pass reads them and this block's dK/dV and writes them (float32, key rows).
+                add = 3 * 2 * m.batch * nk * hkv * m.head_dim * 4 / (c.hbm_gbs * 1e9)
+                step = (max(t, dkv_hop) if s == r - 1 else max(t * slow, kv_hop + dkv_hop)) + add
+            elif s == r - 1:
                 step = t  # nothing travels after the last step
-            elif direction == "fwd":
+            elif direction == "fwd" or rates.late_add:
                 step = max(t * slow, kv_hop)
             else:  # the next block's K/V from the start; the sums once dK/dV are complete
                 step = max(t * slow, rates.dkdv_share * t * slow + dkv_hop, kv_hop + dkv_hop)

@@ -27,10 +27,13 @@ which round (a float32 copy would hold the same values at twice the bytes).
 
 Communication overlaps compute: the transfer for step s+1 is posted before step s computes
 (two K/V buffers in turn); on NCCL only if its streams have high priority (ringflash's
-`nccl_options`), or the transfers wait for the attention kernels' SMs. The dK/dV kernel of step
-s ≥ 1 adds into the accumulator that arrived from the previous rank (no scratch, no separate
-`+=`), which is sent on as soon as that kernel is queued, before step s's dQ kernel
-(`after_dkdv=`): each hop travels during a dQ kernel where the backend has one.
+`nccl_options`), or the transfers wait for the attention kernels' SMs. Step s ≥ 1 adds its
+block's dK/dV into the accumulator that arrived from the previous rank and sends it on as soon
+as the addition is queued (`after_dkdv=`). Where the sums are first read is the backend's
+(`acc_ready=`, where the step waits for them): the Triton dK/dV kernel adds them in its epilogue,
+so it waits before its launch and the hop travels during the previous step's dQ kernel; the
+one-kernel backwards (`hopper`, `cudnn`) have no dQ kernel to hide it behind, so they add after
+their kernel, and the hop travels during the next step's kernel.
 K and V travel packed in one contiguous block (`pack_kv`): one message per step, not two.
 """
 
@@ -191,12 +194,12 @@ def ring_backward(do, q, kv, o, lse, plan: list[Step | None], *, scale: float, k
     for s, step in enumerate(steps):
         cur = kv_views(buf(s), d)
         kv_transfer = comm.send_recv(buf(s), buf(s + 1), _KV_TAG) if s < last else None
-        if sent is not None:
-            # This block's accumulator has arrived (and the other buffer has left, so it may
-            # receive again). It travelled during the previous step's dQ. (Adding in the kernel
-            # needs it before this step's dK/dV, not after, and saves a float32 scratch block.)
-            sent.wait()
+        # This block's accumulator has arrived once `sent` is waited for (and the other buffer has
+        # left, so it may receive again): here for a skipped step, else where the backend first
+        # reads the sums (`acc_ready`).
         if step is None:
+            if sent is not None:
+                sent.wait()
             pass_on(s)  # nothing to add, but the accumulator still travels on
         else:
             qs, ks = step.q, step.kv
@@ -223,6 +226,7 @@ def ring_backward(do, q, kv, o, lse, plan: list[Step | None], *, scale: float, k
                 grad_dtype=grad_dtype,
                 out=out,
                 acc=sums if s > 0 else None,
+                acc_ready=None if sent is None else sent.wait,
                 after_dkdv=partial(pass_on, s),
             )
         if kv_transfer is not None:

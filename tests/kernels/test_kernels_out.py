@@ -180,3 +180,51 @@ def test_after_dkdv_runs_once_between_dkdv_and_dq(backend, device, n_keys):
     bwd_step(do, q, k, v, o, lse, grad_dtype=torch.float32, out=out, after_dkdv=hook, backend=backend)
     assert seen == [(True, True)]  # once; dK/dV written, dQ not yet
     assert rel_err(out[0], truth["dq"]) < 2e-5 if n_keys else (out[0] == 0).all()
+
+
+_sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                           reason="the hopper kernels need an sm_90 GPU")
+
+
+@pytest.mark.parametrize(
+    ("backend", "device"),
+    [("reference", "cpu"), ("triton", "cpu"), pytest.param("triton", "cuda", marks=pytest.mark.gpu),
+     pytest.param("hopper", "cuda", marks=[pytest.mark.gpu, _sm90]),
+     pytest.param("cudnn", "cuda", marks=pytest.mark.gpu)],
+)
+@pytest.mark.parametrize("into", ["sums", "rounded"])
+def test_acc_is_read_only_after_acc_ready(backend, device, into):
+    # A ring waits in `acc_ready` for the dK/dV sums arriving from the previous rank: nothing may
+    # read them before. Here they hold NaN until `acc_ready` writes them, on the stream, as the
+    # arriving transfer would. The Gluon backward calls it after its kernel (whose in-place dQ sums
+    # have then changed), so the sums travel while it runs; the Triton one before its kernels.
+    # `into`: the sums added to in place (a ring's middle steps) or the totals written rounded (its last).
+    dtype, d = (torch.bfloat16, 64) if device == "cuda" else (torch.float32, 32)
+    q, k, v, do = _inputs(D=d, seed=3)
+    truth = attention_f64(q, k, v, causal=False, do=do)
+    q, k, v, do = (t.to(device, dtype) for t in (q, k, v, do))
+    o, lse = truth["o"].to(device, dtype), truth["lse"].float().to(device)
+    grads = bwd_step(do, q, k, v, o, lse, grad_dtype=torch.float32, backend=backend)
+    gen = torch.Generator().manual_seed(4)
+    arrived = tuple(torch.randn(g.shape, generator=gen).to(device) for g in grads)
+    sums = tuple(a.clone() for a in arrived)
+    for t in sums[1:]:
+        t.fill_(float("nan"))
+    out = sums if into == "sums" else tuple(torch.full_like(t, 7.0) for t in (q, k, v))
+    seen = []
+
+    def ready():
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seen.append(("ready", not torch.equal(sums[0], arrived[0])))
+        for t, a in zip(sums[1:], arrived[1:]):
+            t.copy_(a)
+
+    bwd_step(do, q, k, v, o, lse, grad_dtype=torch.float32 if into == "sums" else None, out=out, acc=sums,
+             acc_ready=ready, after_dkdv=lambda: seen.append(("after_dkdv", None)), backend=backend)
+    assert [what for what, _ in seen] == ["ready", "after_dkdv"]
+    if into == "sums":
+        assert seen[0][1] == (backend == "hopper")  # its kernel summed dQ before: it ran first
+    tol = 1e-5 if device == "cpu" else 1e-3 if into == "sums" else 1e-2
+    for name, got, a, g in zip(("dq", "dk", "dv"), out, arrived, grads):
+        assert rel_err(got.float(), a + g) < tol, name
