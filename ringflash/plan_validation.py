@@ -18,9 +18,13 @@ from ringflash.plan import Cluster, Model, predict
 
 __all__ = ["validation_rows", "validation_table"]
 
-# Records measured before the fused backwards' ring steps added the arriving dK/dV sums after their
-# kernel (`KernelRates.late_add`) are predicted as that ring ran: each step waited for the sums.
-LATE_ADD_SINCE = "2026-11-27 17:40"
+
+
+def _waited_for_sums(rec: dict) -> bool:
+    """Whether a record's ring made each fused backward wait for the arriving dK/dV sums: those
+    measured before 59f5244 made them add the sums after their kernel (`KernelRates.late_add`), and
+    that change's baseline (80216c8), measured beside it."""
+    return rec.get("date", "") < "2026-11-27 17:04" or rec.get("commit") == "80216c8"
 
 
 def validation_rows(path: Path = REPO / "benchmarks" / "ring.jsonl", c: Cluster | None = None,
@@ -41,7 +45,7 @@ def validation_rows(path: Path = REPO / "benchmarks" / "ring.jsonl", c: Cluster 
     def row(source, i, rec, m, world, u, layout, tokens, measured, scheme="ring", stride=1, backend=None,
             transport="nccl"):  # fmt: skip
         r = rates if scheme == "allgather" else by_backend.get(backend, rates)
-        if r.late_add and rec.get("date", "") < LATE_ADD_SINCE:
+        if r.late_add and _waited_for_sums(rec):
             r = replace(r, late_add=False)
         ms = predict(m, tokens * world, c, u, world // u, transport, layout, r, scheme, stride).time_s * 1e3
         kernels = "triton" if scheme == "allgather" else backend or "triton"

@@ -265,11 +265,17 @@ def test_validation_table_reproduced_from_data():
     assert table in doc, "docs/planner.md is stale: run python launch/planner_plots.py"
     # The stated accuracy (docs/planner.md): from 16k tokens per rank within 14 %, and within 6.5 %
     # in the records from 2026-11-25 on; the 4-rank rings on the Gluon kernels at 8k (the fused
-    # backward's wait, each transport's hop rate) within 6 %.
+    # backward's wait, each transport's hop rate) within 6 % while each step waited for the sums;
+    # with the late add (record 44 on) the GQA shape within 6 %, the MHA ring slower than
+    # predicted by at most 11 % (never faster: what the model leaves out is exposed time).
     assert all(abs(r["error"]) <= 0.14 for r in rows if r["tokens"] >= 16384)
     assert all(abs(r["error"]) <= 0.065 for r in rows if r["tokens"] >= 16384 and r["date"] >= "2026-11-25")
     hopper_rings = [r for r in rows if r["source"] == "ring" and r["kernels"] == "hopper" and r["W"] == 4]
-    assert len(hopper_rings) >= 8 and all(abs(r["error"]) <= 0.06 for r in hopper_rings)
+    waited = [r for r in hopper_rings if r["record"] < 44 or r["record"] in (46, 47)]  # 46, 47: the A/B's base
+    late = [r for r in hopper_rings if r not in waited]
+    assert len(waited) >= 8 and all(abs(r["error"]) <= 0.06 for r in waited)
+    assert len(late) >= 4 and all(abs(r["error"]) <= 0.06 for r in late if r["shape"] == "32/8/128")
+    assert all(-0.11 <= r["error"] <= 0.01 for r in late if r["shape"] == "16/16/128")
     assert re.search(r"median \|error\| \d", table)
 
 
