@@ -54,7 +54,7 @@ from ringflash.kernels.tiles import (
     tile_ptrs,
     visible_keys,
 )
-from ringflash.kernels.triton_fwd import Settings, score_args, tanh
+from ringflash.kernels.triton_fwd import Settings, pair_rows, score_args, tanh
 from ringflash.kernels.tuning import Tile, launch, pairs_dkdv
 
 
@@ -97,7 +97,7 @@ def _dkdv_inner(dk, dv, k, v, offs_n, qdo, rows, score, lo, hi, MASKED: tl.const
     KV_HI)`, where its rows' lse, delta and key intervals (RANGES) begin; `score = (qk_scale, cap)`
     (`score_args`); `CFG`, the kernel's `Settings` (BLOCK_M is the step).
     """
-    q_src, do_src, stride_qn, stride_don, off_b, off_h, Nq = qdo
+    Nq = qdo[6]
     LSE, Delta, KV_LO, KV_HI = rows
     qk_scale, cap = score
     offs_m0 = tl.arange(0, CFG.BLOCK_M)
@@ -106,13 +106,7 @@ def _dkdv_inner(dk, dv, k, v, offs_n, qdo, rows, score, lo, hi, MASKED: tl.const
     for start_m in range(lo, hi, CFG.BLOCK_M):
         offs_m = start_m + offs_m0
         # Query rows past Nq load as zeros with lse = +inf, so they contribute exactly nothing.
-        q = head_rows(q_src, stride_qn, off_b, start_m, off_h * CFG.HEAD_DIM, offs_d, Nq, True, CFG.TMA,
-                      CFG.BLOCK_M, CFG.HEAD_DIM, CFG.BLOCK_D)
-        do = head_rows(do_src, stride_don, off_b, start_m, off_h * CFG.HEAD_DIM_V, offs_dv, Nq, True, CFG.TMA,
-                       CFG.BLOCK_M, CFG.HEAD_DIM_V, CFG.BLOCK_DV)
-        if CFG.UPCAST:
-            q = q.to(tl.float32)
-            do = do.to(tl.float32)
+        q, do = pair_rows(qdo, start_m, offs_d, offs_dv, True, CFG.BLOCK_M, CFG)
         lse2 = _load_lse2(LSE, offs_m, Nq)
         delta = tl.load(Delta + offs_m, mask=offs_m < Nq, other=0.0)
         s_t = tl.dot(k, tl.trans(q), input_precision=CFG.PRECISION) * qk_scale
@@ -261,7 +255,7 @@ def _dq_inner(dq, q, do, lse2, delta, kv, rows, score, lo, hi, MASKED: tl.conste
     Its arguments are `_fwd_inner`'s groups: `kv = (k_src, v_src, stride_kn, stride_vn, off_b,
     off_hkv, Nk)`, `rows = (offs_m, kv_lo, kv_hi)`, `score = (qk_scale, cap)` and `CFG`, the kernel's
     `Settings`."""
-    k_src, v_src, stride_kn, stride_vn, off_b, off_hkv, Nk = kv
+    Nk = kv[6]
     offs_m, kv_lo, kv_hi = rows
     qk_scale, cap = score
     offs_n0 = tl.arange(0, CFG.BLOCK_N)
@@ -270,13 +264,7 @@ def _dq_inner(dq, q, do, lse2, delta, kv, rows, score, lo, hi, MASKED: tl.conste
     for start_n in range(lo, hi, CFG.BLOCK_N):
         cols = start_n + offs_n0
         # Keys past Nk read as zeros (only MASKED blocks reach them); the mask hides them.
-        k = head_rows(k_src, stride_kn, off_b, start_n, off_hkv * CFG.HEAD_DIM, offs_d, Nk, MASKED, CFG.TMA,
-                      CFG.BLOCK_N, CFG.HEAD_DIM, CFG.BLOCK_D)
-        v = head_rows(v_src, stride_vn, off_b, start_n, off_hkv * CFG.HEAD_DIM_V, offs_dv, Nk, MASKED, CFG.TMA,
-                      CFG.BLOCK_N, CFG.HEAD_DIM_V, CFG.BLOCK_DV)
-        if CFG.UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = pair_rows(kv, start_n, offs_d, offs_dv, MASKED, CFG.BLOCK_N, CFG)
         sc = tl.dot(q, tl.trans(k), input_precision=CFG.PRECISION) * qk_scale
         if CFG.SOFTCAP:
             t = tanh(sc)

@@ -98,6 +98,23 @@ class Settings(NamedTuple):
 
 
 @triton.jit
+def pair_rows(pair, start, offs_d, offs_dv, CHECK_ROWS: tl.constexpr, ROWS: tl.constexpr, CFG: tl.constexpr):
+    """Rows `[start, start + ROWS)` of a head pair that the inner loops walk together: K and V, or Q
+    and dO. `pair = (a_src, b_src, stride_a, stride_b, off_b, off_h, n_rows)` (the kernels' `kv` and
+    `qdo` groups); the first has `CFG.HEAD_DIM` columns, the second `CFG.HEAD_DIM_V`, both upcast
+    where `CFG.UPCAST`. Rows past n_rows read as zeros (`head_rows`, CHECK_ROWS)."""
+    a_src, b_src, stride_a, stride_b, off_b, off_h, n_rows = pair
+    a = head_rows(a_src, stride_a, off_b, start, off_h * CFG.HEAD_DIM, offs_d, n_rows, CHECK_ROWS, CFG.TMA,
+                  ROWS, CFG.HEAD_DIM, CFG.BLOCK_D)
+    b = head_rows(b_src, stride_b, off_b, start, off_h * CFG.HEAD_DIM_V, offs_dv, n_rows, CHECK_ROWS, CFG.TMA,
+                  ROWS, CFG.HEAD_DIM_V, CFG.BLOCK_DV)
+    if CFG.UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return a, b
+
+
+@triton.jit
 def _fwd_inner(acc, l_i, m_i, q, kv, rows, score, lo, hi, MASKED: tl.constexpr, CFG: tl.constexpr):
     """Fold key/value blocks [lo, hi) into the online-softmax state (acc, l_i, m_i).
 
@@ -109,7 +126,7 @@ def _fwd_inner(acc, l_i, m_i, q, kv, rows, score, lo, hi, MASKED: tl.constexpr, 
 
     MASKED blocks hide keys past Nk and, by the causal diagonal or the rows' intervals
     [kv_lo, kv_hi) (RANGES; they lie within [0, Nk)), the keys a row does not see."""
-    k_src, v_src, stride_kn, stride_vn, off_b, off_hkv, Nk = kv
+    Nk = kv[6]
     offs_m, kv_lo, kv_hi = rows
     qk_scale, cap = score
     offs_n = tl.arange(0, CFG.BLOCK_N)
@@ -118,13 +135,7 @@ def _fwd_inner(acc, l_i, m_i, q, kv, rows, score, lo, hi, MASKED: tl.constexpr, 
     for start_n in range(lo, hi, CFG.BLOCK_N):
         cols = start_n + offs_n
         # Keys past Nk read as zeros (only MASKED blocks reach them); the mask hides them.
-        k = head_rows(k_src, stride_kn, off_b, start_n, off_hkv * CFG.HEAD_DIM, offs_d, Nk, MASKED, CFG.TMA,
-                      CFG.BLOCK_N, CFG.HEAD_DIM, CFG.BLOCK_D)
-        v = head_rows(v_src, stride_vn, off_b, start_n, off_hkv * CFG.HEAD_DIM_V, offs_dv, Nk, MASKED, CFG.TMA,
-                      CFG.BLOCK_N, CFG.HEAD_DIM_V, CFG.BLOCK_DV)
-        if CFG.UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = pair_rows(kv, start_n, offs_d, offs_dv, MASKED, CFG.BLOCK_N, CFG)
         qk = tl.dot(q, tl.trans(k), input_precision=CFG.PRECISION) * qk_scale
         if CFG.SOFTCAP:  # before the mask, as flash_attn: masked keys stay at -inf
             qk = cap * tanh(qk)
