@@ -17,9 +17,9 @@ the sum of:
   adds the arriving sums in its epilogue: the dQ kernel hides the hop), after all of a fused one
   (`hopper`, `cudnn`), which adds the arriving sums in a pass after its kernel (`hbm_gbs`): the
   hop travels during the next step's kernel. The last step's sums are the rank's own: no hop
-  follows it. A ring hop's rate
-  depends on the transport: NCCL send/recv (`nccl_p2p_gbs`, or `nccl_pair_gbs` between two
-  ranks), the copy engine (`copy_engine_gbs`), InfiniBand across nodes.
+  follows it. A ring hop's rate depends on the transport: NCCL send/recv (`nccl_p2p_gbs`, or
+  `nccl_pair_gbs` between two ranks), the copy engine (`copy_engine_gbs`), InfiniBand across
+  nodes.
 - **all-gather chunks**: chunk i computes this rank's queries against all keys (the layout
   balances any mask exactly: 1/r of the work) while chunk i + 1's K/V are gathered, and in the
   backward while chunk i − 1's float32 dK/dV are reduce-scattered; the first gather and the last

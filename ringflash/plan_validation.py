@@ -19,7 +19,6 @@ from ringflash.plan import Cluster, Model, predict
 __all__ = ["validation_rows", "validation_table"]
 
 
-
 def _waited_for_sums(rec: dict) -> bool:
     """Whether a record's ring made each fused backward wait for the arriving dK/dV sums: those
     measured before 59f5244 made them add the sums after their kernel (`KernelRates.late_add`), and
