@@ -60,6 +60,12 @@ def hf_config(m: ModelConfig):
         raise ConfigError(f"model.hf: {e}") from None
 
 
+def head_dim(config) -> int:
+    """A transformers config's attention head dim: its `head_dim` where it has one, else hidden size
+    over heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 class HFCausalLM(nn.Module):
     """`forward(idx (B, N), pos (N,) global positions, mask) -> logits (B, N, vocab)` over a
     transformers causal LM `hf`. `mask`: a `ringflash.hf.RingMasks` (documents, windows) or None
@@ -105,11 +111,10 @@ class HFCausalLM(nn.Module):
         import ringflash.hf
 
         c = self.hf.config
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         windows = {ringflash.hf.layer_window(c, i) for i in range(c.num_hidden_layers)}
         window = next(iter(windows)) if len(windows) == 1 else None
         spec = AttnSpec(causal=True, window=window)
-        return SimpleNamespace(n_layers=c.num_hidden_layers, dim=c.num_attention_heads * head_dim, attn_spec=spec)
+        return SimpleNamespace(n_layers=c.num_hidden_layers, dim=c.num_attention_heads * head_dim(c), attn_spec=spec)
 
 
 def build_hf_model(cfg: Config) -> HFCausalLM:

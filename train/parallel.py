@@ -245,14 +245,13 @@ def _hf_attention(m, batch: int, dtype_bytes: int) -> tuple[plan.Model, bool]:
     """(the attention shape of a transformers model's config, whether any of its layers has a
     sliding window)."""
     from ringflash.hf import model_windows
-    from ringflash.train.hf_model import hf_config
+    from ringflash.train.hf_model import head_dim, hf_config
 
     hf = hf_config(m)
     heads = hf.num_attention_heads
     kv_heads = getattr(hf, "num_key_value_heads", None) or heads
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
     windows = any(w is not None for w in model_windows(hf))
-    return plan.Model(heads, kv_heads, head_dim, hf.num_hidden_layers, batch, dtype_bytes=dtype_bytes), windows
+    return plan.Model(heads, kv_heads, head_dim(hf), hf.num_hidden_layers, batch, dtype_bytes=dtype_bytes), windows
 
 
 def _node_of_rank_0(device: torch.device) -> tuple[int, str]:
