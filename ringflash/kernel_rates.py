@@ -73,6 +73,11 @@ class KernelRates:
                     by_n = samples.setdefault((x["D"], x["causal"] == "yes", direction), {})
                     by_n.setdefault(x["N"], []).append(float(x[f"{direction} TFLOP/s"]))
         table = {k: sorted((n, statistics.median(v)) for n, v in by_n.items()) for k, by_n in samples.items()}
+        return cls._of(impl, table)
+
+    @classmethod
+    def _of(cls, impl: str, table: dict) -> KernelRates:
+        """`impl`'s rates `table`, with what its backward's structure implies for a ring step."""
         return cls(table, DKDV_SHARE.get(impl, 1.0), impl in LATE_ADD)
 
     @classmethod
@@ -93,7 +98,7 @@ class KernelRates:
         saved = json.loads(text)["backends"][impl]
         table = {(r["head_dim"], r["causal"], r["direction"]): [tuple(pt) for pt in r["points"]]
                  for r in saved["rates"]}  # fmt: skip
-        return cls(table, saved["dkdv_share"], impl in LATE_ADD)
+        return cls._of(impl, table)
 
     @classmethod
     def save_all(cls, path: Path, records_path: Path = REPO / "benchmarks" / "kernels.jsonl") -> None:
@@ -103,7 +108,7 @@ class KernelRates:
             rates = cls.from_records(records_path, impl)
             rows = [{"head_dim": d, "causal": c, "direction": k, "points": [list(pt) for pt in pts]}
                     for (d, c, k), pts in sorted(rates.table.items())]  # fmt: skip
-            backends[impl] = {"dkdv_share": rates.dkdv_share, "rates": rows}
+            backends[impl] = {"rates": rows}
         source = f"KernelRates.from_records: the median of the newest {cls.POOLED} dense records per shape"
         Path(path).write_text(json.dumps({"source": source, "backends": backends}, indent=1) + "\n")
 
