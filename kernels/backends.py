@@ -8,12 +8,14 @@
 - `reference`: the same contract in plain PyTorch (kernels/reference.py): the CPU path.
 - `cudnn`: NVIDIA's cuDNN attention through PyTorch (kernels/cudnn.py): CUDA, fp16/bf16, full or
   causal only. Never chosen by `auto`.
-- `hopper`: `triton`, except that on an H100/H200, for dense full or causal attention (fp16/bf16,
-  head dim 64 or 128), the forward is a warp-specialised Gluon kernel (kernels/hopper_fwd.py) and
-  the backward one Gluon kernel adding dQ atomically (kernels/hopper_bwd.py): faster, and dQ not
-  bit-reproducible. Both serve a ring's steps (float32 partials, merges, running sums). Other
-  cases, and backwards under `torch.use_deterministic_algorithms(True)`, run the Triton kernels.
-  Never chosen by `auto`.
+- `hopper`: on an H100/H200 (fp16/bf16, head dim 64 or 128, one head dim for q·k and v, no
+  softcap), the forward is a warp-specialised Gluon kernel (kernels/hopper_fwd.py) and the
+  backward one Gluon kernel adding dQ atomically (kernels/hopper_bwd.py), for every mask: full,
+  causal, windows and per-row intervals (documents, a ring's steps, the all-gather). Faster, and
+  dQ not bit-reproducible. Both serve a ring's steps (float32 partials, merges, running sums).
+  What they cannot run, and backwards under `torch.use_deterministic_algorithms(True)`, runs the
+  Triton kernels, with one warning per reason naming both; strict (`get_backend(..., strict=True)`
+  or `RINGFLASH_STRICT_BACKEND=1`) raises instead. Never chosen by `auto`.
 `auto` is Triton on CUDA tensors and the reference elsewhere.
 
 The step API (`fwd_step`, `bwd_step`) is for block-wise callers such as the ring: it writes into
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -37,6 +40,7 @@ __all__ = ["BACKENDS", "Backend", "backend_named", "device_guard", "get_backend"
 
 BACKENDS = ("auto", "triton", "reference", "cudnn", "hopper")  # the names `backend=` and the config accept
 ENV = "RINGFLASH_KERNEL_BACKEND"
+STRICT_ENV = "RINGFLASH_STRICT_BACKEND"  # "1": a backend that cannot run a call raises instead of handing it on
 
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -71,6 +75,12 @@ class Backend:
         window, intervals), dtype and head dim, else why not (a message naming the argument).
         What is not known yet (a config checked before any tensor exists) may be None."""
         return None
+
+    def kernels_for(self, dtype: torch.dtype | None, head_dim: int | None, head_dim_v: int | None = None,
+                    softcap: float = 0.0) -> str:
+        """The name of the kernels that run such a call on a GPU this backend suits: its own, or
+        those it hands the call to (`hopper`: `triton`). The planner predicts at their rates."""
+        return self.name
 
     def check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec) -> None:
         """Raise (naming the argument) if this backend cannot run attention of q over k, v under
@@ -114,11 +124,35 @@ class _Hopper(_Triton):
     name = "hopper"
     deterministic = False
 
+    def __init__(self, strict: bool = False):
+        self.strict = strict
+        self._warned: set[tuple[str, str]] = set()  # (direction, reason) pairs warned of
+
+    def kernels_for(self, dtype, head_dim, head_dim_v=None, softcap=0.0):
+        from ringflash.kernels.hopper import unsupported_case
+
+        return "triton" if unsupported_case(dtype, head_dim, head_dim_v, softcap) else self.name
+
+    def handed_on(self, direction: str, why: str | None) -> bool:
+        """True if the Triton kernels run this call's `direction` ("forward", "backward") because the
+        Gluon kernels cannot (`why`): warned once per reason, or raised when strict."""
+        if why is None:
+            return False
+        text = f"backend='hopper' cannot run this {direction} on its Gluon kernels: it {why}"
+        if self.strict:
+            raise ValueError(f"{text} (strict: get_backend(..., strict=True) or {STRICT_ENV}=1 refuses to hand it on)")
+        if (direction, why) not in self._warned:
+            self._warned.add((direction, why))
+            warnings.warn(f"{text}; the Triton kernels (backend='triton') run it instead. Warned once per reason; "
+                          f"{STRICT_ENV}=1 makes it an error", stacklevel=4)
+        return True
+
     def fwd_step(self, q, k, v, spec, scale, *, out_dtype=None, acc=None, out=None):
         from ringflash.kernels.hopper_fwd import hopper_attn_fwd, hopper_fwd_unsupported
 
         check_qkv(q, k, v)  # before the support check reads their attributes
-        run = hopper_attn_fwd if hopper_fwd_unsupported(q, k, v, spec) is None else super().fwd_step
+        handed_on = self.handed_on("forward", hopper_fwd_unsupported(q, k, v, spec))
+        run = super().fwd_step if handed_on else hopper_attn_fwd
         return run(q, k, v, spec, scale, out_dtype=out_dtype, acc=acc, out=out)
 
     def bwd_step(self, do, q, k, v, o, lse, spec, scale, *, grad_dtype=None, out=None, accumulate=False, acc=None,
@@ -126,9 +160,13 @@ class _Hopper(_Triton):
         from ringflash.kernels.hopper_bwd import hopper_attn_bwd, hopper_bwd_unsupported
 
         check_qkv(q, k, v)
-        run = hopper_attn_bwd if hopper_bwd_unsupported(q, k, v, spec) is None else super().bwd_step
+        handed_on = self.handed_on("backward", hopper_bwd_unsupported(q, k, v, spec))
+        run = super().bwd_step if handed_on else hopper_attn_bwd
         return run(do, q, k, v, o, lse, spec, scale, grad_dtype=grad_dtype, out=out, accumulate=accumulate, acc=acc,
                    acc_ready=acc_ready, after_dkdv=after_dkdv)
+
+    def __repr__(self) -> str:
+        return "Backend('hopper', strict=True)" if self.strict else super().__repr__()
 
 
 class _Unfused(Backend):
@@ -217,6 +255,7 @@ class _Cudnn(_Unfused):
 
 
 _BY_NAME: dict[str, Backend] = {b.name: b for b in (_Triton(), _Reference(), _Cudnn(), _Hopper())}
+_STRICT_HOPPER = _Hopper(strict=True)
 
 
 def backend_named(name: str) -> Backend | None:
@@ -237,12 +276,18 @@ def device_guard(t) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-def get_backend(backend: str | Backend | None, device: torch.device) -> Backend:
+def get_backend(backend: str | Backend | None, device: torch.device, *, strict: bool | None = None) -> Backend:
     """The `Backend` that runs for tensors on `device`: `backend` by name (`BACKENDS`), or a
     `Backend` as is, or with None the environment's `RINGFLASH_KERNEL_BACKEND` (default `auto`).
-    Raises ValueError naming the argument or the variable."""
+    `strict` (None: `RINGFLASH_STRICT_BACKEND=1`): `hopper` raises where it would hand a call to the
+    Triton kernels. Raises ValueError naming the argument or the variable."""
     if isinstance(backend, Backend):
         return backend
+    if strict is None:
+        flag = os.environ.get(STRICT_ENV, "0")
+        if flag not in ("0", "1", ""):
+            raise ValueError(f"{STRICT_ENV} must be 0 or 1, got {flag!r}")
+        strict = flag == "1"
     choice, source = backend, "backend"
     if choice is None:
         choice, source = os.environ.get(ENV, "auto"), ENV
@@ -257,4 +302,4 @@ def get_backend(backend: str | Backend | None, device: torch.device) -> Backend:
             f"backend={choice!r} on a {device.type} tensor needs the Triton interpreter: "
             "set TRITON_INTERPRET=1 before importing triton, or use backend='reference'"
         )
-    return _BY_NAME[choice]
+    return _STRICT_HOPPER if strict and choice == "hopper" else _BY_NAME[choice]

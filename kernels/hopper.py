@@ -20,8 +20,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ringflash.kernels.launch_utils import _row_strides
 from ringflash.kernels.spec import AttnSpec
 
-__all__ = ["HEAD_DIMS", "TensorDescriptor", "rows_descriptor", "slot_barriers", "smem_layout", "thread_barrier",
-           "tma_load", "tma_reduce_add", "tma_store", "unsupported"]
+__all__ = ["HEAD_DIMS", "TensorDescriptor", "interval_bounds", "ranges_args", "rows_descriptor", "slot_barriers",
+           "smem_layout", "thread_barrier", "tma_load", "tma_reduce_add", "tma_store", "unsupported",
+           "unsupported_case"]
 
 HEAD_DIMS = (64, 128)
 
@@ -57,20 +58,69 @@ def slot_barriers(STAGES: gl.constexpr, RELEASES: gl.constexpr):
     return ready, empty
 
 
+@gluon.jit
+def interval_bounds(LO, HI, first, n, n_other, ROWS: gl.constexpr, ROWS_P2: gl.constexpr, BLOCK: gl.constexpr,
+                    NUM_WARPS: gl.constexpr):
+    """kernels/tiles.py's `block_bounds` for this program's rows `[first, first + ROWS)` of `n`, whose
+    intervals over the other side's `n_other` rows are `[LO[i], HI[i])` (kernels/masks.py): `(start,
+    u_lo, u_hi, end)`, blocks of the other side in `[start, end)` hold a pair some row sees, those in
+    `[u_lo, u_hi)` are seen whole by every row. Reduced over the rows themselves rather than read at
+    their ends, so a `Visibility` given by hand needs no monotone bounds. `ROWS_P2`: ROWS rounded up
+    to a power of two (an arange's length)."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+    idx = first + gl.arange(0, ROWS_P2, layout=layout)
+    valid = (idx < n) & (idx < first + ROWS)
+    lo = gl.maximum(gl.load(LO + idx, mask=valid, other=0), 0)
+    hi = gl.minimum(gl.load(HI + idx, mask=valid, other=0), n_other)
+    seen = valid & (lo < hi)
+    start = gl.min(gl.where(seen, lo, n_other), 0)
+    end = gl.max(gl.where(seen, hi, 0), 0)
+    # What every row sees; a row that sees nothing empties it.
+    all_lo = gl.max(gl.where(valid, gl.where(seen, lo, n_other), 0), 0)
+    all_hi = gl.min(gl.where(valid, gl.where(seen, hi, 0), n_other), 0)
+    start = start // BLOCK * BLOCK
+    u_lo = (all_lo + BLOCK - 1) // BLOCK * BLOCK
+    u_hi = all_hi // BLOCK * BLOCK
+    if u_hi <= u_lo:
+        u_lo = start
+        u_hi = start
+    return start, u_lo, u_hi, end
+
+
+def ranges_args(spec: AttnSpec, q: torch.Tensor, k: torch.Tensor) -> tuple:
+    """`(KV_LO, KV_HI, Q_LO, Q_HI, batch stride of each pair)`, the interval arguments of the
+    Gluon kernels, and whether they are read (RANGES): a window's or the documents' `Visibility`
+    (`spec.intervals_for`); for the dense masks placeholders that are never read."""
+    from ringflash.kernels.masks import batch_stride
+
+    vis = spec.intervals_for(q, k)
+    if vis is None:
+        return (q, q, q, q, 0, 0), False
+    return (*vis, batch_stride(vis.kv_lo), batch_stride(vis.q_lo)), True
+
+
+def unsupported_case(dtype: torch.dtype | None, head_dim: int | None, head_dim_v: int | None = None,
+                     softcap: float = 0.0) -> str | None:
+    """None if the Hopper kernels run this dtype, head dims and score transform on an sm_90 GPU,
+    else why not; what is not known yet (a config checked before its tensors exist) may be None."""
+    if dtype is not None and dtype not in (torch.float16, torch.bfloat16):
+        return f"needs fp16 or bf16 inputs, got {dtype}"
+    if head_dim is not None and head_dim not in HEAD_DIMS:
+        return f"needs a head dim in {HEAD_DIMS}, got {head_dim}"
+    if head_dim_v is not None and head_dim is not None and head_dim_v != head_dim:
+        return f"needs v.shape[3] == q.shape[3] (one head dim), got {head_dim_v} and {head_dim}"
+    if softcap:
+        return "runs no softcap"
+    return None
+
+
 def unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec) -> str | None:
     """None if the Hopper kernels run attention of q over k, v under `spec`, else why not."""
     if not q.is_cuda or _capability(q.device) != (9, 0):
         return "needs an sm_90 GPU (H100, H200): wgmma and TMA"
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return f"needs fp16 or bf16 inputs, got {q.dtype}"
-    if q.shape[-1] not in HEAD_DIMS:
-        return f"needs a head dim in {HEAD_DIMS}, got {q.shape[-1]}"
-    if v.shape[-1] != q.shape[-1]:
-        return f"needs v.shape[3] == q.shape[3] (one head dim), got {v.shape[-1]} and {q.shape[-1]}"
-    if spec.kind not in ("full", "causal"):
-        return f"runs full or causal attention, not {spec.kind}"
-    if spec.softcap:
-        return "runs no softcap"
+    why = unsupported_case(q.dtype, q.shape[-1], v.shape[-1], spec.softcap)
+    if why is not None:
+        return why
     if spec.causal and q.shape[1] != k.shape[1]:
         return "causal needs as many queries as keys"  # the Triton kernels raise it, naming the shapes
     if q.shape[0] * q.shape[1] * q.shape[2] * k.shape[1] == 0:

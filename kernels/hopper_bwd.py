@@ -17,7 +17,10 @@ because the structure below is what plain Triton does not let a kernel state:
   next step reads: Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ together, dV += Pᵀ·dO beside the dS arithmetic,
   dK += dSᵀ·Q beside dS's copy to shared memory, then dQ = dS·K, scaled and copied to shared
   memory for a TMA reduce-add that runs while the next tile computes;
-- only tiles crossing the causal diagonal or the sequences' ends are masked.
+- only tiles crossing the causal diagonal, an interval's edge or the sequences' ends are masked;
+  with per-row key intervals (`RANGES`: windows, documents, a ring step's rows; kernels/masks.py)
+  each key block loops over the query tiles that see some of its keys, from its keys' query
+  intervals, and skips the rest.
 Sequence ends: rows past Nq and keys past Nk read as zeros (TMA) and are masked out of P, so
 they contribute nothing and cannot turn into inf or NaN.
 
@@ -44,6 +47,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from ringflash.kernels.checks import check_bwd, check_grad_out, check_qkv, resolve_scale
 from ringflash.kernels.hopper import (
     TensorDescriptor,
+    interval_bounds,
+    ranges_args,
     rows_descriptor,
     slot_barriers,
     smem_layout,
@@ -69,12 +74,12 @@ DQ_SWIZZLE = {64: 32, 128: 128}
 
 @gluon.jit
 def _loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_ring, do_ring, lse_ring, delta_ring, k_smem,
-            v_smem, kv_bar, ready, empty, b, hkv, start_n, lo, Nq, H, GROUP,
+            v_smem, kv_bar, ready, empty, b, hkv, start_n, q_blocks, H, GROUP,
             BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
     tma_load(k_desc, [b, start_n, hkv * D], kv_bar, k_smem)
     tma_load(v_desc, [b, start_n, hkv * D], kv_bar, v_smem)
-    n_m = gl.cdiv(Nq - lo, BLOCK_M)
+    lo, n_m, _, _ = q_blocks
     for t in range(GROUP * n_m):
         h = hkv * GROUP + t // n_m
         start_m = lo + (t % n_m) * BLOCK_M
@@ -89,9 +94,14 @@ def _loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_ring, do_ri
 
 @gluon.jit
 def _consumer(q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem, ds_smem, dq_smem, dq_desc, kv_bar, ready, empty,
-              b, hkv, start_n, lo, Nq, Nk, GROUP, qk_scale, softmax_scale,
-              CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-              STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
+              b, hkv, start_n, q_blocks, ranges, Nq, Nk, GROUP, qk_scale, softmax_scale,
+              CAUSAL: gl.constexpr, RANGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              D: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """The key block's dK, dV over the query tiles `q_blocks = (lo, n_m, u_lo, u_hi)` (n_m tiles of
+    BLOCK_M rows from lo, for each query head of the group; those in [u_lo, u_hi) see every key of
+    the block), dQ's partial sums added as they go. `ranges`: the query rows' key intervals
+    (RANGES): as the key rows' query intervals `(Q_LO, Q_HI)` (kernels/masks.py), the same mask by
+    their definition, and a key block's are read once where query rows' would be read every tile."""
     dtype: gl.constexpr = q_ring.dtype
     # Sᵀ tiles (keys × queries) and dK, dV (keys × D): each warpgroup owns 64 keys
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
@@ -114,7 +124,11 @@ def _consumer(q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem, ds_smem, dq
     dq_zero = gl.zeros([BLOCK_M, D], gl.float32, layout=dq_layout)
     k2 = k_smem.reshape([BLOCK_N, D])
     v2 = v_smem.reshape([BLOCK_N, D])
-    n_m = gl.cdiv(Nq - lo, BLOCK_M)
+    lo, n_m, u_lo, u_hi = q_blocks
+    if RANGES:  # read once: the block's keys are the program's for its whole loop
+        Q_LO, Q_HI = ranges
+        q_lo = gl.load(Q_LO + keys, mask=keys < Nk, other=0)
+        q_hi = gl.minimum(gl.load(Q_HI + keys, mask=keys < Nk, other=0), Nq)
     mbarrier.wait(kv_bar, 0)
     for t in range(GROUP * n_m):
         h = hkv * GROUP + t // n_m
@@ -130,14 +144,18 @@ def _consumer(q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem, ds_smem, dq
         lse = lse_ring.index(slot).reshape([BLOCK_M]).load(row_layout)
         lse2 = gl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634  # no key seen: P = 0
         p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
-        edge = (start_m + BLOCK_M > Nq) | (start_n + BLOCK_N > Nk)
+        edge = (start_m + BLOCK_M > Nq) | (start_n + BLOCK_N > Nk) | (start_m < u_lo) | (start_m + BLOCK_M > u_hi)
         if CAUSAL:
             edge = edge | (start_m < start_n + BLOCK_N)
-        if edge:  # the diagonal's tiles and the ragged ends; every other tile sees all its pairs
+        if edge:  # the diagonal's tiles, intervals' edges and the ragged ends; other tiles see all their pairs
             rows = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
-            vis = (gl.expand_dims(rows, 0) < Nq) & (gl.expand_dims(keys, 1) < Nk)
-            if CAUSAL:
-                vis = vis & (gl.expand_dims(rows, 0) >= gl.expand_dims(keys, 1))
+            if RANGES:  # key j is seen by query rows [q_lo[j], q_hi[j]): none past Nq, none for keys past Nk
+                r = gl.expand_dims(rows, 0)
+                vis = (r >= gl.expand_dims(q_lo, 1)) & (r < gl.expand_dims(q_hi, 1))
+            else:
+                vis = (gl.expand_dims(rows, 0) < Nq) & (gl.expand_dims(keys, 1) < Nk)
+                if CAUSAL:
+                    vis = vis & (gl.expand_dims(rows, 0) >= gl.expand_dims(keys, 1))
             p_t = gl.where(vis, p_t, 0.0)
         dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do, dv, is_async=True)
         dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))
@@ -165,9 +183,9 @@ def _consumer(q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem, ds_smem, dq
 def _hopper_bwd(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, DK, DV, DKA, DVA,
                 stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
                 stride_dkab, stride_dkan, stride_dkah, stride_dvab, stride_dvan, stride_dvah,
-                H, GROUP, Nq, Nk, qk_scale, softmax_scale, n_sms,
-                CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                D: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+                Q_LO, Q_HI, stride_rkb, H, GROUP, Nq, Nk, qk_scale, softmax_scale, n_sms,
+                CAUSAL: gl.constexpr, RANGES: gl.constexpr, ACCUMULATE: gl.constexpr, BLOCK_M: gl.constexpr,
+                BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
     # The causal loop's longest key blocks (the first) start first, swept over heads: one K/V head at
     # a time would leave the last head's longest programs to run alone at the end.
     pid_n, bh = heaviest_first(n_sms)
@@ -175,7 +193,16 @@ def _hopper_bwd(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, 
     b = bh // Hkv
     hkv = bh % Hkv
     start_n = pid_n * BLOCK_N
-    lo = start_n if CAUSAL else 0  # causal: queries before the block see none of it (Nq == Nk)
+    ranges = (Q_LO + b * stride_rkb, Q_HI + b * stride_rkb)
+    if RANGES:  # the query rows that see some key of the block, from the keys' intervals
+        lo, u_lo, u_hi, hi = interval_bounds(ranges[0], ranges[1], start_n, Nk, Nq, BLOCK_N,
+                                             BLOCK_N, BLOCK_M, num_warps)
+    else:
+        lo = start_n if CAUSAL else 0  # causal: queries before the block see none of it (Nq == Nk)
+        hi = Nq
+        u_lo = 0
+        u_hi = Nq
+    q_blocks = (lo, gl.maximum(gl.cdiv(hi - lo, BLOCK_M), 0), u_lo, u_hi)
     dtype: gl.constexpr = q_desc.dtype
     q_ring = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, D], q_desc.layout)
     do_ring = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, D], do_desc.layout)
@@ -191,10 +218,10 @@ def _hopper_bwd(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, 
     ready, empty = slot_barriers(STAGES, 1)  # the consumers are one partition
     dk, dv = gl.warp_specialize(
         [(_consumer, (q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem, ds_smem, dq_smem, dq_desc, kv_bar,
-                      ready, empty, b, hkv, start_n, lo, Nq, Nk, GROUP, qk_scale, softmax_scale, CAUSAL, BLOCK_M,
-                      BLOCK_N, D, STAGES, num_warps)),
+                      ready, empty, b, hkv, start_n, q_blocks, ranges, Nq, Nk, GROUP, qk_scale, softmax_scale,
+                      CAUSAL, RANGES, BLOCK_M, BLOCK_N, D, STAGES, num_warps)),
          (_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_ring, do_ring, lse_ring, delta_ring,
-                    k_smem, v_smem, kv_bar, ready, empty, b, hkv, start_n, lo, Nq, H, GROUP, BLOCK_M, D, STAGES))],
+                    k_smem, v_smem, kv_bar, ready, empty, b, hkv, start_n, q_blocks, H, GROUP, BLOCK_M, D, STAGES))],
         worker_num_warps=[1], worker_num_regs=[24])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                         instr_shape=[16, D, 16])
@@ -263,7 +290,7 @@ def hopper_attn_bwd(
     from ringflash.kernels.triton_bwd import row_deltas
 
     check_qkv(q, k, v)
-    spec.intervals_for(q, k)  # raises for causal with Nq != Nk, as the Triton kernels do
+    (_, _, q_lo, q_hi, _, stride_rkb), use_ranges = ranges_args(spec, q, k)  # checked as the Triton kernels do
     check_bwd(do, q, v, o, lse)
     why = hopper_bwd_unsupported(q, k, v, spec)
     if why is not None:
@@ -300,9 +327,9 @@ def hopper_attn_bwd(
         rows_descriptor(v, BLOCK_N), rows_descriptor(dq_sum, block_m, DQ_SWIZZLE[D]),
         lse_desc, delta_desc, dk_k, dv_k, dka, dva,
         *bhnd_strides(dk_k), *bhnd_strides(dv_k), *bhnd_strides(dka), *bhnd_strides(dva),
-        H, H // Hkv, Nq, Nk, scale * LOG2E, scale, num_sms(q.device),
-        CAUSAL=spec.causal, ACCUMULATE=sums is not None and not late, BLOCK_M=block_m, BLOCK_N=BLOCK_N, D=D,
-        STAGES=STAGES, num_warps=NUM_WARPS,
+        q_lo, q_hi, stride_rkb, H, H // Hkv, Nq, Nk, scale * LOG2E, scale, num_sms(q.device),
+        CAUSAL=spec.causal, RANGES=use_ranges, ACCUMULATE=sums is not None and not late, BLOCK_M=block_m,
+        BLOCK_N=BLOCK_N, D=D, STAGES=STAGES, num_warps=NUM_WARPS,
     )
     if acc_ready is not None:
         acc_ready()

@@ -17,6 +17,10 @@ they never meet: Gluon lowers a partition's arrive with a barrier over all of th
 warps, and with two warpgroups in one partition that barrier tied them together at every key
 block.
 Only key blocks from the block's first diagonal on, or the ragged end of the keys, are masked.
+Per-row key intervals (`RANGES`: windows, packed documents, a ring step's rows, the all-gather;
+kernels/masks.py) bound the key blocks a program loads: the blocks where its rows' intervals begin
+and end are masked, those every row sees whole are not, and those outside every row's interval are
+never loaded, as FlashAttention-3 splits a tile's key range.
 """
 
 from __future__ import annotations
@@ -34,7 +38,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ringflash.kernels.checks import check_qkv, resolve_fwd_outputs, resolve_scale
-from ringflash.kernels.hopper import rows_descriptor, slot_barriers, tma_load, tma_store, unsupported
+from ringflash.kernels.hopper import (
+    interval_bounds,
+    ranges_args,
+    rows_descriptor,
+    slot_barriers,
+    tma_load,
+    tma_store,
+    unsupported,
+)
 from ringflash.kernels.launch_utils import LOG2E, _descriptor_fits, bhnd_strides, num_sms
 from ringflash.kernels.spec import AttnSpec
 from ringflash.kernels.tiles import heaviest_first
@@ -50,8 +62,8 @@ WARPGROUPS = {64: (3, 160, False), 128: (2, 240, True)}
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, b, h, kv_col, start_m, n_blocks,
-            WGS: gl.constexpr, WG_ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, b, h, kv_col, start_m, kv_start,
+            n_blocks, WGS: gl.constexpr, WG_ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
             D: gl.constexpr):
     mbarrier.expect(q_bar, WGS * q_desc.block_type.nbytes)
     for i in gl.static_range(WGS):
@@ -60,20 +72,27 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty,
         slot = j % STAGES
         mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1 at once
         mbarrier.expect(ready.index(slot), 2 * k_desc.block_type.nbytes)
-        tma_load(k_desc, [b, j * BLOCK_N, kv_col], ready.index(slot), k_smem.index(slot))
-        tma_load(v_desc, [b, j * BLOCK_N, kv_col], ready.index(slot), v_smem.index(slot))
+        tma_load(k_desc, [b, kv_start + j * BLOCK_N, kv_col], ready.index(slot), k_smem.index(slot))
+        tma_load(v_desc, [b, kv_start + j * BLOCK_N, kv_col], ready.index(slot), v_smem.index(slot))
 
 
 @gluon.jit
-def _softmax(s, m_i, l_i, qk_scale, rows, cols, Nk, MASK: gl.constexpr, CAUSAL: gl.constexpr):
+def _softmax(s, m_i, l_i, qk_scale, rows, cols, Nk, MASK: gl.constexpr, CAUSAL: gl.constexpr,
+             RANGES: gl.constexpr):
     """One key block's online-softmax update, the math of kernels/triton_fwd.py's `_fwd_inner`, with
     the row max taken before scaling (qk_scale > 0) so that the scale folds into exp2's argument:
     one FFMA an element instead of a multiply and an FFMA (not in the Triton kernel, whose loop
-    ptxas then schedules worse)."""
+    ptxas then schedules worse). `rows`: the rows' indices and, RANGES, their key intervals
+    `(rows, kv_lo, kv_hi)` (kernels/masks.py), which replace the causal and ragged-end tests."""
     if MASK:
-        vis = gl.expand_dims(cols, 0) < Nk
-        if CAUSAL:
-            vis = vis & (gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0))
+        idx, kv_lo, kv_hi = rows
+        if RANGES:
+            c = gl.expand_dims(cols, 0)
+            vis = (c >= gl.expand_dims(kv_lo, 1)) & (c < gl.expand_dims(kv_hi, 1))
+        else:
+            vis = gl.expand_dims(cols, 0) < Nk
+            if CAUSAL:
+                vis = vis & (gl.expand_dims(idx, 1) >= gl.expand_dims(cols, 0))
         s = gl.where(vis, s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     m_shift = m_new
@@ -93,15 +112,15 @@ def _pv(acc, p, alpha, v_tile, o_layout: gl.constexpr, p_layout: gl.constexpr):
 
 
 @gluon.jit
-def _step(q, k_smem, v_smem, ready, empty, s, acc, l_i, m_i, j, rows, offs_n, Nk, qk_scale, s_zero,
-          MASK: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-          o_layout: gl.constexpr, p_layout: gl.constexpr):
+def _step(q, k_smem, v_smem, ready, empty, s, acc, l_i, m_i, j, rows, cols0, Nk, qk_scale, s_zero,
+          MASK: gl.constexpr, CAUSAL: gl.constexpr, RANGES: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+          STAGES: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
     """Key block j (its S given) folded in, S of block j + 1 computed meanwhile, j's slot released."""
     nxt = j + 1
     mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1)
     s_next = warpgroup_mma(q, k_smem.index(nxt % STAGES).reshape([BLOCK_N, D]).permute((1, 0)), s_zero,
                            use_acc=False, is_async=True)
-    p, alpha, l_i, m_i = _softmax(s, m_i, l_i, qk_scale, rows, j * BLOCK_N + offs_n, Nk, MASK, CAUSAL)
+    p, alpha, l_i, m_i = _softmax(s, m_i, l_i, qk_scale, rows, j * BLOCK_N + cols0, Nk, MASK, CAUSAL, RANGES)
     acc = _pv(acc, p, alpha, v_smem.index(j % STAGES).reshape([BLOCK_N, D]), o_layout, p_layout)
     acc, s = warpgroup_mma_wait(0, deps=(acc, s_next))
     # Done with the slot. Gluon lowers a partition's arrive as a barrier over all its warps plus one
@@ -112,12 +131,14 @@ def _step(q, k_smem, v_smem, ready, empty, s, acc, l_i, m_i, j, rows, offs_n, Nk
 
 
 @gluon.jit
-def _attend(q_smem, k_smem, v_smem, q_bar, ready, empty, first, n_blocks, n_plain, Nk, qk_scale,
-            CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+def _attend(q_smem, k_smem, v_smem, q_bar, ready, empty, first, blocks, ranges, Nq, Nk, qk_scale,
+            CAUSAL: gl.constexpr, RANGES: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
             STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, OVERLAP: gl.constexpr = True):
-    """Query rows [first, first + ROWS) of `q_smem` against the K/V ring's `n_blocks` blocks, the
-    first `n_plain` (< n_blocks) without a mask: the unnormalised `acc`, the rows' `l_i`, `m_i`
-    (log2 domain) and indices, each slot released after use. P·V from registers.
+    """Query rows [first, first + ROWS) of `q_smem` against the K/V ring's key blocks: the unnormalised
+    `acc`, the rows' `l_i`, `m_i` (log2 domain) and indices, each slot released after use. P·V from
+    registers. `blocks = (kv_start, n_blocks, plain_lo, plain_hi)`: the ring's block i holds keys
+    from kv_start + i·BLOCK_N, and blocks [plain_lo, plain_hi) (< n_blocks − 1) need no mask; the
+    last always takes it. `ranges`: the rows' key-interval pointers (RANGES; kernels/masks.py).
     OVERLAP: S = Q·Kᵀ of the next block is issued before this block's softmax (FA3's in-warpgroup
     overlap); without it each block's S follows the last one's P·V, in fewer registers."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
@@ -126,8 +147,16 @@ def _attend(q_smem, k_smem, v_smem, q_bar, ready, empty, first, n_blocks, n_plai
                                                        instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    rows = first + gl.arange(0, ROWS, layout=row_layout)
-    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    kv_start, n_blocks, plain_lo, plain_hi = blocks
+    idx = first + gl.arange(0, ROWS, layout=row_layout)
+    if RANGES:  # rows past Nq see no key
+        KV_LO, KV_HI = ranges
+        kv_lo = gl.maximum(gl.load(KV_LO + idx, mask=idx < Nq, other=0), 0)
+        kv_hi = gl.minimum(gl.load(KV_HI + idx, mask=idx < Nq, other=0), Nk)
+        rows = (idx, kv_lo, kv_hi)
+    else:
+        rows = (idx, idx, idx)  # no intervals: never read
+    cols0 = kv_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
     l_i = gl.zeros([ROWS], gl.float32, layout=row_layout)
     acc = gl.zeros([ROWS, D], gl.float32, layout=o_layout)
@@ -140,29 +169,33 @@ def _attend(q_smem, k_smem, v_smem, q_bar, ready, empty, first, n_blocks, n_plai
             s = warpgroup_mma(q, k_smem.index(j % STAGES).reshape([BLOCK_N, D]).permute((1, 0)), s_zero,
                               use_acc=False, is_async=True)
             s = warpgroup_mma_wait(0, deps=(s, ))
-            if j < n_plain:
-                p, alpha, l_i, m_i = _softmax(s, m_i, l_i, qk_scale, rows, j * BLOCK_N + offs_n, Nk, False, CAUSAL)
+            cols = j * BLOCK_N + cols0
+            if (j >= plain_lo) & (j < plain_hi):
+                p, alpha, l_i, m_i = _softmax(s, m_i, l_i, qk_scale, rows, cols, Nk, False, CAUSAL, RANGES)
             else:
-                p, alpha, l_i, m_i = _softmax(s, m_i, l_i, qk_scale, rows, j * BLOCK_N + offs_n, Nk, True, CAUSAL)
+                p, alpha, l_i, m_i = _softmax(s, m_i, l_i, qk_scale, rows, cols, Nk, True, CAUSAL, RANGES)
             acc = _pv(acc, p, alpha, v_smem.index(j % STAGES).reshape([BLOCK_N, D]), o_layout, p_layout)
             acc = warpgroup_mma_wait(0, deps=(acc, ))
             mbarrier.arrive(empty.index(j % STAGES))
-    else:
+    elif n_blocks > 0:  # intervals can leave a program's rows no key at all
         mbarrier.wait(ready.index(0), 0)
         s = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, D]).permute((1, 0)), s_zero, use_acc=False,
                           is_async=True)
         s = warpgroup_mma_wait(0, deps=(s, ))
-        for j in range(0, n_plain):
-            s, acc, l_i, m_i = _step(q, k_smem, v_smem, ready, empty, s, acc, l_i, m_i, j, rows, offs_n, Nk, qk_scale,
-                                     s_zero, False, CAUSAL, BLOCK_N, D, STAGES, o_layout, p_layout)
-        for j in range(n_plain, n_blocks - 1):  # the masked blocks before the last, if any
-            s, acc, l_i, m_i = _step(q, k_smem, v_smem, ready, empty, s, acc, l_i, m_i, j, rows, offs_n, Nk, qk_scale,
-                                     s_zero, True, CAUSAL, BLOCK_N, D, STAGES, o_layout, p_layout)
+        for j in range(0, plain_lo):  # where the rows' intervals begin (RANGES only)
+            s, acc, l_i, m_i = _step(q, k_smem, v_smem, ready, empty, s, acc, l_i, m_i, j, rows, cols0, Nk, qk_scale,
+                                     s_zero, True, CAUSAL, RANGES, BLOCK_N, D, STAGES, o_layout, p_layout)
+        for j in range(plain_lo, plain_hi):
+            s, acc, l_i, m_i = _step(q, k_smem, v_smem, ready, empty, s, acc, l_i, m_i, j, rows, cols0, Nk, qk_scale,
+                                     s_zero, False, CAUSAL, RANGES, BLOCK_N, D, STAGES, o_layout, p_layout)
+        for j in range(plain_hi, n_blocks - 1):  # the masked blocks before the last, if any
+            s, acc, l_i, m_i = _step(q, k_smem, v_smem, ready, empty, s, acc, l_i, m_i, j, rows, cols0, Nk, qk_scale,
+                                     s_zero, True, CAUSAL, RANGES, BLOCK_N, D, STAGES, o_layout, p_layout)
         last = n_blocks - 1
-        p, alpha, l_i, m_i = _softmax(s, m_i, l_i, qk_scale, rows, last * BLOCK_N + offs_n, Nk, True, CAUSAL)
+        p, alpha, l_i, m_i = _softmax(s, m_i, l_i, qk_scale, rows, last * BLOCK_N + cols0, Nk, True, CAUSAL, RANGES)
         acc = _pv(acc, p, alpha, v_smem.index(last % STAGES).reshape([BLOCK_N, D]), o_layout, p_layout)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
-    return acc, l_i, m_i, rows
+    return acc, l_i, m_i, idx
 
 
 @gluon.jit
@@ -204,13 +237,14 @@ def _finish(acc, l_i, m_i, rows, q_smem, o_desc, O, OA, LSE, o_strides, oa_strid
 
 
 @gluon.jit
-def _consumer(q_smem, o_desc, out, k_smem, v_smem, q_bar, ready, empty, b, h, first, n_blocks, n_plain, Nq, Nk,
-              qk_scale, CAUSAL: gl.constexpr, TMA_OUT: gl.constexpr, MERGE: gl.constexpr, WG_ROWS: gl.constexpr,
-              BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr):
+def _consumer(q_smem, o_desc, out, k_smem, v_smem, q_bar, ready, empty, b, h, first, blocks, ranges, Nq, Nk,
+              qk_scale, CAUSAL: gl.constexpr, RANGES: gl.constexpr, TMA_OUT: gl.constexpr, MERGE: gl.constexpr,
+              WG_ROWS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+              OVERLAP: gl.constexpr):
     """One warpgroup's partition: its 64 rows attended and written out (`out`: `_finish`'s O, OA, LSE
     and their strides)."""
-    acc, l_i, m_i, rows = _attend(q_smem, k_smem, v_smem, q_bar, ready, empty, first, n_blocks, n_plain, Nk,
-                                  qk_scale, CAUSAL, WG_ROWS, BLOCK_N, D, STAGES, 4, OVERLAP)
+    acc, l_i, m_i, rows = _attend(q_smem, k_smem, v_smem, q_bar, ready, empty, first, blocks, ranges, Nq, Nk,
+                                  qk_scale, CAUSAL, RANGES, WG_ROWS, BLOCK_N, D, STAGES, 4, OVERLAP)
     O, OA, LSE, o_strides, oa_strides, lse_strides = out
     _finish(acc, l_i, m_i, rows, q_smem, o_desc, O, OA, LSE, o_strides, oa_strides, lse_strides, b, h, first, Nq,
             TMA_OUT, MERGE, WG_ROWS, D, 4)
@@ -218,11 +252,12 @@ def _consumer(q_smem, o_desc, out, k_smem, v_smem, q_bar, ready, empty, b, h, fi
 
 @gluon.jit
 def _hopper_fwd(q_desc, k_desc, v_desc, o_desc, O, OA, LSE, stride_ob, stride_on, stride_oh,
-                stride_oab, stride_oan, stride_oah, stride_lb, stride_lh, stride_ln, H, GROUP, Nq, Nk, qk_scale,
-                n_sms,
-                CAUSAL: gl.constexpr, TMA_OUT: gl.constexpr, MERGE: gl.constexpr, WGS: gl.constexpr,
-                WG_ROWS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-                CONSUMER_REGS: gl.constexpr, OVERLAP: gl.constexpr, num_warps: gl.constexpr):
+                stride_oab, stride_oan, stride_oah, stride_lb, stride_lh, stride_ln, KV_LO, KV_HI, stride_rb,
+                H, GROUP, Nq, Nk, qk_scale, n_sms,
+                CAUSAL: gl.constexpr, RANGES: gl.constexpr, TMA_OUT: gl.constexpr, MERGE: gl.constexpr,
+                WGS: gl.constexpr, WG_ROWS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, OVERLAP: gl.constexpr, ROWS_P2: gl.constexpr,
+                num_warps: gl.constexpr):
     rank, bh = heaviest_first(n_sms)  # causal: the longest row blocks start first, swept over heads
     pid_m = gl.num_programs(0) - 1 - rank
     b = bh // H
@@ -236,12 +271,24 @@ def _hopper_fwd(q_desc, k_desc, v_desc, o_desc, O, OA, LSE, stride_ob, stride_on
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
     ready, empty = slot_barriers(STAGES, WGS)  # each warpgroup releases a slot once
-    if CAUSAL:  # Nq == Nk: keys up to the block's last row; masked from the block's first row on
+    ranges = (KV_LO + b * stride_rb, KV_HI + b * stride_rb)
+    if RANGES:  # masked where the rows' intervals begin and end, plain where all rows see all keys
+        kv_start, u_lo, u_hi, kv_end = interval_bounds(ranges[0], ranges[1], start_m, Nq, Nk, WGS * WG_ROWS, ROWS_P2,
+                                                       BLOCK_N, num_warps)
+        n_blocks = gl.maximum(gl.cdiv(kv_end - kv_start, BLOCK_N), 0)
+        plain_lo = (u_lo - kv_start) // BLOCK_N
+        plain_hi = gl.minimum((u_hi - kv_start) // BLOCK_N, n_blocks - 1)
+    elif CAUSAL:  # Nq == Nk: keys up to the block's last row; masked from the block's first row on
+        kv_start = 0
         n_blocks = gl.cdiv(gl.minimum(start_m + WGS * WG_ROWS, Nk), BLOCK_N)
-        n_plain = start_m // BLOCK_N
+        plain_lo = 0
+        plain_hi = start_m // BLOCK_N
     else:  # the last key block may be ragged
+        kv_start = 0
         n_blocks = gl.cdiv(Nk, BLOCK_N)
-        n_plain = n_blocks - 1
+        plain_lo = 0
+        plain_hi = n_blocks - 1
+    blocks = (kv_start, n_blocks, plain_lo, plain_hi)
     o_strides = (stride_ob, stride_on, stride_oh)
     oa_strides = (stride_oab, stride_oan, stride_oah)
     lse_strides = (stride_lb, stride_lh, stride_ln)
@@ -250,27 +297,27 @@ def _hopper_fwd(q_desc, k_desc, v_desc, o_desc, O, OA, LSE, stride_ob, stride_on
     if WGS == 2:
         gl.warp_specialize(
             [(_consumer, (q_smem.index(0), o_desc, out, k_smem, v_smem, q_bar, ready, empty, b, h, start_m,
-                          n_blocks, n_plain, Nq, Nk, qk_scale, CAUSAL, TMA_OUT, MERGE, WG_ROWS, BLOCK_N, D, STAGES,
-                          OVERLAP)),
+                          blocks, ranges, Nq, Nk, qk_scale, CAUSAL, RANGES, TMA_OUT, MERGE, WG_ROWS, BLOCK_N, D,
+                          STAGES, OVERLAP)),
              (_consumer, (q_smem.index(1), o_desc, out, k_smem, v_smem, q_bar, ready, empty, b, h,
-                          start_m + WG_ROWS, n_blocks, n_plain, Nq, Nk, qk_scale, CAUSAL, TMA_OUT, MERGE, WG_ROWS,
-                          BLOCK_N, D, STAGES, OVERLAP)),
+                          start_m + WG_ROWS, blocks, ranges, Nq, Nk, qk_scale, CAUSAL, RANGES, TMA_OUT, MERGE,
+                          WG_ROWS, BLOCK_N, D, STAGES, OVERLAP)),
              (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, b, h, kv_col, start_m,
-                        n_blocks, WGS, WG_ROWS, BLOCK_N, STAGES, D))],
+                        kv_start, n_blocks, WGS, WG_ROWS, BLOCK_N, STAGES, D))],
             worker_num_warps=[4, 1], worker_num_regs=[CONSUMER_REGS, 24])
     else:
         gl.warp_specialize(
             [(_consumer, (q_smem.index(0), o_desc, out, k_smem, v_smem, q_bar, ready, empty, b, h, start_m,
-                          n_blocks, n_plain, Nq, Nk, qk_scale, CAUSAL, TMA_OUT, MERGE, WG_ROWS, BLOCK_N, D, STAGES,
-                          OVERLAP)),
+                          blocks, ranges, Nq, Nk, qk_scale, CAUSAL, RANGES, TMA_OUT, MERGE, WG_ROWS, BLOCK_N, D,
+                          STAGES, OVERLAP)),
              (_consumer, (q_smem.index(1), o_desc, out, k_smem, v_smem, q_bar, ready, empty, b, h,
-                          start_m + WG_ROWS, n_blocks, n_plain, Nq, Nk, qk_scale, CAUSAL, TMA_OUT, MERGE, WG_ROWS,
-                          BLOCK_N, D, STAGES, OVERLAP)),
+                          start_m + WG_ROWS, blocks, ranges, Nq, Nk, qk_scale, CAUSAL, RANGES, TMA_OUT, MERGE,
+                          WG_ROWS, BLOCK_N, D, STAGES, OVERLAP)),
              (_consumer, (q_smem.index(2), o_desc, out, k_smem, v_smem, q_bar, ready, empty, b, h,
-                          start_m + 2 * WG_ROWS, n_blocks, n_plain, Nq, Nk, qk_scale, CAUSAL, TMA_OUT, MERGE, WG_ROWS,
-                          BLOCK_N, D, STAGES, OVERLAP)),
+                          start_m + 2 * WG_ROWS, blocks, ranges, Nq, Nk, qk_scale, CAUSAL, RANGES, TMA_OUT, MERGE,
+                          WG_ROWS, BLOCK_N, D, STAGES, OVERLAP)),
              (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, b, h, kv_col, start_m,
-                        n_blocks, WGS, WG_ROWS, BLOCK_N, STAGES, D))],
+                        kv_start, n_blocks, WGS, WG_ROWS, BLOCK_N, STAGES, D))],
             worker_num_warps=[4, 4, 1], worker_num_regs=[CONSUMER_REGS, CONSUMER_REGS, 24])
 
 
@@ -288,7 +335,7 @@ def hopper_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Att
     `o` (new and contiguous in `out_dtype`, default q's; or `out`) and `lse (B, H, Nq)` float32, or
     this block merged into `acc=(o_acc, lse_acc)` in place."""
     check_qkv(q, k, v)
-    spec.intervals_for(q, k)  # raises for causal with Nq != Nk, as the Triton kernel does
+    (kv_lo, kv_hi, _, _, stride_rb, _), ranges = ranges_args(spec, q, k)  # checked as the Triton kernel does
     o, lse = resolve_fwd_outputs(q, v, out_dtype, acc, out)
     why = hopper_fwd_unsupported(q, k, v, spec)
     if why is not None:
@@ -304,8 +351,9 @@ def hopper_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Att
     _hopper_fwd[(triton.cdiv(Nq, wgs * WG_ROWS), B * H)](
         rows_descriptor(q, WG_ROWS), rows_descriptor(k, BLOCK_N), rows_descriptor(v, BLOCK_N),
         rows_descriptor(o if tma_out else q, WG_ROWS), o, o_acc, lse, *bhnd_strides(o), *bhnd_strides(o_acc),
-        *lse.stride(), H, H // Hkv, Nq, Nk, scale * LOG2E, num_sms(q.device),
-        CAUSAL=spec.causal, TMA_OUT=tma_out, MERGE=acc is not None, WGS=wgs, WG_ROWS=WG_ROWS, BLOCK_N=BLOCK_N,
-        D=D, STAGES=STAGES, CONSUMER_REGS=regs, OVERLAP=overlap, num_warps=4,
+        *lse.stride(), kv_lo, kv_hi, stride_rb, H, H // Hkv, Nq, Nk, scale * LOG2E, num_sms(q.device),
+        CAUSAL=spec.causal, RANGES=ranges, TMA_OUT=tma_out, MERGE=acc is not None, WGS=wgs, WG_ROWS=WG_ROWS,
+        BLOCK_N=BLOCK_N, D=D, STAGES=STAGES, CONSUMER_REGS=regs, OVERLAP=overlap,
+        ROWS_P2=triton.next_power_of_2(wgs * WG_ROWS), num_warps=4,
     )
     return o, lse

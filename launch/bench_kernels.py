@@ -26,12 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from ringflash.bench import BENCHMARKS_DIR, attn_flops, markdown_table, record, time_ms
-from ringflash.kernels import AttnSpec, backend_named, varlen_visibility
+from ringflash.kernels import AttnSpec, backend_named
 from ringflash.kernels.hopper_bwd import hopper_bwd_unsupported
 from ringflash.kernels.hopper_fwd import hopper_fwd_unsupported
-from ringflash.kernels.masks import dense_visibility
-from ringflash.kernels.triton_bwd import triton_attn_bwd
-from ringflash.kernels.triton_fwd import triton_attn_fwd
 
 
 def _ours_steps(backend, spec, q, k, v, do, fallback=True):
@@ -131,7 +128,7 @@ def main() -> None:
         sys.exit("bench_kernels.py times CUDA kernels: it needs a CUDA GPU")
     record_to = None if args.no_record else args.record_to
     if args.masks:
-        return masks(args.seqlens[-1], args.head_dims[-1], args.hidden, record_to)
+        return masks(args.seqlens[-1], args.head_dims[-1], args.hidden, args.group, not args.no_flex, record_to)
     if args.features:
         return features(args.seqlens[-1], args.head_dims[-1], args.tokens, args.hidden, args.group, record_to)
 
@@ -177,41 +174,86 @@ def main() -> None:
            ceilings={"matmul_tflops": matmul_tflops(), "copy_tbps": copy_tbps()}, directory=record_to)
 
 
-def masks(N: int, D: int, hidden: int, record_to: Path | None) -> None:
-    """One packed sequence of N tokens: dense causal, documents (uniform and mixed lengths) and
-    sliding windows. TFLOP/s count only the (query, key) pairs the mask keeps, so a kernel that
-    skips the hidden blocks keeps its dense rate while its time falls with the work."""
+def masks(N: int, D: int, hidden: int, group: int, flex: bool, record_to: Path | None) -> None:
+    """One packed sequence of N tokens, bf16, H = hidden/D (K/V H/group heads): dense causal, packed
+    documents (uniform and mixed lengths, causal and not) and sliding windows (causal and two-sided),
+    each through our Triton and Hopper backends (which kernels ran is named), beside what a user
+    could run instead in the same process: the uniform documents as a batch (Hopper, cuDNN through
+    SDPA) and FlexAttention with the mask as a block mask. TFLOP/s count only the (query, key)
+    pairs the mask keeps, so a kernel that skips the hidden blocks keeps its dense rate. `varlen`
+    rows time `attn_varlen_fwd` / `attn_varlen_bwd`, which rebuild the documents' intervals per call."""
+
     H = hidden // D
+    if H % group:
+        raise SystemExit(f"--group {group} must divide the {H} heads of D = {D}")
     g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v, do = (torch.randn(1, N, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
+    q, k, v, do = (torch.randn(1, H // group if i in (1, 2) else H, N, D, device="cuda", dtype=torch.bfloat16,
+                               generator=g) for i in range(4))  # the peers' layout (B, H, N, D)
     mixed = torch.randint(1024, 8193, (N // 1024,), generator=torch.Generator().manual_seed(0))
     mixed = torch.cat([torch.zeros(1, dtype=torch.long), mixed.cumsum(0)])
     mixed = torch.cat([mixed[mixed < N], torch.tensor([N])])
-    cases = {"dense causal": None}
-    for L in (1024, 4096):
-        cases[f"documents of {L}"] = torch.arange(0, N + 1, L)
-    cases["documents of 1k-8k"] = mixed
+    cases = {"dense causal": (AttnSpec(causal=True), None, None, True)}
+    for causal in (True, False):
+        for L in (2048, 8192):
+            cu = torch.arange(0, N + 1, L, device="cuda", dtype=torch.int32)
+            cases[f"documents of {L}{'' if causal else ', not causal'}"] = (
+                AttnSpec.documents(cu, N, causal=causal), cu, L, causal)
+    cases["documents of 1k-8k"] = (AttnSpec.documents(mixed.to("cuda", torch.int32), N, causal=True),
+                                   mixed.to("cuda", torch.int32), None, True)
     for w in (1024, 4096):
-        cases[f"window {w}"] = w
-    rows, base = [], None
-    for name, spec in cases.items():
-        if spec is None:
-            kw, pairs = dict(spec=AttnSpec(causal=True)), N * (N + 1) / 2
-        else:
-            vis = (dense_visibility(N, window=spec, device="cuda") if isinstance(spec, int)
-                   else varlen_visibility(spec.to("cuda", torch.int32), N, causal=True))
-            kw, pairs = dict(spec=AttnSpec(intervals=vis)), (vis.kv_hi - vis.kv_lo).double().sum().item()
-        o, lse = triton_attn_fwd(q, k, v, **kw)
-        t_f = time_ms(lambda kw=kw: triton_attn_fwd(q, k, v, **kw))
-        t_b = time_ms(lambda kw=kw, o=o, lse=lse: triton_attn_bwd(do, q, k, v, o, lse, **kw))
+        cases[f"window {w}"] = (AttnSpec(causal=True, window=w), None, None, True)
+    cases["window ±1024, not causal"] = (AttnSpec(window=(1024, 1024)), None, None, False)
+    headers = ["impl", "mask", "fwd TFLOP/s", "bwd TFLOP/s", "fwd+bwd ms", "kernels that ran"]
+    rows = []
+    for name, (spec, cu, L, causal) in cases.items():
+        vis = spec.intervals_for(q.transpose(1, 2), k.transpose(1, 2))
+        pairs = N * (N + 1) / 2 if vis is None else (vis.kv_hi - vis.kv_lo).double().sum().item()
         flops = 4.0 * pairs * H * D
-        base = base or t_f + t_b
-        rows.append((name, flops / t_f * 1e-9, 2.5 * flops / t_b * 1e-9, t_f + t_b, base / (t_f + t_b)))
-    record("kernels", f"Kernels: masks on one packed sequence, bf16, N = {N}, H = {H}, D = {D}",
-           ["mask", "fwd TFLOP/s", "bwd TFLOP/s", "fwd+bwd ms", "speed-up vs dense causal"], rows,
-           args=dict(dtype="bf16", masks=True, N=N, H=H, D=D),
-           notes="TFLOP/s over the (query, key) pairs the mask keeps; blocks it hides are skipped.",
+        impls = {"ringflash": lambda spec=spec: _ours_steps("triton", spec, q, k, v, do),
+                 "ringflash-hopper": lambda spec=spec: _ours_steps("hopper", spec, q, k, v, do)}
+        if cu is not None:
+            impls["ringflash-hopper varlen"] = lambda cu=cu, c=causal: _varlen(q, k, v, do, cu, c)
+        if L is not None:  # the same documents as a batch of L-token sequences
+            batch = [t.reshape(t.shape[1], N // L, L, D).transpose(0, 1).contiguous() for t in (q, k, v, do)]
+            impls["ringflash-hopper batch"] = lambda b=batch, c=causal: _ours_steps("hopper", AttnSpec(causal=c), *b)
+            impls["sdpa-cudnn batch"] = lambda b=batch, c=causal: (*_sdpa("cudnn")(*b, c), "sdpa cudnn")
+        if flex:
+            impls["flex"] = lambda vis=vis: (*_flex(q, k, v, do, True, mask_mod=_mask_mod(vis)), "flex (compiled)")
+        for impl, make in impls.items():
+            try:
+                fwd, bwd, ran = make()
+                t_f, t_b = time_ms(fwd), time_ms(bwd)
+                rows.append((impl, name, flops / t_f * 1e-9, 2.5 * flops / t_b * 1e-9, t_f + t_b, ran))
+            except Exception as e:  # a peer that does not support this mask, or runs out of memory
+                msg = str(e).splitlines()[0][:160] if str(e) else ""
+                rows.append((impl, name, None, None, None, f"n/a ({type(e).__name__}: {msg})"))
+            torch.cuda.empty_cache()
+        print(markdown_table(headers, rows[-len(impls):]), flush=True)
+    kv = f"/{H // group}" if group > 1 else ""
+    record("kernels", f"Kernels: masks on one packed sequence, bf16, N = {N}, H = {H}{kv}, D = {D}", headers, rows,
+           args=dict(dtype="bf16", masks=True, N=N, H=H, Hkv=H // group, D=D),
+           peers=list(dict.fromkeys(r[0] for r in rows if r[0] in ("sdpa-cudnn batch", "flex") and r[2] is not None)),
+           notes="TFLOP/s over the (query, key) pairs the mask keeps; blocks it hides are skipped. Batch rows: "
+           "the same uniform documents as a batch of sequences (causal where the documents are). varlen: "
+           "attn_varlen_fwd/bwd with cu_seqlens, the intervals rebuilt per call.",
            directory=record_to)
+
+
+def _varlen(q, k, v, do, cu, causal):
+    """attn_varlen_fwd / attn_varlen_bwd on packed `(total, H, D)` views, as a user calls them."""
+    from ringflash.kernels import attn_varlen_bwd, attn_varlen_fwd
+
+    q, k, v, do = (t[0].transpose(0, 1).contiguous() for t in (q, k, v, do))
+    o, lse = attn_varlen_fwd(q, k, v, cu, causal=causal, backend="hopper")
+    fwd = lambda: attn_varlen_fwd(q, k, v, cu, causal=causal, backend="hopper")
+    bwd = lambda: attn_varlen_bwd(do, q, k, v, o, lse, cu, causal=causal, backend="hopper")
+    return fwd, bwd, "hopper, intervals per call"
+
+
+def _mask_mod(vis):
+    """FlexAttention's mask_mod for one sequence's key intervals (kernels/masks.py)."""
+    lo, hi = vis.kv_lo[0], vis.kv_hi[0]
+    return lambda b, h, qi, ki: (ki >= lo[qi]) & (ki < hi[qi])
 
 
 SOFTCAP = 50.0  # Gemma 2's attention-logit cap (30 is its final-logit one); the kernels' speed does not depend on it

@@ -3,6 +3,7 @@
     python launch/kernel_report.py
     python launch/kernel_report.py --kernels dkdv --head-dims 128 --causal 1 --tiles 128,64,8,3 128,64,8,2
     python launch/kernel_report.py --kernels fwd dkdv dq --head-dims 192 --dv 128   # DeepSeek's MLA
+    python launch/kernel_report.py --kernels hopper_fwd hopper_fwd_step hopper_bwd --ranges   # documents, windows
 
 Triton compiles for a named target without a device, with the ptxas its wheel bundles. Each kernel
 is built as an H100 runs it (tensor-descriptor loads where the head dims allow them, bf16 inputs,
@@ -110,10 +111,11 @@ def ptxas_report(kernel: str, head_dim: int, causal: bool, group: int, tile: Til
     return ptxas_info(compiled)
 
 
-def hopper_report(kernel: str, head_dim: int, causal: bool) -> dict:
+def hopper_report(kernel: str, head_dim: int, causal: bool, ranges: bool = False) -> dict:
     """`ptxas_report` for a Gluon kernel (kernels/hopper_fwd.py, kernels/hopper_bwd.py): one tile
     each, so none to choose; GQA's group is a runtime argument there. `hopper_fwd_step` is the
-    forward as a ring's later steps compile it: merged into a float32 accumulator, pointer stores."""
+    forward as a ring's later steps compile it: merged into a float32 accumulator, pointer stores.
+    `ranges`: the per-row key intervals' variant (documents, windows, the all-gather)."""
     from triton.experimental.gluon._runtime import GluonASTSource  # Gluon's ASTSource: no public name yet
 
     def desc(dtype: str, block: list[int], swizzle: int | None = None) -> str:
@@ -125,9 +127,10 @@ def hopper_report(kernel: str, head_dim: int, causal: bool) -> dict:
         fn, num_warps = hopper_fwd._hopper_fwd, 4
         q_block, kv_block = [1, hopper_fwd.WG_ROWS, head_dim], [1, hopper_fwd.BLOCK_N, head_dim]
         wgs, regs, overlap = hopper_fwd.WARPGROUPS[head_dim]
-        consts = dict(CAUSAL=causal, TMA_OUT=not step, MERGE=step, WGS=wgs, WG_ROWS=hopper_fwd.WG_ROWS,
-                      BLOCK_N=hopper_fwd.BLOCK_N, D=head_dim, STAGES=hopper_fwd.STAGES, CONSUMER_REGS=regs,
-                      OVERLAP=overlap, num_warps=num_warps)
+        consts = dict(CAUSAL=causal and not ranges, RANGES=ranges, TMA_OUT=not step, MERGE=step, WGS=wgs,
+                      WG_ROWS=hopper_fwd.WG_ROWS, BLOCK_N=hopper_fwd.BLOCK_N, D=head_dim, STAGES=hopper_fwd.STAGES,
+                      CONSUMER_REGS=regs, OVERLAP=overlap, ROWS_P2=triton.next_power_of_2(wgs * hopper_fwd.WG_ROWS),
+                      num_warps=num_warps)
         sig = dict(q_desc=desc("bf16", q_block), k_desc=desc("bf16", kv_block), v_desc=desc("bf16", kv_block),
                    o_desc=desc("bf16", q_block), O="*fp32" if step else "*bf16", OA="*fp32", LSE="*fp32")
     else:
@@ -135,8 +138,8 @@ def hopper_report(kernel: str, head_dim: int, causal: bool) -> dict:
         fn, num_warps = hb._hopper_bwd, hb.NUM_WARPS
         block_m = hb.BLOCK_M[head_dim]
         q_block, kv_block = [1, block_m, head_dim], [1, hb.BLOCK_N, head_dim]
-        consts = dict(CAUSAL=causal, ACCUMULATE=False, BLOCK_M=block_m, BLOCK_N=hb.BLOCK_N, D=head_dim,
-                      STAGES=hb.STAGES, num_warps=num_warps)
+        consts = dict(CAUSAL=causal and not ranges, RANGES=ranges, ACCUMULATE=False, BLOCK_M=block_m,
+                      BLOCK_N=hb.BLOCK_N, D=head_dim, STAGES=hb.STAGES, num_warps=num_warps)
         sig = dict(q_desc=desc("bf16", q_block), do_desc=desc("bf16", q_block), k_desc=desc("bf16", kv_block),
                    v_desc=desc("bf16", kv_block), dq_desc=desc("fp32", q_block, hb.DQ_SWIZZLE[head_dim]),
                    lse_desc=desc("fp32", [1, block_m]), delta_desc=desc("fp32", [1, block_m]), DK="*bf16",
@@ -144,6 +147,8 @@ def hopper_report(kernel: str, head_dim: int, causal: bool) -> dict:
     for name in fn.arg_names:
         if name in consts:
             sig[name] = "constexpr"
+        elif name in ("KV_LO", "KV_HI", "Q_LO", "Q_HI"):
+            sig[name] = "*i32"
         elif name not in sig:
             sig[name] = "fp32" if name in ("qk_scale", "softmax_scale") else "i32"
     compiled = triton.compile(GluonASTSource(fn, sig, consts), target=SM90, options={"num_warps": num_warps})
@@ -172,13 +177,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--queries", type=int, default=16384, help="query rows, for the GQA tile rule")
     ap.add_argument("--tiles", type=parse_tile, nargs="+", default=None, help="instead of the tuned tiles")
     ap.add_argument("--softcap", action="store_true", help="the Triton kernels' logit-softcapping variant")
+    ap.add_argument("--ranges", action="store_true",
+                    help="the Gluon kernels' per-row key intervals variant (documents, windows, the all-gather)")
     args = ap.parse_args(argv)
     if interpreting():
         ap.error("TRITON_INTERPRET=1 turns the kernels into interpreted functions: unset it to compile them")
 
+    if args.ranges and any(k not in hopper for k in args.kernels):
+        ap.error("--ranges: the Gluon kernels' variant; name --kernels among " + ", ".join(hopper))
     if args.dv and any(k in hopper for k in args.kernels):
         ap.error("--dv: the Gluon kernels run one head dim (the hopper backend hands the rest to Triton)")
     cap = ", logit softcap" if args.softcap else ""
+    cap += ", per-row key intervals" if args.ranges else ""
     dv = f", v head dim {args.dv}" if args.dv else ""
     print(f"ptxas for sm_90 (Triton {triton.__version__}): dense bf16, descriptor loads where they fit{cap}{dv}\n")
     print("| kernel | D | causal | group | tile | registers | spilled (stores / loads, B) | shared KiB "
@@ -199,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
                                                     queries=args.queries)]
                 for tile in tiles:
                     if kernel in hopper:
-                        r = hopper_report(kernel, head_dim, causal)
+                        r = hopper_report(kernel, head_dim, causal, args.ranges)
                     else:
                         r = ptxas_report(kernel, head_dim, causal, args.group, tile, args.softcap, args.dv)
                     print(f"| {kernel} | {head_dim} | {'yes' if causal else 'no'} | {args.group} | {tile} | "

@@ -238,10 +238,52 @@ def test_what_it_does_not_run_is_named():
     assert "head dim in (64, 128), got 96" in hopper_bwd_unsupported(q, k, v, AttnSpec(causal=True))
     assert "float32" in hopper_bwd_unsupported(q.float(), k.float(), v.float(), AttnSpec(causal=True))
     q, k, v, do = _inputs(1, 128, 128, 2, 2, 64, torch.bfloat16)
-    assert "not window" in hopper_bwd_unsupported(q, k, v, AttnSpec(causal=True, window=16))
-    o, lse = attn_fwd(q, k, v, causal=True, window=16)
-    with pytest.raises(ValueError, match="hopper backward: runs full or causal attention, not window"):
-        hopper_attn_bwd(do, q, k, v, o, lse, AttnSpec(causal=True, window=16))
+    assert "no softcap" in hopper_bwd_unsupported(q, k, v, AttnSpec(causal=True, softcap=30.0))
+    o, lse = attn_fwd(q, k, v, causal=True, softcap=30.0)
+    with pytest.raises(ValueError, match="hopper backward: runs no softcap"):
+        hopper_attn_bwd(do, q, k, v, o, lse, AttnSpec(causal=True, softcap=30.0))
+
+
+def test_hands_on_with_one_warning_per_reason_or_raises_when_strict(monkeypatch):
+    # On CPU the Gluon kernels never run ("needs an sm_90 GPU"): the Triton kernels run the call,
+    # and the user is told once per reason and direction, naming both backends.
+    q, k, v, do = _inputs(1, 70, 70, 2, 1, 64, torch.float32, device="cpu", seed=2)
+    hopper = type(get_backend("hopper", q.device))()  # a fresh instance: nothing warned yet
+    with pytest.warns(UserWarning) as caught:
+        for _ in range(3):
+            o, lse = attn_fwd(q, k, v, causal=True, backend=hopper)
+            attn_bwd(do, q, k, v, o, lse, causal=True, backend=hopper)
+    texts = sorted(str(w.message) for w in caught)
+    assert len(texts) == 2, texts
+    assert texts[0].startswith("backend='hopper' cannot run this backward on its Gluon kernels: it needs an sm_90 GPU")
+    assert texts[1].startswith("backend='hopper' cannot run this forward on its Gluon kernels: it needs an sm_90 GPU")
+    assert all("the Triton kernels (backend='triton') run it instead" in t for t in texts)
+
+    strict = get_backend("hopper", q.device, strict=True)
+    assert strict.strict and repr(strict) == "Backend('hopper', strict=True)"
+    with pytest.raises(ValueError, match=r"backend='hopper' cannot run this forward on its Gluon kernels: it needs an "
+                                         r"sm_90 GPU .*\(strict: get_backend\(\.\.\., strict=True\) or "
+                                         r"RINGFLASH_STRICT_BACKEND=1 refuses to hand it on\)"):
+        attn_fwd(q, k, v, causal=True, backend=strict)
+    monkeypatch.setenv("RINGFLASH_STRICT_BACKEND", "1")
+    assert get_backend("hopper", q.device) is strict
+    with pytest.raises(ValueError, match="cannot run this forward"):
+        ring_flash_attn_func(q, k, v, causal=True, backend="hopper")
+    assert get_backend("hopper", q.device, strict=False) is not strict
+    monkeypatch.setenv("RINGFLASH_STRICT_BACKEND", "yes")
+    with pytest.raises(ValueError, match="RINGFLASH_STRICT_BACKEND must be 0 or 1, got 'yes'"):
+        get_backend("hopper", q.device)
+
+
+def test_planner_names_the_kernels_that_run():
+    hopper = get_backend("hopper", torch.device("cpu"))
+    assert hopper.kernels_for(torch.bfloat16, 128) == "hopper"
+    assert hopper.kernels_for(torch.bfloat16, 128, 128, softcap=0.0) == "hopper"
+    assert hopper.kernels_for(torch.bfloat16, 128, softcap=50.0) == "triton"
+    assert hopper.kernels_for(torch.bfloat16, 192, 128) == "triton"
+    assert hopper.kernels_for(torch.float32, 64) == "triton"
+    assert hopper.kernels_for(None, None) == "hopper"  # not known yet: the kernels it asks for
+    assert get_backend("triton", torch.device("cpu")).kernels_for(torch.bfloat16, 128) == "triton"
 
 
 @pytest.mark.parametrize("mode", ["accumulate", "ring", "acc float32", "acc bf16", "new"])

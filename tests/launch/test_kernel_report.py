@@ -48,6 +48,20 @@ def test_softcap_variant_compiles_for_sm90():
         assert 0 < int(row[5]) <= 255, row
 
 
+def test_interval_variant_of_the_gluon_kernels_compiles_for_sm90():
+    # RANGES: per-row key intervals (documents, windows, a ring step's rectangle), which the GPU
+    # tests run and the CPU suite otherwise never compiles. One head dim: each build takes seconds.
+    out = _report("--kernels", "hopper_fwd", "hopper_fwd_step", "hopper_bwd", "--head-dims", "128", "--causal", "0",
+                  "--ranges")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "per-row key intervals" in out.stdout
+    for kernel in ("hopper_fwd", "hopper_fwd_step", "hopper_bwd"):
+        (row,) = _rows(out.stdout, kernel)
+        assert 0 < int(row[5]) <= 255, row
+    bad = _report("--kernels", "fwd", "--ranges")
+    assert bad.returncode == 2 and "--ranges: the Gluon kernels' variant" in bad.stderr
+
+
 def test_tiles_given_are_reported_one_row_each_and_bad_ones_refused_by_name():
     out = _report("--kernels", "dkdv", "--head-dims", "64", "--causal", "1", "--group", "8",
                   "--tiles", "64,64,4,3", "128,32,4,3")
