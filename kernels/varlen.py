@@ -13,6 +13,8 @@ spans the packed tokens, so `max_seqlen` is accepted for drop-in compatibility b
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ringflash import kernels
@@ -29,13 +31,30 @@ def _check_packed(**tensors: torch.Tensor) -> None:
             raise ValueError(f"{name} must have 3 dims (total_tokens, heads, head_dim), got shape {tuple(t.shape)}")
 
 
+# The documents' specs of recent calls, by the cu_seqlens tensor itself (its id, checked through a
+# weak reference, and its version, which in-place writes bump): a model passes one cu_seqlens to
+# every layer, forward and backward, and building the intervals is a dozen small launches each time.
+_SPECS: dict[tuple, tuple[weakref.ref, AttnSpec]] = {}
+_SPECS_KEPT = 16
+
+
 def _documents(cu_seqlens: torch.Tensor, total: int, causal: bool, window: int | None,
                spec: AttnSpec | None) -> AttnSpec:
     if spec is not None:
         if not isinstance(spec, AttnSpec):
             raise TypeError(f"spec must be a kernels.AttnSpec or None, got {type(spec).__name__}")
         return spec
-    return AttnSpec.documents(cu_seqlens, total, causal=causal, window=window)
+    if not isinstance(cu_seqlens, torch.Tensor) or torch.compiler.is_compiling():
+        return AttnSpec.documents(cu_seqlens, total, causal=causal, window=window)  # raises naming it
+    key = (id(cu_seqlens), cu_seqlens._version, total, causal, window)
+    kept = _SPECS.get(key)
+    if kept is not None and kept[0]() is cu_seqlens:
+        return kept[1]
+    spec = AttnSpec.documents(cu_seqlens, total, causal=causal, window=window)
+    if len(_SPECS) >= _SPECS_KEPT:
+        del _SPECS[next(iter(_SPECS))]
+    _SPECS[key] = (weakref.ref(cu_seqlens), spec)
+    return spec
 
 
 def attn_varlen_fwd(

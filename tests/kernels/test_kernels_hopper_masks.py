@@ -109,4 +109,8 @@ def test_interval_steps_merge_like_one_call():
     specs = [AttnSpec(intervals=visibility(pos, pos[s], causal=True, q_doc=doc, k_doc=doc[:, s])) for s in halves]
     o, lse = hopper.fwd_step(q, k[:, halves[0]], v[:, halves[0]], specs[0], None, out_dtype=torch.float32)
     hopper.fwd_step(q, k[:, halves[1]], v[:, halves[1]], specs[1], None, acc=(o, lse))
-    assert rel_err(o, o_all) < 1e-5 and (lse - lse_all).abs().max() < 1e-5
+    truth = attention(q, k, v, visible=_visible(whole, q, k))
+    # Each block rounds its own P to bf16 against its own running max: as far from float64 as one call.
+    err, base = rel_err(o, truth["o"]), rel_err(o_all, truth["o"])
+    assert err < TOL[dtype] and err <= 1.25 * base + 1e-5, f"merged o: {err:.2e} against one call's {base:.2e}"
+    assert (lse - lse_all).abs().max() < 1e-4

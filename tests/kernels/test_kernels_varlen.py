@@ -134,6 +134,23 @@ def test_varlen_is_not_causal_by_default():
     assert all(torch.equal(a, b) for a, b in zip(grads, full))
 
 
+def test_varlen_builds_the_documents_once_per_boundaries_tensor():
+    # A model passes one cu_seqlens to every layer: its intervals are built once, and built again
+    # when the tensor is written in place (a data loader reusing its buffer) or is another tensor.
+    from ringflash.kernels.varlen import _documents
+
+    q, k, v, do, cu = _packed((20, 7, 33), 2, 1, 32, torch.float32, seed=4)
+    first = _documents(cu, q.shape[0], True, None, None)
+    assert _documents(cu, q.shape[0], True, None, None) is first
+    assert _documents(cu, q.shape[0], False, None, None) is not first  # another mask, another spec
+    assert _documents(cu.clone(), q.shape[0], True, None, None) is not first
+    cu[1:3] = torch.tensor([5, 40], dtype=cu.dtype)  # new boundaries, same tensor
+    o, lse = attn_varlen_fwd(q, k, v, cu, causal=True, backend="reference")
+    grads = attn_varlen_bwd(do, q, k, v, o, lse, cu, causal=True, backend="reference")
+    truth = _per_document_truth(q, k, v, do, cu, True)
+    _assert_close(dict(o=o, lse=lse, dq=grads[0], dk=grads[1], dv=grads[2]), truth, torch.float32)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("window", [1, 6, 40])
@@ -401,6 +418,21 @@ def test_gpu_varlen_matches_per_document(D, H, Hkv, dtype):
     dq, dk, dv = attn_varlen_bwd(do, q, k, v, o, lse, cu, max(lens), causal=True)
     truth = _per_document_truth(q, k, v, do, cu, True)
     _assert_close(dict(o=o, lse=lse, dq=dq, dk=dk, dv=dv), truth, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "hopper"])
+def test_gpu_varlen_never_waits_for_the_device(backend):
+    # Building the documents' intervals, checking them and launching the kernels: no host sync.
+    lens = (100, 3000, 1, 900)
+    q, k, v, do, cu = _packed(lens, 8, 2, 128, torch.bfloat16, seed=13, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        o, lse = attn_varlen_fwd(q, k, v, cu.clone(), causal=True, backend=backend)
+        attn_varlen_bwd(do, q, k, v, o, lse, cu, causal=True, backend=backend)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 @pytest.mark.gpu

@@ -213,10 +213,11 @@ def test_ring_mask_triton_kernels_interpreted():
     run_ranks(mask_worker, 2, (c,), timeout_s=120)
 
 
-GPU_CASES = [  # Triton on CUDA tensors, several gloo ranks sharing one GPU (as tests/ringflash/test_ring.py's)
-    case(w, layout, docs="gpu", window=win, B=2, H=8, Hkv=2, D=128, dtype=torch.bfloat16, backend="triton",
+GPU_CASES = [  # on CUDA tensors, several gloo ranks sharing one GPU (as tests/ringflash/test_ring.py's)
+    case(w, layout, docs="gpu", window=win, B=2, H=8, Hkv=2, D=128, dtype=torch.bfloat16, backend=backend,
          n=N_GPU, device="cuda")
     for w, layout, win in ((2, "zigzag", None), (2, "zigzag", 257), (4, "zigzag", 700), (2, "contiguous", 1500))
+    for backend in ("triton", "hopper")  # hopper: its Gluon kernels on every step's intervals (sm_90)
 ]  # fmt: skip
 
 
