@@ -255,7 +255,7 @@ def predicted_ms(args, n_global: int, world: int, backend: str, transport: str, 
     return round(pred.time_s * 1e3, 3)
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens-per-rank", type=parse_tokens, default=parse_tokens("8k,32k,128k"))
     p.add_argument("--batch", type=int, default=1)
@@ -306,6 +306,13 @@ def main() -> None:
     p.add_argument("--doc-min", type=parse_tokens, default=parse_tokens("1k"), help="--masks: shortest document")
     p.add_argument("--doc-max", type=parse_tokens, default=parse_tokens("64k"), help="--masks: longest document")
     p.add_argument("--window", type=parse_tokens, default=parse_tokens("4k"), help="--masks: window (keys seen)")
+    return p
+
+
+def parse_args() -> tuple[argparse.Namespace, list[str], list[str]]:
+    """The arguments as resolved (--quick's shapes, defaults that depend on CUDA), and the
+    transports and kernel backends to run, checked."""
+    p = _parser()
     args = p.parse_args()
     args.doc_min, args.doc_max, args.window = args.doc_min[0], args.doc_max[0], args.window[0]
     if args.quick:
@@ -327,6 +334,11 @@ def main() -> None:
                 f"got {b!r}"
             )
     args.transports, args.kernel_backends = ",".join(transports), ",".join(backends)  # as resolved, for the record
+    return args, transports, backends
+
+
+def init_distributed(args, cuda: bool) -> int:
+    """The local rank, its device set and the process group started (NCCL on GPUs, else gloo)."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if cuda:
         torch.cuda.set_device(local_rank)
@@ -334,6 +346,13 @@ def main() -> None:
         dist.init_process_group("nccl", pg_options=nccl_options() if args.nccl_priority == "high" else None)
     else:
         dist.init_process_group("gloo")
+    return local_rank
+
+
+def main() -> None:
+    args, transports, backends = parse_args()
+    cuda = torch.cuda.is_available()
+    local_rank = init_distributed(args, cuda)
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         dev = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
@@ -345,97 +364,129 @@ def main() -> None:
         rows, hops = [], []
         for n in args.tokens_per_rank:
             n_global = n * world
-            for transport in transports:
-                ms, nbytes = bench_hop(args, n, dev, dtype, transport)
-                hops.append(
-                    {
-                        "tokens_per_rank": n,
-                        "transport": transport,
-                        "ms": float(f"{ms:.4g}"),
-                        "MiB": nbytes / 2**20,
-                        "GB/s": float(f"{nbytes / ms / 1e6:.4g}"),
-                    }
-                )
+            hops += _hop_rows(args, n, dev, dtype, transports)
             flops = attn_flops(args.batch, args.heads, n_global, n_global, args.head_dim, True, "fwd_bwd") / world
-            for backend in backends:
-                single = bench_single(args, n_global, dev, dtype, backend, _profile if args.profile else None) / world
-                for layout, transport in itertools.product(layouts, transports):
-                    first = transport == transports[0]  # compute-only does not depend on the transport
-                    fwd, fwd_bwd, compute = bench_ring(
-                        args, n, layout, dev, dtype, transport=transport, compute=first, backend=backend
-                    )
-                    tflops = flops / fwd_bwd / 1e9
-                    impl = "ringflash" + ("" if backend in ("auto", "triton") else f" [{backend}]")
-                    impl += "" if transport == "nccl" else f" ({transport})"
-                    row = [n, impl, layout, fwd, fwd_bwd, compute, single, single / fwd_bwd]
-                    rows.append([*row, tflops, predicted_ms(args, n_global, world, backend, transport, layout)])
-                    if rank == 0:
-                        print(
-                            f"{n} tokens/rank {impl} {layout}: fwd+bwd {fwd_bwd:.3g} ms, "
-                            f"efficiency {single / fwd_bwd:.3f}"
-                        )
-            for sdpa in () if args.no_torch_cp else ("flash", "cudnn"):
-                ms, why = bench_torch_cp(args, n_global, dev, dtype, sdpa)
-                if ms is None:
-                    rows.append([n, f"torch CP ({sdpa})", "head-tail", *["n/a"] * 6, None])
-                    if rank == 0:
-                        print(f"torch CP ({sdpa}) n/a: {why}")
-                else:
-                    own = bench_single_sdpa(args, n_global, dev, dtype, sdpa) / world
-                    rows.append([n, f"torch CP ({sdpa})", "head-tail", None, ms, None, own, own / ms, flops / ms / 1e9,
-                                 None])  # fmt: skip
+            rows += _ringflash_rows(args, n, flops, dev, dtype, layouts, transports, backends)
+            rows += _torch_cp_rows(args, n, flops, dev, dtype)
             if cuda:
                 torch.cuda.empty_cache()
         if rank == 0:
-            headers = [
-                "tokens/rank",
-                "impl",
-                "layout",
-                "fwd ms",
-                "fwd+bwd ms",
-                "compute-only ms",
-                "single/W ms",
-                "efficiency",
-                "TFLOP/s/GPU",
-                "predicted ms",
-            ]
-            title = (
-                f"Ring attention, {world} ranks ({dist.get_backend()}), {args.dtype}, causal, "
-                f"B={args.batch} H={args.heads} Hkv={args.kv_heads} D={args.head_dim}"
-            )
-            notes = (
-                "efficiency = (single-GPU fwd+bwd of the whole sequence ÷ W, with the same implementation's "
-                "kernels: ours for ringflash, cuDNN's for ringflash [cudnn], SDPA's flash/cuDNN for torch CP) ÷ "
-                "ring fwd+bwd; compute-only = "
-                "the slowest rank's per-step kernels without communication; cross-rank input check: "
-                f"{'on' if args.check_ranks else 'off'}; torch CP rotate method: {args.cp_rotate or 'torch default'}; "
-                f"NCCL stream priority: {args.nccl_priority if cuda else 'n/a (gloo)'}; ringflash rows: "
-                f"blocks sent by {'NCCL' if cuda else 'gloo'} send/recv, or by the GPUs' copy engines where the "
-                "impl says copy-engine (transport='copy-engine'); ring and torch CP times: "
-                + (
-                    f"steady state, {PRIMING_CALLS} untimed calls queued before each timed run."
-                    if cuda
-                    else "host wall clock."
-                )
-                + " One K/V hop alone: sent to the next rank while the previous rank's arrives, nothing else "
-                "running, the slowest rank's."
-            )
-            record(
-                "ring",
-                title,
-                headers,
-                rows,
-                args=_record_args(args, world),
-                notes=notes,
-                peers=sorted({r[1] for r in rows if r[1].startswith("torch CP") and r[4] != "n/a"}),
-                ceilings={"kv_hop_alone": hops},
-                directory=args.record_to,
-            )
+            _record_table(args, world, rows, hops, cuda)
         # Tear down together: a rank that destroys its gloo group while rank 0 still writes the
         # table made the other abort at exit now and then ("terminate called ...").
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _hop_rows(args, n, dev, dtype, transports) -> list[dict]:
+    """One K/V hop alone per transport at n tokens/rank: the record's `ceilings`."""
+    hops = []
+    for transport in transports:
+        ms, nbytes = bench_hop(args, n, dev, dtype, transport)
+        hops.append(
+            {
+                "tokens_per_rank": n,
+                "transport": transport,
+                "ms": float(f"{ms:.4g}"),
+                "MiB": nbytes / 2**20,
+                "GB/s": float(f"{nbytes / ms / 1e6:.4g}"),
+            }
+        )
+    return hops
+
+
+def _ringflash_rows(args, n, flops, dev, dtype, layouts, transports, backends) -> list[list]:
+    """The ringflash rows at n tokens/rank (`flops`: a rank's share of fwd+bwd): each kernel
+    backend × layout × transport."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    n_global = n * world
+    rows = []
+    for backend in backends:
+        single = bench_single(args, n_global, dev, dtype, backend, _profile if args.profile else None) / world
+        for layout, transport in itertools.product(layouts, transports):
+            first = transport == transports[0]  # compute-only does not depend on the transport
+            fwd, fwd_bwd, compute = bench_ring(
+                args, n, layout, dev, dtype, transport=transport, compute=first, backend=backend
+            )
+            tflops = flops / fwd_bwd / 1e9
+            impl = "ringflash" + ("" if backend in ("auto", "triton") else f" [{backend}]")
+            impl += "" if transport == "nccl" else f" ({transport})"
+            row = [n, impl, layout, fwd, fwd_bwd, compute, single, single / fwd_bwd]
+            rows.append([*row, tflops, predicted_ms(args, n_global, world, backend, transport, layout)])
+            if rank == 0:
+                print(
+                    f"{n} tokens/rank {impl} {layout}: fwd+bwd {fwd_bwd:.3g} ms, "
+                    f"efficiency {single / fwd_bwd:.3f}"
+                )
+    return rows
+
+
+def _torch_cp_rows(args, n, flops, dev, dtype) -> list[list]:
+    """torch's context_parallel at n tokens/rank (`flops` as for ringflash), with the SDPA flash
+    and cuDNN backends ('n/a' rows with the reason printed where unavailable); none for --no-torch-cp."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    n_global = n * world
+    rows = []
+    for sdpa in () if args.no_torch_cp else ("flash", "cudnn"):
+        ms, why = bench_torch_cp(args, n_global, dev, dtype, sdpa)
+        if ms is None:
+            rows.append([n, f"torch CP ({sdpa})", "head-tail", *["n/a"] * 6, None])
+            if rank == 0:
+                print(f"torch CP ({sdpa}) n/a: {why}")
+        else:
+            own = bench_single_sdpa(args, n_global, dev, dtype, sdpa) / world
+            rows.append([n, f"torch CP ({sdpa})", "head-tail", None, ms, None, own, own / ms, flops / ms / 1e9,
+                         None])  # fmt: skip
+    return rows
+
+
+def _record_table(args, world: int, rows: list[list], hops: list[dict], cuda: bool) -> None:
+    """Print the table and append it to the records (rank 0)."""
+    headers = [
+        "tokens/rank",
+        "impl",
+        "layout",
+        "fwd ms",
+        "fwd+bwd ms",
+        "compute-only ms",
+        "single/W ms",
+        "efficiency",
+        "TFLOP/s/GPU",
+        "predicted ms",
+    ]
+    title = (
+        f"Ring attention, {world} ranks ({dist.get_backend()}), {args.dtype}, causal, "
+        f"B={args.batch} H={args.heads} Hkv={args.kv_heads} D={args.head_dim}"
+    )
+    notes = (
+        "efficiency = (single-GPU fwd+bwd of the whole sequence ÷ W, with the same implementation's "
+        "kernels: ours for ringflash, cuDNN's for ringflash [cudnn], SDPA's flash/cuDNN for torch CP) ÷ "
+        "ring fwd+bwd; compute-only = "
+        "the slowest rank's per-step kernels without communication; cross-rank input check: "
+        f"{'on' if args.check_ranks else 'off'}; torch CP rotate method: {args.cp_rotate or 'torch default'}; "
+        f"NCCL stream priority: {args.nccl_priority if cuda else 'n/a (gloo)'}; ringflash rows: "
+        f"blocks sent by {'NCCL' if cuda else 'gloo'} send/recv, or by the GPUs' copy engines where the "
+        "impl says copy-engine (transport='copy-engine'); ring and torch CP times: "
+        + (
+            f"steady state, {PRIMING_CALLS} untimed calls queued before each timed run."
+            if cuda
+            else "host wall clock."
+        )
+        + " One K/V hop alone: sent to the next rank while the previous rank's arrives, nothing else "
+        "running, the slowest rank's."
+    )
+    record(
+        "ring",
+        title,
+        headers,
+        rows,
+        args=_record_args(args, world),
+        notes=notes,
+        peers=sorted({r[1] for r in rows if r[1].startswith("torch CP") and r[4] != "n/a"}),
+        ceilings={"kv_hop_alone": hops},
+        directory=args.record_to,
+    )
 
 
 def _main_masks(args, dev, dtype, layouts) -> None:

@@ -38,6 +38,7 @@ Not provided: `substitute_hf_flash_attn` / `update_ring_flash_attn_params` (Hugg
 
 from __future__ import annotations
 
+import inspect
 import itertools
 
 import torch
@@ -68,195 +69,100 @@ __all__ = [
     "zigzag_ring_flash_attn_varlen_qkvpacked_func",
 ]
 
-# fmt: off
-# The peer's signatures; the arguments pass through in the same order.
+# The peer's names are a family's prefix, a packing and `_func`; the family fixes the form of the
+# inputs and the layout, the packing the tensors.
+_FAMILIES = {
+    "ring_flash_attn": ("batched", "contiguous"),
+    "zigzag_ring_flash_attn": ("batched", "zigzag"),
+    "stripe_flash_attn": ("batched", "stripe"),
+    "ring_flash_attn_varlen": ("varlen", "contiguous"),
+    "zigzag_ring_flash_attn_varlen": ("varlen", "zigzag"),
+    "llama3_flash_attn_varlen": ("llama3", "contiguous"),
+}
+_PACKINGS = {"": ("q", "k", "v"), "_kvpacked": ("q", "kv"), "_qkvpacked": ("qkv",)}
+# The peer's signatures: the tensors, the form's arguments, then flash_attn's with their defaults.
+_BETWEEN = {
+    "batched": (),
+    "varlen": ("cu_seqlens", "max_seqlen"),
+    "llama3": ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "heads_k_stride", "local_k_slice"),
+}
+_FLASH = {
+    "dropout_p": 0.0, "softmax_scale": None, "causal": False, "window_size": (-1, -1), "alibi_slopes": None,
+    "deterministic": False, "return_attn_probs": False, "group": None,
+}  # fmt: skip
+_SHAPES = {
+    "": "q `({n}, H, D)`, k, v `({n}, Hkv, D)`",
+    "_kvpacked": "q `({n}, H, D)`, kv `({n}, 2, Hkv, D)`",
+    "_qkvpacked": "qkv `({n}, 3, H, D)`",
+}
 
-# ---- (B, N_local, H, D): ringflash's own functions with the layout fixed ------------------------
 
-def ring_flash_attn_func(
-        q, k, v,
-        dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), alibi_slopes=None,
-        deterministic=False, return_attn_probs=False, group=None,
-):
-    """`ringflash.ring_flash_attn_func` on the contiguous layout (module docstring)."""
-    return api.ring_flash_attn_func(
-        q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs,
-        group, layout="contiguous",
+def _drop_in(name: str):
+    """The peer's function `name`, its family and packing read from the name as the tables above
+    spell them, with the peer's signature, and a docstring saying what it takes and does."""
+    packing = next(p for p in ("_qkvpacked", "_kvpacked", "") if name.endswith(f"{p}_func"))
+    form, layout = _FAMILIES[name.removesuffix(f"{packing}_func")]
+    tensors, between = _PACKINGS[packing], _BETWEEN[form]
+    arg = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    signature = inspect.Signature(
+        [inspect.Parameter(n, arg) for n in (*tensors, *between)]
+        + [inspect.Parameter(n, arg, default=d) for n, d in _FLASH.items()]
     )
+    attend = {"batched": _batched, "varlen": _varlen_call, "llama3": _llama3_call}[form]
+
+    def drop_in(*args, **kwargs):
+        try:
+            call = signature.bind(*args, **kwargs)
+        except TypeError as e:  # Python's own message for a plain function, which names it
+            raise TypeError(f"{name}() {e}") from None
+        call.apply_defaults()
+        a = call.arguments
+        return attend(tuple(a[n] for n in tensors), a, layout, *(a[n] for n in _FLASH))
+
+    shapes = _SHAPES[packing].format(n="B, N_local" if form == "batched" else "total_local")
+    how = {
+        "batched": f"`ringflash.ring_flash_attn{packing}_func` with `layout='{layout}'`",
+        "varlen": f"the ring, {layout} sharding of each document; lse `(H, total_local)`",
+        "llama3": "all-gather attention, K/V gathered `heads_k_stride` heads at a time",
+    }[form]
+    drop_in.__name__ = drop_in.__qualname__ = name
+    drop_in.__doc__ = f"{shapes}: {how} (module docstring)."
+    drop_in.__signature__ = signature
+    return drop_in
 
 
-def ring_flash_attn_kvpacked_func(
-        q, kv,
-        dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), alibi_slopes=None,
-        deterministic=False, return_attn_probs=False, group=None,
-):
-    """`ringflash.ring_flash_attn_kvpacked_func` (kv `(B, N_local, 2, Hkv, D)`), contiguous layout."""
-    return api.ring_flash_attn_kvpacked_func(
-        q, kv, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs,
-        group, layout="contiguous",
-    )
+def _batched(tensors, a, layout, *flash):
+    return _API[len(tensors)](*tensors, *flash, layout=layout)
 
 
-def ring_flash_attn_qkvpacked_func(
-        qkv,
-        dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), alibi_slopes=None,
-        deterministic=False, return_attn_probs=False, group=None,
-):
-    """`ringflash.ring_flash_attn_qkvpacked_func` (qkv `(B, N_local, 3, H, D)`), contiguous layout."""
-    return api.ring_flash_attn_qkvpacked_func(
-        qkv, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs,
-        group, layout="contiguous",
-    )
+def _varlen_call(tensors, a, layout, *flash):  # max_seqlen is accepted, not needed
+    return _varlen(tensors, a["cu_seqlens"], layout, *flash)
 
 
-def zigzag_ring_flash_attn_func(
-        q, k, v,
-        dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), alibi_slopes=None,
-        deterministic=False, return_attn_probs=False, group=None,
-):
-    """`ringflash.ring_flash_attn_func` on the zigzag layout (module docstring)."""
-    return api.ring_flash_attn_func(
-        q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs,
-        group, layout="zigzag",
-    )
+def _llama3_call(tensors, a, layout, *flash):  # so are max_seqlen_q and max_seqlen_k
+    return _llama3(tensors, a["cu_seqlens_q"], a["cu_seqlens_k"], a["heads_k_stride"], a["local_k_slice"], *flash)
 
 
-def zigzag_ring_flash_attn_kvpacked_func(
-        q, kv,
-        dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), alibi_slopes=None,
-        deterministic=False, return_attn_probs=False, group=None,
-):
-    """`ringflash.ring_flash_attn_kvpacked_func` (kv `(B, N_local, 2, Hkv, D)`), zigzag layout."""
-    return api.ring_flash_attn_kvpacked_func(
-        q, kv, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs,
-        group, layout="zigzag",
-    )
+_API = {3: api.ring_flash_attn_func, 2: api.ring_flash_attn_kvpacked_func, 1: api.ring_flash_attn_qkvpacked_func}
 
-
-def zigzag_ring_flash_attn_qkvpacked_func(
-        qkv,
-        dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), alibi_slopes=None,
-        deterministic=False, return_attn_probs=False, group=None,
-):
-    """`ringflash.ring_flash_attn_qkvpacked_func` (qkv `(B, N_local, 3, H, D)`), zigzag layout."""
-    return api.ring_flash_attn_qkvpacked_func(
-        qkv, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs,
-        group, layout="zigzag",
-    )
-
-
-def stripe_flash_attn_func(
-        q, k, v,
-        dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), alibi_slopes=None,
-        deterministic=False, return_attn_probs=False, group=None,
-):
-    """`ringflash.ring_flash_attn_func` on the stripe layout (module docstring)."""
-    return api.ring_flash_attn_func(
-        q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs,
-        group, layout="stripe",
-    )
-
-
-def stripe_flash_attn_kvpacked_func(
-        q, kv,
-        dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), alibi_slopes=None,
-        deterministic=False, return_attn_probs=False, group=None,
-):
-    """`ringflash.ring_flash_attn_kvpacked_func` (kv `(B, N_local, 2, Hkv, D)`), stripe layout."""
-    return api.ring_flash_attn_kvpacked_func(
-        q, kv, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs,
-        group, layout="stripe",
-    )
-
-
-def stripe_flash_attn_qkvpacked_func(
-        qkv,
-        dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), alibi_slopes=None,
-        deterministic=False, return_attn_probs=False, group=None,
-):
-    """`ringflash.ring_flash_attn_qkvpacked_func` (qkv `(B, N_local, 3, H, D)`), stripe layout."""
-    return api.ring_flash_attn_qkvpacked_func(
-        qkv, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs,
-        group, layout="stripe",
-    )
-
-
-# ---- varlen: (total_local, H, D), documents sharded one by one ---------------------------------
-
-
-def ring_flash_attn_varlen_func(
-        q, k, v, cu_seqlens, max_seqlen,
-        dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), alibi_slopes=None,
-        deterministic=False, return_attn_probs=False, group=None,
-):
-    """q `(total_local, H, D)`, k, v `(total_local, Hkv, D)`; contiguous per-document sharding."""
-    return _varlen(
-        (q, k, v), cu_seqlens, "contiguous",
-        dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs, group,
-    )
-
-
-def ring_flash_attn_varlen_kvpacked_func(
-        q, kv, cu_seqlens, max_seqlen,
-        dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), alibi_slopes=None,
-        deterministic=False, return_attn_probs=False, group=None,
-):
-    """q `(total_local, H, D)`, kv `(total_local, 2, Hkv, D)`; contiguous per-document sharding."""
-    return _varlen(
-        (q, kv), cu_seqlens, "contiguous",
-        dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs, group,
-    )
-
-
-def ring_flash_attn_varlen_qkvpacked_func(
-        qkv, cu_seqlens, max_seqlen,
-        dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), alibi_slopes=None,
-        deterministic=False, return_attn_probs=False, group=None,
-):
-    """qkv `(total_local, 3, H, D)`; contiguous per-document sharding."""
-    return _varlen(
-        (qkv,), cu_seqlens, "contiguous",
-        dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs, group,
-    )
-
-
-def zigzag_ring_flash_attn_varlen_func(
-        q, k, v, cu_seqlens, max_seqlen,
-        dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), alibi_slopes=None,
-        deterministic=False, return_attn_probs=False, group=None,
-):
-    """q `(total_local, H, D)`, k, v `(total_local, Hkv, D)`; zigzag per-document sharding."""
-    return _varlen(
-        (q, k, v), cu_seqlens, "zigzag",
-        dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs, group,
-    )
-
-
-def zigzag_ring_flash_attn_varlen_kvpacked_func(
-        q, kv, cu_seqlens, max_seqlen,
-        dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), alibi_slopes=None,
-        deterministic=False, return_attn_probs=False, group=None,
-):
-    """q `(total_local, H, D)`, kv `(total_local, 2, Hkv, D)`; zigzag per-document sharding."""
-    return _varlen(
-        (q, kv), cu_seqlens, "zigzag",
-        dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs, group,
-    )
-
-
-def zigzag_ring_flash_attn_varlen_qkvpacked_func(
-        qkv, cu_seqlens, max_seqlen,
-        dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), alibi_slopes=None,
-        deterministic=False, return_attn_probs=False, group=None,
-):
-    """qkv `(total_local, 3, H, D)`; zigzag per-document sharding."""
-    return _varlen(
-        (qkv,), cu_seqlens, "zigzag",
-        dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs, group,
-    )
-
-
-# ---- llama3: all-gather of K/V, the packed sequence split contiguously --------------------------
+ring_flash_attn_func = _drop_in("ring_flash_attn_func")
+ring_flash_attn_kvpacked_func = _drop_in("ring_flash_attn_kvpacked_func")
+ring_flash_attn_qkvpacked_func = _drop_in("ring_flash_attn_qkvpacked_func")
+zigzag_ring_flash_attn_func = _drop_in("zigzag_ring_flash_attn_func")
+zigzag_ring_flash_attn_kvpacked_func = _drop_in("zigzag_ring_flash_attn_kvpacked_func")
+zigzag_ring_flash_attn_qkvpacked_func = _drop_in("zigzag_ring_flash_attn_qkvpacked_func")
+stripe_flash_attn_func = _drop_in("stripe_flash_attn_func")
+stripe_flash_attn_kvpacked_func = _drop_in("stripe_flash_attn_kvpacked_func")
+stripe_flash_attn_qkvpacked_func = _drop_in("stripe_flash_attn_qkvpacked_func")
+ring_flash_attn_varlen_func = _drop_in("ring_flash_attn_varlen_func")
+ring_flash_attn_varlen_kvpacked_func = _drop_in("ring_flash_attn_varlen_kvpacked_func")
+ring_flash_attn_varlen_qkvpacked_func = _drop_in("ring_flash_attn_varlen_qkvpacked_func")
+zigzag_ring_flash_attn_varlen_func = _drop_in("zigzag_ring_flash_attn_varlen_func")
+zigzag_ring_flash_attn_varlen_kvpacked_func = _drop_in("zigzag_ring_flash_attn_varlen_kvpacked_func")
+zigzag_ring_flash_attn_varlen_qkvpacked_func = _drop_in("zigzag_ring_flash_attn_varlen_qkvpacked_func")
+llama3_flash_attn_varlen_func = _drop_in("llama3_flash_attn_varlen_func")
+llama3_flash_attn_varlen_kvpacked_func = _drop_in("llama3_flash_attn_varlen_kvpacked_func")
+llama3_flash_attn_varlen_qkvpacked_func = _drop_in("llama3_flash_attn_varlen_qkvpacked_func")
 
 
 def llama3_flash_attn_prepare_cu_seqlens(cu_seqlens, causal, rank, world_size):
@@ -268,45 +174,6 @@ def llama3_flash_attn_prepare_cu_seqlens(cu_seqlens, causal, rank, world_size):
     like = (lambda c: torch.tensor(c, dtype=cu_seqlens.dtype, device=cu_seqlens.device)) if isinstance(
         cu_seqlens, torch.Tensor) else list
     return like(cu_q), like(cu_k), max_q, max_k, k_slice
-
-
-def llama3_flash_attn_varlen_func(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, heads_k_stride, local_k_slice,
-        dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), alibi_slopes=None,
-        deterministic=False, return_attn_probs=False, group=None,
-):
-    """q `(total_local, H, D)`, k, v `(total_local, Hkv, D)`; all-gather attention (module docstring)."""
-    return _llama3(
-        (q, k, v), cu_seqlens_q, cu_seqlens_k, heads_k_stride, local_k_slice,
-        dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs, group,
-    )
-
-
-def llama3_flash_attn_varlen_kvpacked_func(
-        q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, heads_k_stride, local_k_slice,
-        dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), alibi_slopes=None,
-        deterministic=False, return_attn_probs=False, group=None,
-):
-    """q `(total_local, H, D)`, kv `(total_local, 2, Hkv, D)`; all-gather attention."""
-    return _llama3(
-        (q, kv), cu_seqlens_q, cu_seqlens_k, heads_k_stride, local_k_slice,
-        dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs, group,
-    )
-
-
-def llama3_flash_attn_varlen_qkvpacked_func(
-        qkv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, heads_k_stride, local_k_slice,
-        dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), alibi_slopes=None,
-        deterministic=False, return_attn_probs=False, group=None,
-):
-    """qkv `(total_local, 3, H, D)`; all-gather attention."""
-    return _llama3(
-        (qkv,), cu_seqlens_q, cu_seqlens_k, heads_k_stride, local_k_slice,
-        dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs, group,
-    )
-
-
-# fmt: on
 
 
 def _llama3(

@@ -3,7 +3,9 @@
 - The peer's own test scripts (tests/ringflash/peer/, changed only in their imports, backend and
   device) run under torchrun on 2 gloo ranks; they only print max |diff| against flash_attn's
   reference, so the assertions are here, on what they print.
-- The peer's signatures, argument for argument.
+- The peer's signatures, argument for argument, and a misused call's error naming the function.
+- Every (B, N_local) name, each packing, on the layout its name stands for, against float64; one
+  compiled whole.
 - Varlen forms with windows and without causality (the scripts test causal only) against a
   float64 truth per document.
 - Bad input, on one rank or differing between ranks, raises on every rank and leaves the group
@@ -21,6 +23,7 @@ import torch
 import ringflash
 from ringflash import ring_flash_attn as peer
 from tests.dist_utils import REPO, run_ranks, torchrun
+from tests.truth import TOL, attention_f64, lse_err, rel_err
 
 PEER_DIR = REPO / "tests" / "ringflash" / "peer"
 SCRIPTS = [
@@ -91,6 +94,72 @@ def test_signatures_are_the_peers():
     positional = [n for n, p in params.items() if p.kind is p.POSITIONAL_OR_KEYWORD]
     assert positional == ["q", "k", "v", *FLASH]
     assert all(params[n].kind is inspect.Parameter.KEYWORD_ONLY for n in ("layout", "mask", "window", "backend"))
+
+
+def test_misuse_is_pythons_error_naming_the_function():
+    q = torch.randn(1, 4, 2, 16)
+    with pytest.raises(TypeError, match=r"^zigzag_ring_flash_attn_func\(\) missing a required argument: 'v'$"):
+        peer.zigzag_ring_flash_attn_func(q, q)
+    unexpected = r"^ring_flash_attn_kvpacked_func\(\) got an unexpected keyword argument 'layout'$"
+    with pytest.raises(TypeError, match=unexpected):  # the layout is the name's
+        peer.ring_flash_attn_kvpacked_func(q, q, layout="zigzag")
+    with pytest.raises(TypeError, match=r"^stripe_flash_attn_qkvpacked_func\(\) too many positional arguments$"):
+        peer.stripe_flash_attn_qkvpacked_func(q, *[None] * 9)
+
+
+# ---- (B, N_local, H, D): every layout and packing against float64 ------------------------------
+
+BATCHED = [n for n in peer.__all__ if "varlen" not in n and "prepare" not in n]
+
+
+def _batched_worker(rank, world):
+    g = torch.Generator().manual_seed(2)
+    B, N, H, D = 2, 8 * world, 2, 16
+    q, k, v, do = (torch.randn(B, N, H, D, generator=g) for _ in range(4))
+    truth = attention_f64(q, k, v, True, None, do)
+    for name in BATCHED:
+        layout = "zigzag" if name.startswith("zigzag") else "stripe" if name.startswith("stripe") else "contiguous"
+        local = lambda x, dim=1, layout=layout: ringflash.shard(x, dim, rank, world, layout=layout)
+        ql, kl, vl = (local(t).requires_grad_() for t in (q, k, v))
+        if "qkvpacked" in name:
+            args = (torch.stack((ql, kl, vl), 2),)
+        elif "kvpacked" in name:
+            args = (ql, torch.stack((kl, vl), 2))
+        else:
+            args = (ql, kl, vl)
+        o, lse, none = getattr(peer, name)(*args, 0.0, None, True, return_attn_probs=True)
+        o.backward(local(do))
+        assert none is None, name
+        got = {"o": o, "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}
+        errs = {n: rel_err(x, local(truth[n])) for n, x in got.items()}
+        errs["lse"] = lse_err(lse, local(truth["lse"], 2)) / 10
+        assert all(e < TOL[torch.float32] for e in errs.values()), f"{name} on rank {rank}: {errs}"
+
+
+def test_batched_names_attend_on_their_layouts():
+    # The name fixes the layout: a row of the table pointing at another layout shards the
+    # sequence differently from the truth sharded here, and fails.
+    assert len(BATCHED) == 9
+    run_ranks(_batched_worker, 2)
+
+
+def _compiled_worker(rank, world):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    g = torch.Generator().manual_seed(3)
+    q, kv = torch.randn(1, 8 * world, 2, 16, generator=g), torch.randn(1, 8 * world, 2, 2, 16, generator=g)
+    ql, kvl = (ringflash.shard(t, 1, rank, world, layout="zigzag") for t in (q, kv))
+    fn = lambda q, kv: peer.zigzag_ring_flash_attn_kvpacked_func(q, kv, 0.0, None, True)
+    counter = CompileCounterWithBackend("aot_eager")
+    got = torch.compile(fn, backend=counter, fullgraph=True)(ql, kvl)  # a graph break raises
+    torch.testing.assert_close(got, fn(ql, kvl), rtol=0, atol=0)
+    assert counter.frame_count == 1
+
+
+@pytest.mark.slow  # a Dynamo trace, ~10 s
+def test_drop_in_compiles_whole():
+    # The names bind their arguments through the peer's signature at each call; Dynamo traces it.
+    run_ranks(_compiled_worker, 2, timeout_s=120)
 
 
 # ---- varlen: windows and full attention against float64, per document --------------------------
