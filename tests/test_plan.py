@@ -15,9 +15,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from ringflash.hybrid import kv_heads_per_rank
-from ringflash.kernel_rates import BACKEND_IMPLS, REPO
+from ringflash.kernel_rates import BACKEND_IMPLS, REPO, kernels_that_run
+from ringflash.kernels.backends import Backend, backend_named
 from ringflash.plan import (
     Cluster,
     KernelRates,
@@ -32,6 +34,7 @@ from ringflash.plan import (
     plan,
     predict,
     recommend,
+    step_kind,
 )
 from ringflash.plan_validation import validation_rows, validation_table
 
@@ -235,6 +238,49 @@ def test_choice_names_the_faster_transport_it_was_not_given():
     copy_engine, why = choose_layout(m, 4 * 8192, c, u=1, backend="triton", transport="copy-engine")
     assert copy_engine.transport == "copy-engine" and "would be faster" not in why
     assert "would be faster" not in choose_layout(m, 4 * 8192, cluster_of(8, 4))[1]  # two nodes: NCCL only
+
+
+class _RefusesIntervals(Backend):
+    """A hopper backend whose fused kernels run no per-row intervals (documents, windows, the all-gather)."""
+
+    name = "hopper"
+
+    def supports(self, kind, dtype, head_dim, device=None):
+        return "runs full or causal attention, not intervals" if kind == "intervals" else None
+
+
+def test_kernels_that_run_are_the_backends_where_it_supports_the_call():
+    assert kernels_that_run("hopper", "causal") == ("hopper", None)
+    capped = ("triton", "softcap=30: the hopper kernels run no softcap")
+    assert kernels_that_run("hopper", "causal", softcap=30.0) == capped
+    assert kernels_that_run("cudnn", "intervals")[0] == "triton"  # cuDNN runs full and causal only
+    assert kernels_that_run("auto", "causal") == kernels_that_run("reference", "intervals") == ("triton", None)
+    refused = ("triton", "runs full or causal attention, not intervals")
+    assert kernels_that_run(_RefusesIntervals(), "intervals") == refused
+    assert step_kind(None, "ring", 4) == "causal" and step_kind(None, "ring", 4, causal=False) == "full"
+    assert step_kind(None, "allgather", 4) == step_kind("window", "ring", 4) == step_kind("intervals", "ring", 1)
+
+
+def test_hopper_calls_its_kernels_do_not_run_are_predicted_at_tritons_rates():
+    # MHA at 8k tokens per GPU on 4 GPUs, the ring alone: plain causal runs the Gluon kernels; a
+    # softcap, or documents on a backend that runs no intervals, runs the Triton kernels.
+    m, c, seqlen = Model(16, 16, 128), cluster_of(4, 8), 4 * 8192
+    triton, _ = choose_layout(m, seqlen, c, backend="triton", u=1)
+    hopper, why = choose_layout(m, seqlen, c, backend="hopper", u=1)
+    assert hopper.kernels == "hopper" and hopper.time_s < 0.9 * triton.time_s and "kernels' rates" not in why
+    capped, why = choose_layout(m, seqlen, c, backend="hopper", u=1, softcap=30.0)
+    assert (capped.kernels, capped.time_s) == ("triton", triton.time_s)
+    assert why.endswith("; at the triton kernels' rates, which run it (softcap=30: the hopper kernels run no softcap)")
+    docs, why = choose_layout(m, seqlen, c, backend=_RefusesIntervals(), u=1, kind="intervals")
+    assert (docs.kernels, docs.time_s) == ("triton", triton.time_s) and why.endswith("not intervals)")
+    assert choose_layout(m, seqlen, c, backend=_RefusesIntervals(), u=1)[0].time_s == hopper.time_s
+    # The shipped hopper backend: what its `supports` answers for each call decides the rates.
+    hopper_backend = backend_named("hopper")
+    for kind, head_dim in ((None, 64), ("intervals", 128), ("window", 128), (None, 192)):
+        step = step_kind(kind, "ring", 4)
+        runs = hopper_backend.supports(step, torch.bfloat16, head_dim) is None
+        got = choose_layout(Model(16, 16, head_dim), seqlen, c, backend="hopper", u=1, kind=kind)[0]
+        assert got.kernels == ("hopper" if runs else "triton"), (kind, head_dim)
 
 
 def test_choice_where_nothing_fits_the_memory_is_the_least():
