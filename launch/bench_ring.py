@@ -22,8 +22,9 @@ Per tokens-per-rank N (global sequence W·N), bf16, causal, D = 128, H = 16 (H·
 - hop: one K/V transfer alone per transport, ms and GB/s (the record's `ceilings`): the
   bandwidth the overlap has to work with.
 - predicted ms: the planner's fwd+bwd for each ringflash row (`ringflash.plan.predict`: one node
-  of W H100/H200s, the row's kernel backend's shipped rates, transport and layout), beside what
-  was measured.
+  of W H100/H200s, the shipped rates of the kernels the row's backend runs, its transport and
+  layout), made before measuring, the model's version in the record's args (`plan_model`):
+  `python -m ringflash.plan_validation` reads them as held out.
 - torch CP: `torch.distributed.tensor.experimental.context_parallel` (head-tail load balancing,
   torch's default rotate method unless --cp-rotate) with the SDPA flash and cuDNN backends;
   'n/a' with the reason where unavailable.

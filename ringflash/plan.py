@@ -27,8 +27,9 @@ the sum of:
 - **all-to-alls** (u > 1): q, k, v to heads and o back (forward), dO to heads and dq, dk, dv
   back (backward), exposed (nothing overlaps them); over NVLink when the head group fits in a
   node (heads are the inner grid dimension), else partly over InfiniBand.
-Compute = FLOPs / the kernel backend's rate recorded in benchmarks/kernels.jsonl at the block's
-length and head dim (ringflash/kernel_rates.py); NCCL's kernels take SMs from attention
+Compute = FLOPs / the rate recorded in benchmarks/kernels.jsonl at the block's length and head dim
+for the kernels that run the step: the backend's own where its `supports` takes the step's mask,
+else the Triton kernels it falls back to (ringflash/kernel_rates.py); NCCL's kernels take SMs from attention
 (`nccl_sm_slowdown`), copy engines do not. Links are NVLink when the whole grid is one node, else
 InfiniBand.
 Memory: the bytes per GPU one attention call holds beyond its inputs and outputs (K/V blocks in
@@ -63,6 +64,7 @@ __all__ = [
     "plan",
     "predict",
     "recommend",
+    "step_kind",
 ]
 
 
@@ -491,8 +493,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--non-causal", action="store_true", help="full attention instead of causal")
     p.add_argument("--heads-k-stride", type=_positive, default=1, help="allgather: K/V heads gathered per chunk")
     p.add_argument("--backend", default="triton", choices=("triton", "hopper", "cudnn"),
-                   help="the kernel backend whose rates the ring and head parallelism run at (the all-gather: "
-                   "Triton's, whose per-row key intervals it runs on)")  # fmt: skip
+                   help="the kernel backend the layers run: each layout at the rates of the kernels that run "
+                   "its steps (the all-gather's per-row intervals at Triton's where the backend's own "
+                   "decline them)")  # fmt: skip
     p.add_argument("--kernels", metavar="PATH", help="a kernels.jsonl to take the --backend's kernel rates from "
                    "(without: those shipped in ringflash/kernel_rates.json)")  # fmt: skip
     gpus = p.add_mutually_exclusive_group()

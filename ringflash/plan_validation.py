@@ -43,7 +43,7 @@ def validation_rows(path: Path = REPO / "benchmarks" / "ring.jsonl", c: Cluster 
     all-gather, head-parallel and the hybrids around either scheme).
 
     Each row has two predictions: `predicted`, today's model (in-sample: it may have been tuned
-    on the row), each at its kernel backend's shipped rates (`rates`: the Triton kernels' table
+    on the row), each at its kernel backend's shipped rates (`rates`: one table for every row
     instead) and its transport, with its `compute` and `serial` (nothing overlapped) parts; and
     `floor`, the least time the model allows, its prediction less the kernel rates' spread over
     its compute (`kernel_spread`: the model leaves out time, never adds it); and `recorded`, the
