@@ -283,6 +283,25 @@ def test_hopper_calls_its_kernels_do_not_run_are_predicted_at_tritons_rates():
         assert got.kernels == ("hopper" if runs else "triton"), (kind, head_dim)
 
 
+def test_cp_heads_auto_predicts_a_softcapped_hf_model_on_hopper_at_tritons_rates():
+    # Gemma 2 caps its scores (attn_logit_softcapping = 50): on the hopper backend its attention runs
+    # the Triton kernels, and the training loop's choice is predicted, and says it is, at their rates.
+    pytest.importorskip("transformers", reason="needs the hf extra: pip install 'ringflash[hf]'")
+    from ringflash.train.config import load_config
+    from ringflash.train.parallel import choose_cp_layout
+
+    hf = ["model_type=gemma2", "hidden_size=2048", "num_attention_heads=16", "num_key_value_heads=16",
+          "num_hidden_layers=4", "head_dim=128"]  # fmt: skip
+    run = ["--model.kind=hf", *(f"--model.hf.{kv}" for kv in hf), f"--data.seq_len={4 * 8192}",
+           "--data.batch_size=1", "--data.eval_samples=0", "--train.dtype=bfloat16", "--parallel.cp=4",
+           "--parallel.cp_scheme=auto"]  # fmt: skip
+    _, _, triton = choose_cp_layout(load_config(None, run), 8, "H100")
+    _, _, hopper = choose_cp_layout(load_config(None, [*run, "--parallel.kernel_backend=hopper"]), 8, "H100")
+    ms = re.compile(r"is the fastest within 8 GiB of attention buffers \((\d+\.\d+) ms per layer")
+    assert ms.search(hopper)[1] == ms.search(triton)[1]
+    assert "; at the triton kernels' rates, which run it (softcap=50: the hopper kernels run no softcap)" in hopper
+
+
 def test_choice_where_nothing_fits_the_memory_is_the_least():
     c = cluster_of(64, 8, memory_gib=0.01)
     best, why = choose_layout(Model(32, 8, 128), 2**22, c)
