@@ -82,10 +82,17 @@ class KernelRates:
     def from_records(cls, path: Path = REPO / "benchmarks" / "kernels.jsonl", impl: str = "ringflash") -> KernelRates:
         """`impl`: whose kernels, as kernels.jsonl names them (`ringflash`: the Triton kernels;
         `ringflash-hopper`: the Gluon ones; `BACKEND_IMPLS` maps the kernel backends)."""
-        recs = records(path)
+        samples = cls.pooled(path, impl)
+        table = {k: sorted((n, statistics.median(v)) for n, v in by_n.items()) for k, by_n in samples.items()}
+        return cls._of(impl, table)
+
+    @classmethod
+    def pooled(cls, path: Path, impl: str) -> dict[tuple[int, bool, str], dict[int, list[float]]]:
+        """The TFLOP/s samples `from_records` takes the median of: {(head dim, causal, direction):
+        {N: one sample per pooled record}}."""
         # Dense MHA tables only: a GQA run (args.group) covers one head dim and its own tiles.
-        recs = [r for r in recs if (r.get("args") or {}).get("group", 1) == 1
-                   and any(x.get("impl") == impl and "N" in x for x in r.get("results", []))]  # fmt: skip
+        recs = [r for r in records(path) if (r.get("args") or {}).get("group", 1) == 1
+                and any(x.get("impl") == impl and "N" in x for x in r.get("results", []))]  # fmt: skip
         samples: dict = {}
         for record in sorted(recs, key=lambda r: r["date"])[-cls.POOLED :]:
             for x in record["results"]:
@@ -94,8 +101,7 @@ class KernelRates:
                 for direction in ("fwd", "bwd"):
                     by_n = samples.setdefault((x["D"], x["causal"] == "yes", direction), {})
                     by_n.setdefault(x["N"], []).append(float(x[f"{direction} TFLOP/s"]))
-        table = {k: sorted((n, statistics.median(v)) for n, v in by_n.items()) for k, by_n in samples.items()}
-        return cls._of(impl, table)
+        return samples
 
     @classmethod
     def _of(cls, impl: str, table: dict) -> KernelRates:

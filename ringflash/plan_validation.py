@@ -23,15 +23,9 @@ def kernel_spread(impl: str, head_dim: int, path: Path = REPO / "benchmarks" / "
     """How far one run's kernel rates read from the pooled median: the largest |sample / median − 1|
     among the samples `KernelRates.from_records` pools for `impl` at `head_dim` (any length,
     causality, direction); 0 where no shape has two samples."""
-    recs = [r for r in records(path) if (r.get("args") or {}).get("group", 1) == 1
-            and any(x.get("impl") == impl and "N" in x for x in r.get("results", []))]  # fmt: skip
-    samples: dict = {}
-    for rec in sorted(recs, key=lambda r: r["date"])[-KernelRates.POOLED :]:
-        for x in rec["results"]:
-            if x.get("impl") == impl and x.get("D") == head_dim:
-                for d in ("fwd", "bwd"):
-                    samples.setdefault((x["causal"], d, x["N"]), []).append(float(x[f"{d} TFLOP/s"]))
-    return max((abs(v / statistics.median(vs) - 1) for vs in samples.values() if len(vs) > 1 for v in vs), default=0.0)
+    shapes = [by_n for (d, _, _), by_n in KernelRates.pooled(path, impl).items() if d == head_dim]
+    return max((abs(v / statistics.median(vs) - 1) for by_n in shapes for vs in by_n.values() if len(vs) > 1
+                for v in vs), default=0.0)  # fmt: skip
 
 
 def validation_rows(path: Path = REPO / "benchmarks" / "ring.jsonl", c: Cluster | None = None,
