@@ -47,9 +47,11 @@ import functools
 import hashlib
 import math
 from dataclasses import dataclass, field, fields
+from typing import get_args
 
 from ringflash.hybrid import kv_heads_per_rank
 from ringflash.kernel_rates import BACKEND_IMPLS, BWD_FLOPS, KernelRates, kernels_that_run
+from ringflash.kernels.spec import Kind
 
 __all__ = [
     "Cluster",
@@ -254,10 +256,15 @@ def memory_bytes(m: Model, seqlen: int, u: int, r: int, scheme: str = "ring", he
     return out + 2 * (n * r) * s * d * (3 * b + 3 * 4)
 
 
+MASK_KINDS = get_args(Kind)  # what `AttnSpec.kind` takes
+
+
 def step_kind(kind: str | None, scheme: str, r: int, causal: bool = True) -> str:
     """The `AttnSpec.kind` the kernels run at each step of a call of `kind` (None: dense, causal or
     full as `causal` says) under `scheme` across r ranks: per-row intervals for the all-gather's
     chunks and for any window or documents (ringflash/masks.py), else the dense kind."""
+    if kind not in (None, *MASK_KINDS):
+        raise ValueError(f"kind must be None (dense) or one of {MASK_KINDS}, got {kind!r}")
     dense = kind in (None, "causal", "full")
     if (scheme == "allgather" and r > 1) or not dense:
         return "intervals"

@@ -259,6 +259,9 @@ def test_kernels_that_run_are_the_backends_where_it_supports_the_call():
     assert kernels_that_run(_RefusesIntervals(), "intervals") == refused
     assert step_kind(None, "ring", 4) == "causal" and step_kind(None, "ring", 4, causal=False) == "full"
     assert step_kind(None, "allgather", 4) == step_kind("window", "ring", 4) == step_kind("intervals", "ring", 1)
+    with pytest.raises(ValueError, match=r"kind must be None \(dense\) or one of \('full', 'causal', 'window', "
+                       r"'intervals'\), got 'documents'"):  # fmt: skip
+        choose_layout(Model(16, 16, 128), 4 * 8192, cluster_of(4, 8), kind="documents")
 
 
 def test_hopper_calls_its_kernels_do_not_run_are_predicted_at_tritons_rates():
