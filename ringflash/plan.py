@@ -432,7 +432,7 @@ def choose_layout(m: Model, seqlen: int, c: Cluster, *, transport: str = "nccl",
 @functools.cache
 def model_version() -> str:
     """The planner's model in 10 hex digits: a digest of what it predicts (time, compute, memory of
-    every feasible layout) for a fixed set of shapes, sequences, clusters and masks at every kernel
+    every feasible layout) for a fixed set of shapes, sequences, clusters, masks and softcaps at every kernel
     backend's shipped rates. Any change to the code, the shipped rates, a default or the kernels'
     `supports` that moves a prediction moves it; the benchmarks store it beside their predictions."""
     return _digest(plan)
@@ -442,13 +442,15 @@ def _digest(plan_fn) -> str:
     """`model_version` of the model whose `plan` is `plan_fn`."""
     digest = hashlib.sha256()
     shapes = (Model(16, 16, 128), Model(32, 8, 128), Model(32, 8, 64), Model(8, 1, 128, causal=False))
+    # (tokens per GPU, layout, mask kind, softcap)
+    calls = ((8192, "zigzag", None, 0.0), (32768, "contiguous", None, 0.0), (8192, "zigzag", "intervals", 0.0),
+             (8192, "zigzag", None, 30.0))  # fmt: skip
     for backend in BACKEND_IMPLS:
         for m in shapes:
             for gpus, per_node in ((2, 8), (4, 8), (16, 8)):
-                for tokens, layout, kind in ((8192, "zigzag", None), (32768, "contiguous", None),
-                                             (8192, "zigzag", "intervals")):  # fmt: skip
+                for tokens, layout, kind, softcap in calls:
                     for p in plan_fn(m, tokens * gpus, cluster_of(gpus, per_node), layout, backend=backend,
-                                     kind=kind):  # fmt: skip
+                                     kind=kind, softcap=softcap):  # fmt: skip
                         line = f"{p.describe()} {p.time_s:.6g} {p.compute_s:.6g} {p.memory_bytes:.6g} {p.kernels}\n"
                         digest.update(line.encode())
     return digest.hexdigest()[:10]
