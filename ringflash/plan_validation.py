@@ -13,8 +13,8 @@ import re
 import statistics
 from pathlib import Path
 
-from ringflash.kernel_rates import BACKEND_IMPLS, REPO, KernelRates, rates_backend, records
-from ringflash.plan import Cluster, Model, predict
+from ringflash.kernel_rates import BACKEND_IMPLS, REPO, KernelRates, kernels_that_run, rates_backend, records
+from ringflash.plan import Cluster, Model, predict, step_kind
 
 __all__ = ["validation_rows", "validation_table"]
 
@@ -37,8 +37,8 @@ def validation_rows(path: Path = REPO / "benchmarks" / "ring.jsonl", c: Cluster 
     all-gather, head-parallel and the hybrids around either scheme).
 
     Each row has two predictions: `predicted`, today's model (in-sample: it may have been tuned
-    on the row), each at its kernel backend's shipped rates (`rates`: one table for every row
-    instead) and its transport, with its `compute` and `serial` (nothing overlapped) parts; and
+    on the row), each at the shipped rates of the kernels that ran it (`rates`: one table for every
+    row instead) and its transport, with its `compute` and `serial` (nothing overlapped) parts; and
     `floor`, the least time the model allows, its prediction less the kernel rates' spread over
     its compute (`kernel_spread`: the model leaves out time, never adds it); and `recorded`, the
     prediction the benchmark stored before it measured (held out: the model then
@@ -50,8 +50,11 @@ def validation_rows(path: Path = REPO / "benchmarks" / "ring.jsonl", c: Cluster 
 
     def row(source, i, rec, m, world, u, layout, tokens, x, scheme="ring", stride=1, backend=None,
             transport="nccl"):  # fmt: skip
-        # Every recorded all-gather ran its per-row intervals on the Triton kernels.
-        kernels = "triton" if scheme == "allgather" else rates_backend(backend or "triton")
+        if (rec.get("args") or {}).get("plan_model"):  # the kernels its writer predicted at: those that ran
+            step = step_kind(None, scheme, world // u, m.causal)
+            kernels = kernels_that_run(backend or "triton", step, dtype_bytes=m.dtype_bytes, head_dim=m.head_dim)[0]
+        else:  # before versions were stored, every all-gather ran its per-row intervals on Triton's kernels
+            kernels = "triton" if scheme == "allgather" else rates_backend(backend or "triton")
         r = rates or KernelRates.default(kernels)
         p = predict(m, tokens * world, c, u, world // u, transport, layout, r, scheme, stride)
         measured, recorded = x["fwd+bwd ms"], x.get("predicted ms")
