@@ -380,6 +380,17 @@ def test_validation_reads_the_stored_prediction_and_version(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
     assert validation_rows(path, scaling=None)[1]["version"] == "at def5678"
     assert "1 rows: median |error| 5.7%" in validation_table(validation_rows(path, scaling=None))
+    # An all-gather on the hopper backend: before versions, on Triton's kernels; with one, on those
+    # its writer predicted it at (`kernels_that_run`: what the backend's `supports` says of intervals).
+    gathered = {"impl": "allgather", "scheme": "allgather", "W": 4, "u": 1, "shape": "gqa", "tokens/GPU": 8192,
+                "fwd+bwd ms": 21.0}  # fmt: skip
+    args = {"shapes": {"gqa": [32, 8, 128]}, "backend": "hopper"}
+    scaling = tmp_path / "scaling.jsonl"
+    runs = [{"args": a, "results": [gathered]} for a in (args, {**args, "plan_model": "0123456789"})]
+    scaling.write_text("".join(json.dumps(r) + "\n" for r in runs))
+    before, versioned = validation_rows(path, scaling=scaling)[2:]
+    assert before["kernels"] == "triton"
+    assert versioned["kernels"] == kernels_that_run("hopper", "intervals")[0]
 
 
 def test_model_version_moves_with_what_the_model_predicts():
