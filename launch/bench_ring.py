@@ -22,8 +22,9 @@ Per tokens-per-rank N (global sequence W·N), bf16, causal, D = 128, H = 16 (H·
 - hop: one K/V transfer alone per transport, ms and GB/s (the record's `ceilings`): the
   bandwidth the overlap has to work with.
 - predicted ms: the planner's fwd+bwd for each ringflash row (`ringflash.plan.predict`: one node
-  of W H100/H200s, the row's kernel backend's shipped rates, transport and layout), beside what
-  was measured.
+  of W H100/H200s, the shipped rates of the kernels the row's backend runs, its transport and
+  layout), made before measuring, the model's version in the record's args (`plan_model`):
+  `python -m ringflash.plan_validation` reads them as held out.
 - torch CP: `torch.distributed.tensor.experimental.context_parallel` (head-tail load balancing,
   torch's default rotate method unless --cp-rotate) with the SDPA flash and cuDNN backends;
   'n/a' with the reason where unavailable.
@@ -72,7 +73,7 @@ from ringflash.bench import (
     visible_fraction,
 )
 from ringflash.layout import ring_schedule
-from ringflash.plan import Cluster, KernelRates, Model, predict
+from ringflash.plan import Cluster, Model, model_version, predict
 from ringflash.ring import ring_backward, ring_forward
 from ringflash.transport import TRANSPORTS, ring_comm
 
@@ -246,12 +247,11 @@ def bench_masks(args, n_local, layout, dev, dtype) -> list[list]:
 
 
 def predicted_ms(args, n_global: int, world: int, backend: str, transport: str, layout: str) -> float:
-    """The planner's fwd+bwd ms for a ring row (one node of `world` H100/H200s; `reference` and
-    `auto` at the Triton kernels' rates; stripe, balanced at every step, as zigzag)."""
+    """The planner's fwd+bwd ms for a ring row (one node of `world` H100/H200s, at the shipped rates
+    of the kernels `backend` runs; stripe, balanced at every step, as zigzag)."""
     m = Model(args.heads, args.kv_heads, args.head_dim, batch=args.batch, dtype_bytes=DTYPES[args.dtype].itemsize)
-    rates = KernelRates.default(backend)
     predicted_as = "contiguous" if layout == "contiguous" else "zigzag"
-    pred = predict(m, n_global, Cluster(gpus_per_node=world), 1, world, transport, predicted_as, rates)
+    pred = predict(m, n_global, Cluster(gpus_per_node=world), 1, world, transport, predicted_as, backend=backend)
     return round(pred.time_s * 1e3, 3)
 
 
@@ -406,6 +406,7 @@ def _ringflash_rows(args, n, flops, dev, dtype, layouts, transports, backends) -
         single = bench_single(args, n_global, dev, dtype, backend, _profile if args.profile else None) / world
         for layout, transport in itertools.product(layouts, transports):
             first = transport == transports[0]  # compute-only does not depend on the transport
+            predicted = predicted_ms(args, n_global, world, backend, transport, layout)  # before measuring
             fwd, fwd_bwd, compute = bench_ring(
                 args, n, layout, dev, dtype, transport=transport, compute=first, backend=backend
             )
@@ -413,7 +414,7 @@ def _ringflash_rows(args, n, flops, dev, dtype, layouts, transports, backends) -
             impl = "ringflash" + ("" if backend in ("auto", "triton") else f" [{backend}]")
             impl += "" if transport == "nccl" else f" ({transport})"
             row = [n, impl, layout, fwd, fwd_bwd, compute, single, single / fwd_bwd]
-            rows.append([*row, tflops, predicted_ms(args, n_global, world, backend, transport, layout)])
+            rows.append([*row, tflops, predicted])
             if rank == 0:
                 print(
                     f"{n} tokens/rank {impl} {layout}: fwd+bwd {fwd_bwd:.3g} ms, "
@@ -543,7 +544,8 @@ def _record_args(args, world: int) -> dict:
         "window",
         "quick",
     )
-    return {"world": world, "causal": True, **{k: getattr(args, k) for k in keep}}
+    # The planner's model version beside its "predicted ms": plan_validation reads them as held out.
+    return {"world": world, "causal": True, **{k: getattr(args, k) for k in keep}, "plan_model": model_version()}
 
 
 if __name__ == "__main__":

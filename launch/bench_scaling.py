@@ -23,8 +23,9 @@ bench_ring.py --masks) through the scheme's mask (`ring_mask` / `gather_mask` ov
 - efficiency = (single/W) ÷ fwd+bwd (bench_ring's and ring-flash-attention's definition);
 - visible: the mask's (query, key) pairs over dense causal's; TFLOP/s/GPU counts those only;
 - predicted ms: the planner's (`ringflash.plan.predict`, default Cluster: 8 GPUs per node, the
-  --backend's kernel rates of benchmarks/kernels.jsonl) for the same model, sequence, (u, r) and scheme
-  (dense rows); predicted efficiency: the planner's one-GPU time ÷ W over its (u, r) time;
+  shipped rates of the kernels --backend runs) for the same model, sequence, (u, r) and scheme
+  (dense rows), made before measuring, the model's version in the record's args (`plan_model`);
+  predicted efficiency: the planner's one-GPU time ÷ W over its (u, r) time;
 - torch CP: `context_parallel` (flash and cuDNN SDPA; the mha shape only, as bench_ring: it
   has no GQA) beside the ring, efficiency against SDPA on one GPU with the same backend.
 Rank 0 prints each row as it finishes (a run cut short still shows them) and at the end appends
@@ -64,8 +65,7 @@ from ringflash.bench import (
     visible_fraction,
 )
 from ringflash.hybrid import kv_heads_per_rank
-from ringflash.kernel_rates import BACKEND_IMPLS, rates_backend
-from ringflash.plan import Cluster, KernelRates, Model, predict
+from ringflash.plan import Cluster, Model, model_version, predict
 
 SHAPES = {"gqa": (32, 8, 128), "mha": (32, 32, 128)}  # (H, Hkv, D): Llama-3-8B attention; no GQA
 SMOKE_SHAPES = {"gqa": (4, 2, 16), "mha": (4, 4, 16)}
@@ -173,14 +173,14 @@ def single_ms(args, cache: dict, n_global: int, shape, dev, dtype, sdpa: str | N
     return cache[key]
 
 
-def predicted(rates, n_global: int, shape, u: int, r: int, scheme: str, stride: int) -> tuple[float, float]:
-    """The planner's (ms, efficiency in this benchmark's definition) for the grid and scheme;
-    `rates`: the kernel rates by scheme (the all-gather's per-row intervals run on Triton's)."""
+def predicted(backend: str, n_global: int, shape, u: int, r: int, scheme: str, stride: int) -> tuple[float, float]:
+    """The planner's (ms, efficiency in this benchmark's definition) for the grid and scheme, at the
+    shipped rates of the kernels `backend` runs them on (`ringflash.plan.predict`)."""
     H, Hkv, D = shape
     m = Model(H, Hkv, D)
     c = Cluster()
-    t = predict(m, n_global, c, u, r, "nccl", "zigzag", rates[scheme], scheme, stride).time_s
-    one = predict(m, n_global, c, 1, 1, "nccl", "zigzag", rates["ring"]).time_s
+    t = predict(m, n_global, c, u, r, "nccl", "zigzag", None, scheme, stride, backend=backend).time_s
+    one = predict(m, n_global, c, 1, 1, "nccl", "zigzag", backend=backend).time_s
     return t * 1e3, one / (u * r) / t
 
 
@@ -204,7 +204,7 @@ class Table:
         self.say(f"skipped: {what}: {why}")
 
 
-def measure(args, table: Table, groups: Groups, cache: dict, rates, mode: str, n_global: int, shape_name: str,
+def measure(args, table: Table, groups: Groups, cache: dict, mode: str, n_global: int, shape_name: str,
             shape, dev, dtype, wanted) -> None:  # fmt: skip
     """Every (grid, scheme, mask) row of one shape and sequence, then torch CP's."""
     world = dist.get_world_size()
@@ -222,16 +222,16 @@ def measure(args, table: Table, groups: Groups, cache: dict, rates, mode: str, n
     base = [mode, world, shape_name, n_global // world, n_global]
     for u, r, scheme in runs(grids(world, H, Hkv, wanted), args.schemes):
         for mask_name, doc, visible in masks:
+            dense = mask_name == DENSE
+            # Predicted before measuring: plan_validation reads the stored prediction as held out.
+            p_ms, p_eff = (predicted(args.backend, n_global, shape, u, r, scheme, args.heads_k_stride) if dense
+                           else (None, None))  # fmt: skip
             what = f"{mode} {shape_name} {tokens_label(n_global)} {impl_name(u, r, scheme)} u={u} r={r} {mask_name}"
             ms, why = guarded(functools.partial(bench_grid, args, groups, u, scheme, n_global, shape, dev, dtype, doc),
                               dev)  # fmt: skip
             if ms is None:
                 table.skip(what, why)
                 continue
-            dense = mask_name == DENSE
-            p_ms, p_eff = (None, None)
-            if dense:
-                p_ms, p_eff = predicted(rates, n_global, shape, u, r, scheme, args.heads_k_stride)
             single_w = None if one is None or not dense else one / world
             eff = None if single_w is None else single_w / ms
             table.add([*base, impl_name(u, r, scheme), scheme if r > 1 else "", mask_name, visible, u, r, ms,
@@ -312,15 +312,13 @@ def main(argv: list[str] | None = None) -> int:
             args.tokens_per_gpu, args.total = [32], [4 * 32 * world]
         wanted = [int(x) for x in args.grids.split(",")] if args.grids else None
         cases = [("weak", n * world) for n in args.tokens_per_gpu] + [("strong", t) for t in args.total]
-        impl = BACKEND_IMPLS[rates_backend(args.backend)]
-        rates = {"ring": KernelRates.from_records(impl=impl), "allgather": KernelRates.from_records()}
         groups, cache, table = Groups(), {}, Table(rank)
         for shape_name in shapes:
             for mode, n_global in cases:
                 if n_global % (2 * world):
                     table.skip(f"{mode} {n_global}", "not a multiple of 2·W")
                     continue
-                measure(args, table, groups, cache, rates, mode, n_global, shape_name, shapes_table[shape_name],
+                measure(args, table, groups, cache, mode, n_global, shape_name, shapes_table[shape_name],
                         dev, dtype, wanted)  # fmt: skip
         if rank == 0:
             title = (f"Scaling: {', '.join(args.schemes)}, head-parallel and hybrids on {world} ranks "
@@ -329,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
             text = ("efficiency = (one GPU's fwd+bwd on the whole sequence with the same kernels ÷ W) ÷ fwd+bwd "
                     "(dense rows); visible = the mask's (query, key) pairs over dense causal's, TFLOP/s/GPU counting "
                     "those; documents log-uniform in [doc_min, doc_max] tokens, seed 0; predicted = "
-                    "ringflash.plan.predict (default Cluster, the backend's kernels.jsonl rates), its efficiency the "
+                    "ringflash.plan.predict (default Cluster, the shipped rates of the kernels the backend runs; model "
+                    "plan_model), its efficiency the "
                     "planner's one-GPU time ÷ W over its grid time; torch CP efficiency against SDPA with the same "
                     "backend on one GPU. " + " ".join(table.notes))  # fmt: skip
             run_args = {"world": world, "causal": True, "layout": "zigzag",
@@ -338,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
                         "schemes": args.schemes, "heads_k_stride": args.heads_k_stride, "docs": args.docs,
                         "doc_min": args.doc_min, "doc_max": args.doc_max,
                         "backend": args.backend, "iters": args.iters, "warmup": args.warmup, "smoke": args.smoke,
-                        "transport": "nccl" if cuda else "gloo"}  # fmt: skip
+                        "transport": "nccl" if cuda else "gloo", "plan_model": model_version()}  # fmt: skip
             peers = sorted({r[5] for r in table.rows if str(r[5]).startswith("torch CP")})
             record("scaling", title, HEADERS, table.rows, args=run_args, notes=text.strip(), peers=peers,
                    directory=record_to)  # fmt: skip

@@ -49,7 +49,7 @@ def main() -> None:
         fig.tight_layout()
         fig.savefig(DOCS / f"planner_{key}.png", dpi=110)
         plt.close(fig)
-    table = validation_table(validation_rows(rates=rates))
+    table = validation_table(validation_rows())
     md = DOCS / "planner.md"
     text = md.read_text()
     start, end = "<!-- validation table: generated -->", "<!-- end of generated table -->"

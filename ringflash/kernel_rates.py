@@ -14,7 +14,7 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["BACKEND_IMPLS", "BWD_FLOPS", "REPO", "KernelRates", "rates_backend", "records"]
+__all__ = ["BACKEND_IMPLS", "BWD_FLOPS", "REPO", "KernelRates", "kernels_that_run", "rates_backend", "records"]
 
 REPO = Path(__file__).resolve().parent.parent  # benchmarks/ there: a repository checkout only
 BWD_FLOPS = 2.5  # backward FLOPs / forward FLOPs (FlashAttention-2's accounting: 5 matmuls vs 2)
@@ -26,6 +26,28 @@ def rates_backend(backend: str) -> str:
     """The backend of `BACKEND_IMPLS` whose rates stand for kernel backend `backend`: `hopper` and
     `cudnn` their own; `auto`, `triton` and `reference` run the Triton kernels on GPUs."""
     return backend if backend in BACKEND_IMPLS else "triton"
+
+
+def kernels_that_run(backend, kind: str = "causal", *, dtype_bytes: int = 2, head_dim: int | None = None,
+                     softcap: float = 0.0) -> tuple[str, str | None]:  # fmt: skip
+    """(the backend of `BACKEND_IMPLS` whose kernels run attention of this `kind` (an
+    `AttnSpec.kind`) on kernel backend `backend` (a name or a `kernels.Backend`), why it is not
+    `backend`'s own or None): the backend's own where `Backend.supports(kind, dtype, head_dim)`
+    says it runs the call, else Triton's, which the fused backends fall back to."""
+    import torch
+
+    from ringflash.kernels.backends import Backend, backend_named
+
+    b = backend if isinstance(backend, Backend) else backend_named(backend)
+    own = rates_backend("auto" if b is None else b.name)
+    if own == "triton":
+        return own, None
+    dtype = {2: torch.bfloat16, 4: torch.float32}.get(dtype_bytes)
+    why = b.supports(kind, dtype, head_dim)
+    # `supports` takes no softcap: the fused kernels (Gluon, cuDNN) cap no scores, Triton's do.
+    if why is None and softcap:
+        why = f"softcap={softcap:g}: the {own} kernels run no softcap"
+    return ("triton", why) if why else (own, None)
 
 
 # The share of a backward's time before its dK/dV are complete, which a ring step can send on
@@ -60,10 +82,17 @@ class KernelRates:
     def from_records(cls, path: Path = REPO / "benchmarks" / "kernels.jsonl", impl: str = "ringflash") -> KernelRates:
         """`impl`: whose kernels, as kernels.jsonl names them (`ringflash`: the Triton kernels;
         `ringflash-hopper`: the Gluon ones; `BACKEND_IMPLS` maps the kernel backends)."""
-        recs = records(path)
+        samples = cls.pooled(path, impl)
+        table = {k: sorted((n, statistics.median(v)) for n, v in by_n.items()) for k, by_n in samples.items()}
+        return cls._of(impl, table)
+
+    @classmethod
+    def pooled(cls, path: Path, impl: str) -> dict[tuple[int, bool, str], dict[int, list[float]]]:
+        """The TFLOP/s samples `from_records` takes the median of: {(head dim, causal, direction):
+        {N: one sample per pooled record}}."""
         # Dense MHA tables only: a GQA run (args.group) covers one head dim and its own tiles.
-        recs = [r for r in recs if (r.get("args") or {}).get("group", 1) == 1
-                   and any(x.get("impl") == impl and "N" in x for x in r.get("results", []))]  # fmt: skip
+        recs = [r for r in records(path) if (r.get("args") or {}).get("group", 1) == 1
+                and any(x.get("impl") == impl and "N" in x for x in r.get("results", []))]  # fmt: skip
         samples: dict = {}
         for record in sorted(recs, key=lambda r: r["date"])[-cls.POOLED :]:
             for x in record["results"]:
@@ -72,8 +101,7 @@ class KernelRates:
                 for direction in ("fwd", "bwd"):
                     by_n = samples.setdefault((x["D"], x["causal"] == "yes", direction), {})
                     by_n.setdefault(x["N"], []).append(float(x[f"{direction} TFLOP/s"]))
-        table = {k: sorted((n, statistics.median(v)) for n, v in by_n.items()) for k, by_n in samples.items()}
-        return cls._of(impl, table)
+        return samples
 
     @classmethod
     def _of(cls, impl: str, table: dict) -> KernelRates:

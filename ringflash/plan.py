@@ -27,8 +27,9 @@ the sum of:
 - **all-to-alls** (u > 1): q, k, v to heads and o back (forward), dO to heads and dq, dk, dv
   back (backward), exposed (nothing overlaps them); over NVLink when the head group fits in a
   node (heads are the inner grid dimension), else partly over InfiniBand.
-Compute = FLOPs / the kernel backend's rate recorded in benchmarks/kernels.jsonl at the block's
-length and head dim (ringflash/kernel_rates.py); NCCL's kernels take SMs from attention
+Compute = FLOPs / the rate recorded in benchmarks/kernels.jsonl at the block's length and head dim
+for the kernels that run the step: the backend's own where its `supports` takes the step's mask,
+else the Triton kernels it falls back to (ringflash/kernel_rates.py); NCCL's kernels take SMs from attention
 (`nccl_sm_slowdown`), copy engines do not. Links are NVLink when the whole grid is one node, else
 InfiniBand.
 Memory: the bytes per GPU one attention call holds beyond its inputs and outputs (K/V blocks in
@@ -42,11 +43,15 @@ concurrent collectives.
 from __future__ import annotations
 
 import argparse
+import functools
+import hashlib
 import math
 from dataclasses import dataclass, field, fields
+from typing import get_args
 
 from ringflash.hybrid import kv_heads_per_rank
-from ringflash.kernel_rates import BWD_FLOPS, KernelRates
+from ringflash.kernel_rates import BACKEND_IMPLS, BWD_FLOPS, KernelRates, kernels_that_run
+from ringflash.kernels.spec import Kind
 
 __all__ = [
     "Cluster",
@@ -57,9 +62,11 @@ __all__ = [
     "cluster_of",
     "feasible",
     "main",
+    "model_version",
     "plan",
     "predict",
     "recommend",
+    "step_kind",
 ]
 
 
@@ -133,6 +140,8 @@ class Prediction:
     efficiency: float
     scheme: str = "ring"
     memory_bytes: float = 0.0  # per GPU, beyond the call's inputs and outputs (module docstring)
+    serial_s: float = 0.0  # the same work with nothing overlapped: compute, every transfer, overheads
+    kernels: str = "triton"  # whose rates (`BACKEND_IMPLS`); "" for rates given as a table
 
     def describe(self) -> str:
         """The layout in one phrase: `allgather`, `ring (copy-engine)`, `head-parallel u=8`, `ring, u=2 × r=4`."""
@@ -157,20 +166,23 @@ def _steps(m: Model, r: int, n: float, layout: str) -> list[tuple[float, float, 
 
 
 def _ring(m, rates, c, h, hkv, n, r, layout, slow, bw, lat) -> tuple[float, float]:
-    """(compute, time) of the ring's r steps, forward and backward (module docstring)."""
+    """(compute, time, time with nothing overlapped) of the ring's r steps, forward and backward
+    (module docstring)."""
     kv_hop = lat + 2 * m.batch * n * hkv * m.head_dim * m.dtype_bytes / bw
     dkv_hop = lat + 2 * m.batch * n * hkv * m.head_dim * 4 / bw  # the float32 sums
     overhead = c.step_overhead_us * 1e-6 if r > 1 else 0.0
-    compute = ring = 0.0
+    compute = ring = serial = 0.0
     for direction, flops_x in (("fwd", 1.0), ("bwd", BWD_FLOPS)):
         for s, (nq, nk, causal) in enumerate(_steps(m, r, n, layout)):
             rate = rates.rate(m.head_dim, math.sqrt(nq * nk), causal, direction) * 1e12
             t = flops_x * _flops(m, h, nq, nk, causal) / rate
             compute += t
+            serial += t + overhead + (0.0 if s == r - 1 else kv_hop + (dkv_hop if direction == "bwd" else 0.0))
             if direction == "bwd" and rates.late_add and s > 0:
                 # The sums that left the previous rank when this step began travel during its kernel;
                 # then one pass reads them and this block's dK/dV and writes them (float32, key rows).
                 add = 3 * 2 * m.batch * nk * hkv * m.head_dim * 4 / (c.hbm_gbs * 1e9)
+                serial += add
                 step = (max(t, dkv_hop) if s == r - 1 else max(t * slow, kv_hop + dkv_hop)) + add
             elif s == r - 1:
                 step = t  # nothing travels after the last step
@@ -179,18 +191,19 @@ def _ring(m, rates, c, h, hkv, n, r, layout, slow, bw, lat) -> tuple[float, floa
             else:  # the next block's K/V from the start; the sums once dK/dV are complete
                 step = max(t * slow, rates.dkdv_share * t * slow + dkv_hop, kv_hop + dkv_hop)
             ring += step + overhead
-    return compute, ring
+    return compute, ring, serial
 
 
 def _allgather(m, rates, c, h, hkv, n, r, stride, slow, bw, lat) -> tuple[float, float]:
-    """(compute, time) of the all-gather's chunks, forward and backward (module docstring)."""
+    """(compute, time, time with nothing overlapped) of the all-gather's chunks, forward and
+    backward (module docstring)."""
     n_global = n * r
     chunks = [min(stride, hkv - i) for i in range(0, hkv, stride)]  # K/V heads per chunk
     per_head = m.batch * n * m.head_dim * (r - 1)  # elements of one K/V head arriving from the other ranks
     # This rank's rows see 1/r of the whole sequence's visible pairs (the layout balances any mask),
     # in one kernel call over all N keys: its tiles are the whole causal problem's, rows cut r ways.
     pairs = n_global * n_global / (2 if m.causal else 1) / r
-    compute = total = 0.0
+    compute = total = serial = 0.0
     for direction, flops_x in (("fwd", 1.0), ("bwd", BWD_FLOPS)):
         rate = rates.rate(m.head_dim, n_global, m.causal, direction) * 1e12
         ts = [flops_x * 4.0 * m.batch * s * (h // hkv) * m.head_dim * pairs / rate for s in chunks]
@@ -198,10 +211,11 @@ def _allgather(m, rates, c, h, hkv, n, r, stride, slow, bw, lat) -> tuple[float,
         scatters = [lat + 2 * per_head * s * 4 / bw if direction == "bwd" else 0.0 for s in chunks]
         compute += sum(ts)
         total += gathers[0] + scatters[-1] + len(chunks) * c.step_overhead_us * 1e-6
+        serial += sum(ts) + sum(gathers) + sum(scatters) + len(chunks) * c.step_overhead_us * 1e-6
         for i, t in enumerate(ts):  # the next gather and the previous reduce-scatter share the link
             comm = (gathers[i + 1] if i + 1 < len(ts) else 0.0) + (scatters[i - 1] if i else 0.0)
             total += max(t * slow, comm) if comm else t
-    return compute, total
+    return compute, total, serial
 
 
 def _a2a(m, c, hkv, seqlen, u, r) -> float:
@@ -242,12 +256,35 @@ def memory_bytes(m: Model, seqlen: int, u: int, r: int, scheme: str = "ring", he
     return out + 2 * (n * r) * s * d * (3 * b + 3 * 4)
 
 
+MASK_KINDS = get_args(Kind)  # what `AttnSpec.kind` takes
+
+
+def step_kind(kind: str | None, scheme: str, r: int, causal: bool = True) -> str:
+    """The `AttnSpec.kind` the kernels run at each step of a call of `kind` (None: dense, causal or
+    full as `causal` says) under `scheme` across r ranks: per-row intervals for the all-gather's
+    chunks and for any window or documents (ringflash/masks.py), else the dense kind."""
+    if kind not in (None, *MASK_KINDS):
+        raise ValueError(f"kind must be None (dense) or one of {MASK_KINDS}, got {kind!r}")
+    dense = kind in (None, "causal", "full")
+    if (scheme == "allgather" and r > 1) or not dense:
+        return "intervals"
+    return kind or ("causal" if causal else "full")
+
+
 def predict(m: Model, seqlen: int, c: Cluster, u: int, r: int, transport: str = "nccl", layout: str = "zigzag",
-            rates: KernelRates | None = None, scheme: str = "ring", heads_k_stride: int = 1) -> Prediction:  # fmt: skip
-    """One layer's fwd + bwd time on a grid of u head ranks × r ranks running `scheme` (module docstring)."""
+            rates: KernelRates | None = None, scheme: str = "ring", heads_k_stride: int = 1, *,
+            backend="triton", kind: str | None = None, softcap: float = 0.0) -> Prediction:  # fmt: skip
+    """One layer's fwd + bwd time on a grid of u head ranks × r ranks running `scheme` (module
+    docstring), at `rates`, or (None) at the shipped rates of the kernels that run a call of mask
+    `kind` (an `AttnSpec.kind`; None: dense) and `softcap` on kernel `backend` (a name or a
+    `kernels.Backend`; `kernel_rates.kernels_that_run`)."""
     if scheme not in ("ring", "allgather"):
         raise ValueError(f"scheme must be 'ring' or 'allgather', got {scheme!r}")
-    rates = rates or KernelRates.default()
+    kernels = ""
+    if rates is None:
+        kernels, _ = kernels_that_run(backend, step_kind(kind, scheme, r, m.causal), dtype_bytes=m.dtype_bytes,
+                                      head_dim=m.head_dim, softcap=softcap)  # fmt: skip
+        rates = KernelRates.default(kernels)
     h, hkv = m.heads // u, kv_heads_per_rank(m.heads, m.kv_heads, u)
     n = seqlen / r  # tokens of a ring shard (each head rank holds all of them after the all-to-all)
     one_node = u * r <= c.gpus_per_node
@@ -255,17 +292,17 @@ def predict(m: Model, seqlen: int, c: Cluster, u: int, r: int, transport: str = 
     slow = 1 + (c.nccl_sm_slowdown if transport == "nccl" and r > 1 else 0.0)
     if scheme == "allgather" and r > 1:
         bw = (c.nvlink_gbs if one_node else c.ib_gbs) * 1e9
-        compute, across = _allgather(m, rates, c, h, hkv, n, r, heads_k_stride, slow, bw, lat)
+        compute, across, serial = _allgather(m, rates, c, h, hkv, n, r, heads_k_stride, slow, bw, lat)
     else:
         hop = c.copy_engine_gbs if transport == "copy-engine" else c.nccl_pair_gbs if r == 2 else c.nccl_p2p_gbs
         bw = (hop if one_node else c.ib_gbs) * 1e9
-        compute, across = _ring(m, rates, c, h, hkv, n, r, layout, slow, bw, lat)
+        compute, across, serial = _ring(m, rates, c, h, hkv, n, r, layout, slow, bw, lat)
     a2a = _a2a(m, c, hkv, seqlen, u, r)
     time = across + a2a
     ideal_flops = (1 + BWD_FLOPS) * _flops(m, m.heads, seqlen, seqlen, m.causal)
     eff = ideal_flops / (u * r * time * rates.best(m.head_dim) * 1e12)
     mem = memory_bytes(m, seqlen, u, r, scheme, heads_k_stride)
-    return Prediction(u, r, transport, layout, compute, across, a2a, time, eff, scheme, mem)
+    return Prediction(u, r, transport, layout, compute, across, a2a, time, eff, scheme, mem, serial + a2a, kernels)
 
 
 def feasible(m: Model, c: Cluster) -> list[tuple[int, int, str, str]]:
@@ -290,13 +327,14 @@ def feasible(m: Model, c: Cluster) -> list[tuple[int, int, str, str]]:
 
 
 def plan(m: Model, seqlen: int, c: Cluster, layout: str = "zigzag", rates: KernelRates | None = None,
-         heads_k_stride: int = 1, backend: str = "triton") -> list[Prediction]:  # fmt: skip
-    """Predictions of every feasible layout (`feasible`), fastest first, at the rates of the kernel
-    `backend`'s kernels (shipped with the package), but the all-gather's at the Triton kernels'
-    (its per-row key intervals run on them whatever the backend); `rates`: one table for all."""
-    ring_rates, allgather_rates = rates or KernelRates.default(backend), rates or KernelRates.default("triton")
-    preds = [predict(m, seqlen, c, u, r, t, layout, allgather_rates if scheme == "allgather" else ring_rates,
-                     scheme, heads_k_stride) for u, r, t, scheme in feasible(m, c)]  # fmt: skip
+         heads_k_stride: int = 1, backend="triton", *, kind: str | None = None,
+         softcap: float = 0.0) -> list[Prediction]:  # fmt: skip
+    """Predictions of every feasible layout (`feasible`), fastest first, each at the shipped rates
+    of the kernels that run its steps on kernel `backend` for a call of mask `kind` and `softcap`
+    (`predict`: the all-gather's per-row intervals, windows and documents run on the Triton
+    kernels wherever `backend` runs no such call); `rates`: one table for all."""
+    preds = [predict(m, seqlen, c, u, r, t, layout, rates, scheme, heads_k_stride, backend=backend, kind=kind,
+                     softcap=softcap) for u, r, t, scheme in feasible(m, c)]  # fmt: skip
     return sorted(preds, key=lambda p: p.time_s)
 
 
@@ -335,7 +373,8 @@ def cluster_of(gpus: int, gpus_per_node: int, **links) -> Cluster:
 
 def choose_layout(m: Model, seqlen: int, c: Cluster, *, transport: str = "nccl", layout: str = "zigzag",
                   schemes: tuple[str, ...] = ("ring", "allgather"), u: int | None = None, heads_k_stride: int = 1,
-                  rates: KernelRates | None = None, backend: str = "triton") -> tuple[Prediction, str]:  # fmt: skip
+                  rates: KernelRates | None = None, backend="triton", kind: str | None = None,
+                  softcap: float = 0.0) -> tuple[Prediction, str]:  # fmt: skip
     """The layout to run one attention call on all of `c`'s GPUs, and why, in one sentence.
 
     Among the feasible grids (`feasible`: u divides H and splits or replicates the K/V heads)
@@ -354,13 +393,16 @@ def choose_layout(m: Model, seqlen: int, c: Cluster, *, transport: str = "nccl",
         schemes: the schemes to choose among, of "ring" and "allgather".
         u: only grids of this many head ranks (None: any).
         heads_k_stride, rates, backend: `plan`'s (backend: the kernel backend the layers run).
+        kind, softcap: the call's mask (an `AttnSpec.kind`; None: dense) and softcap, which decide
+            the kernels that run on `backend` (`kernel_rates.kernels_that_run`), not the work.
     Return:
         (the `Prediction` chosen, why; why also names the other transport's fastest layout when it
-        is predicted 3% faster or more). Raises ValueError if no grid is a candidate (the
+        is predicted 3% faster or more, and the kernels it is predicted at where `backend`'s
+        own do not run the call). Raises ValueError if no grid is a candidate (the
         copy-engine across nodes, where u = all GPUs does not divide the heads).
     """
     predicted_as = "contiguous" if layout == "contiguous" else "zigzag"
-    every = plan(m, seqlen, c, predicted_as, rates, heads_k_stride, backend)
+    every = plan(m, seqlen, c, predicted_as, rates, heads_k_stride, backend, kind=kind, softcap=softcap)
     preds = [p for p in every
              if (p.r == 1 or (p.transport == transport and p.scheme in schemes)) and u in (None, p.u)]  # fmt: skip
     if not preds:
@@ -379,7 +421,39 @@ def choose_layout(m: Model, seqlen: int, c: Cluster, *, transport: str = "nccl",
         alt = other[0]
         why += (f"; the {alt.transport} transport would be faster: {alt.describe()}, {alt.time_s * 1e3:.2f} ms "
                 f"({alt.time_s / best.time_s - 1:+.1%})")  # fmt: skip
+    if rates is None:
+        own, fallback = kernels_that_run(backend, step_kind(kind, best.scheme, best.r, m.causal),
+                                         dtype_bytes=m.dtype_bytes, head_dim=m.head_dim, softcap=softcap)  # fmt: skip
+        if fallback:
+            why += f"; at the {own} kernels' rates, which run it ({fallback})"
     return best, why
+
+
+@functools.cache
+def model_version() -> str:
+    """The planner's model in 10 hex digits: a digest of what it predicts (time, compute, memory of
+    every feasible layout) for a fixed set of shapes, sequences, clusters, masks and softcaps at every kernel
+    backend's shipped rates. Any change to the code, the shipped rates, a default or the kernels'
+    `supports` that moves a prediction moves it; the benchmarks store it beside their predictions."""
+    return _digest(plan)
+
+
+def _digest(plan_fn) -> str:
+    """`model_version` of the model whose `plan` is `plan_fn`."""
+    digest = hashlib.sha256()
+    shapes = (Model(16, 16, 128), Model(32, 8, 128), Model(32, 8, 64), Model(8, 1, 128, causal=False))
+    # (tokens per GPU, layout, mask kind, softcap)
+    calls = ((8192, "zigzag", None, 0.0), (32768, "contiguous", None, 0.0), (8192, "zigzag", "intervals", 0.0),
+             (8192, "zigzag", None, 30.0))  # fmt: skip
+    for backend in BACKEND_IMPLS:
+        for m in shapes:
+            for gpus, per_node in ((2, 8), (4, 8), (16, 8)):
+                for tokens, layout, kind, softcap in calls:
+                    for p in plan_fn(m, tokens * gpus, cluster_of(gpus, per_node), layout, backend=backend,
+                                     kind=kind, softcap=softcap):  # fmt: skip
+                        line = f"{p.describe()} {p.time_s:.6g} {p.compute_s:.6g} {p.memory_bytes:.6g} {p.kernels}\n"
+                        digest.update(line.encode())
+    return digest.hexdigest()[:10]
 
 
 # ---- command line ------------------------------------------------------------------------------
@@ -428,8 +502,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--non-causal", action="store_true", help="full attention instead of causal")
     p.add_argument("--heads-k-stride", type=_positive, default=1, help="allgather: K/V heads gathered per chunk")
     p.add_argument("--backend", default="triton", choices=("triton", "hopper", "cudnn"),
-                   help="the kernel backend whose rates the ring and head parallelism run at (the all-gather: "
-                   "Triton's, whose per-row key intervals it runs on)")  # fmt: skip
+                   help="the kernel backend the layers run: each layout at the rates of the kernels that run "
+                   "its steps (the all-gather's per-row intervals at Triton's where the backend's own "
+                   "decline them)")  # fmt: skip
     p.add_argument("--kernels", metavar="PATH", help="a kernels.jsonl to take the --backend's kernel rates from "
                    "(without: those shipped in ringflash/kernel_rates.json)")  # fmt: skip
     gpus = p.add_mutually_exclusive_group()

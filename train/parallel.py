@@ -210,18 +210,21 @@ def choose_cp_layout(run: Config, gpus_per_node: int, device_name: str) -> tuple
     else:
         dtype_bytes = 4 if run.train.dtype == "float32" else 2
         if m.kind == "hf":
-            shape, windows = _hf_attention(m, run.data.batch_size, dtype_bytes)
+            shape, windows, softcap = _hf_attention(m, run.data.batch_size, dtype_bytes)
             u = 1  # its attention crosses all of cp (ringflash.hf): no head grid
         else:
             shape = plan.Model(m.n_heads, m.n_kv_heads, m.dim // m.n_heads, m.n_layers, run.data.batch_size,
                                dtype_bytes=dtype_bytes)  # fmt: skip
-            windows = bool(m.window)
+            windows, softcap = bool(m.window), 0.0
+        # The mask and softcap decide which kernels run on the backend (the rates predicted at).
+        kind = "intervals" if run.data.pack_documents else "window" if windows else None
         cluster = plan.cluster_of(p.cp, gpus_per_node)
         schemes = SCHEMES if p.cp_scheme == AUTO else (p.cp_scheme,)
         backend = rates_backend(kernel_backend(p)[0])
         try:
             best, why = plan.choose_layout(shape, run.data.seq_len, cluster, transport=p.transport, layout=p.layout,
-                                           schemes=schemes, u=u, backend=backend)  # fmt: skip
+                                           schemes=schemes, u=u, backend=backend, kind=kind,
+                                           softcap=softcap)  # fmt: skip
         except ValueError as e:
             raise ConfigError(f"parallel.cp_heads = {p.cp_heads}, parallel.cp_scheme = {p.cp_scheme}: {e}") from None
         # r = 1 has no scheme (the prediction says ring): a scheme the config gives stays.
@@ -241,9 +244,9 @@ def choose_cp_layout(run: Config, gpus_per_node: int, device_name: str) -> tuple
     return u, scheme, f"{', '.join(chosen)} ({why})"
 
 
-def _hf_attention(m, batch: int, dtype_bytes: int) -> tuple[plan.Model, bool]:
+def _hf_attention(m, batch: int, dtype_bytes: int) -> tuple[plan.Model, bool, float]:
     """(the attention shape of a transformers model's config, whether any of its layers has a
-    sliding window)."""
+    sliding window, its logit softcap or 0)."""
     from ringflash.hf import model_windows
     from ringflash.train.hf_model import head_dim, hf_config
 
@@ -251,7 +254,9 @@ def _hf_attention(m, batch: int, dtype_bytes: int) -> tuple[plan.Model, bool]:
     heads = hf.num_attention_heads
     kv_heads = getattr(hf, "num_key_value_heads", None) or heads
     windows = any(w is not None for w in model_windows(hf))
-    return plan.Model(heads, kv_heads, head_dim(hf), hf.num_hidden_layers, batch, dtype_bytes=dtype_bytes), windows
+    softcap = float(getattr(hf, "attn_logit_softcapping", None) or 0.0)  # Gemma 2's
+    shape = plan.Model(heads, kv_heads, head_dim(hf), hf.num_hidden_layers, batch, dtype_bytes=dtype_bytes)
+    return shape, windows, softcap
 
 
 def _node_of_rank_0(device: torch.device) -> tuple[int, str]:

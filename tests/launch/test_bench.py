@@ -50,10 +50,11 @@ def test_bench_ring_rows_per_kernel_backend_recorded_where_asked(tmp_path):
     assert rec["benchmark"] == "ring" and rec["title"].startswith("Ring attention, 2 ranks (gloo)")
     assert [r["impl"] for r in rec["results"]] == impls and rec["peers"] == []
     # Predicted as on H100/H200s at the row's backend's rates (reference: the Triton kernels').
-    from ringflash.plan import Cluster, KernelRates, Model, predict
+    from ringflash.plan import Cluster, KernelRates, Model, model_version, predict
 
     expected = predict(Model(2, 2, 32), 512, Cluster(gpus_per_node=2), 1, 2, rates=KernelRates.default())  # --quick
     assert [r["predicted ms"] for r in rec["results"]] == [round(expected.time_s * 1e3, 3)] * 2
+    assert rec["args"]["plan_model"] == model_version()  # the model that made them (plan_validation)
     assert rec["args"]["kernel_backends"] == "auto,reference" and rec["args"]["transports"] == "nccl"
     assert rec["ceilings"]["kv_hop_alone"][0]["tokens_per_rank"] == 256
     bad = torchrun(REPO / "launch" / "bench_ring.py", "--quick", "--kernel-backends", "cudnn", cwd=tmp_path)

@@ -12,6 +12,7 @@ import json
 import pytest
 import torch
 
+from ringflash.plan import model_version
 from tests.dist_utils import REPO, launch_script, run_ranks, torchrun
 
 pytestmark = pytest.mark.slow  # torchrun launches
@@ -51,6 +52,7 @@ def test_bench_scaling_smoke_records_every_scheme_and_mask_with_prediction(tmp_p
     rec = json.loads(lines[0])
     assert rec["benchmark"] == "scaling" and rec["args"]["world"] == 2 and rec["args"]["smoke"]
     assert rec["args"]["schemes"] == ["ring", "allgather"] and rec["args"]["docs"]
+    assert rec["args"]["plan_model"] == model_version()  # the model beside its predictions (plan_validation)
     rows = {(row["scaling"], row["impl"], row["scheme"], row["mask"] == "dense causal"): row for row in rec["results"]}
     # W = 2: u = 1 once per scheme, u = 2 (head-parallel, r = 1: no scheme) once; weak and strong; dense and docs.
     runs = [("ring", "ring"), ("allgather", "allgather"), ("head-parallel", None)]
