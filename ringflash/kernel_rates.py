@@ -47,6 +47,9 @@ def kernels_that_run(backend, kind: str = "causal", *, dtype_bytes: int = 2, hea
     # `supports` takes no softcap: the fused kernels (Gluon, cuDNN) cap no scores, Triton's do.
     if why is None and softcap:
         why = f"softcap={softcap:g}: the {own} kernels run no softcap"
+    # A backend that runs every call but hands some to the Triton kernels (hopper) says which.
+    if why is None and b.kernels_for(dtype, head_dim) != b.name:
+        why = f"the {own} kernels run no {dtype} with head dim {head_dim}"
     return ("triton", why) if why else (own, None)
 
 
