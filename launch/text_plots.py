@@ -40,7 +40,8 @@ def scalars(run_dir: Path, tag: str) -> dict[int, float]:
     return out
 
 
-def record_run(run_dir: Path, config: str, overrides: list[str], note: str) -> dict:
+def record_run(run_dir: Path, config: str, overrides: list[str], note: str = "",
+               directory: Path = BENCHMARKS_DIR) -> dict:  # fmt: skip
     cfg = load_config(REPO / config if not Path(config).is_absolute() else config, overrides)
     tag = TAGS[0] if cfg.data.kind == "text" else TAGS[1]
     held, loss = scalars(run_dir, tag), scalars(run_dir, "loss")
@@ -60,7 +61,7 @@ def record_run(run_dir: Path, config: str, overrides: list[str], note: str) -> d
             f"{cfg.parallel.cp})"  # fmt: skip
     notes = (f"Run directory {run_dir.name}. Train loss: the step's batch mean, in bits per token. " + note).strip()
     return record("training", title, ["step", f"held-out {unit}", "train loss (bits/token)"], rows, args=args,
-                  notes=notes)  # fmt: skip
+                  notes=notes, directory=directory)  # fmt: skip
 
 
 def newest_text_records(path: Path = BENCHMARKS_DIR / "training.jsonl") -> dict[str, dict]:
@@ -73,13 +74,13 @@ def newest_text_records(path: Path = BENCHMARKS_DIR / "training.jsonl") -> dict[
     return out
 
 
-def plot(out: Path = DOCS / "text_bpb.png") -> None:
+def plot(out: Path = DOCS / "text_bpb.png", records: Path = BENCHMARKS_DIR / "training.jsonl") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    recs = newest_text_records()
+    recs = newest_text_records(records)
     if not recs:
         raise SystemExit("no real-text records in benchmarks/training.jsonl: run `record` first")
     fig, axes = plt.subplots(1, len(recs), figsize=(5.5 * len(recs), 3.8), squeeze=False)
