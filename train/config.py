@@ -106,7 +106,7 @@ class DataConfig:
     files: str = opt(
         "**/*",
         "text with a directory path: a glob of the files to read, relative to it (e.g. **/*.py, *.txt); "
-        "each file is one document, in the order of their sorted relative paths.",
+        "with pack_documents each file is one document; files are read in the order of their sorted relative paths.",
     )
     heldout: float = opt(
         0.0,
