@@ -33,6 +33,7 @@ except ModuleNotFoundError:  # Python 3.10: the same parser, published as tomli
 
 
 AUTO = "auto"  # parallel.cp_heads and cp_scheme: chosen at start-up by the planner (train/parallel.py)
+STDLIB = "@stdlib"  # data.path naming the running interpreter's standard library (train/data.py)
 
 
 class ConfigError(ValueError):
@@ -97,7 +98,22 @@ class DataConfig:
     )
     path: str = opt(
         "",
-        "text: a file or a directory of files; bin: a .bin file or a directory holding train.bin. Unused for passkey.",
+        "text: a file (its bytes: also a uint8 token file) or a directory of files (see files), or @stdlib: "
+        "the running Python's standard library (sysconfig's stdlib directory, its site-packages left out), "
+        "present on every machine; bin: a .bin file or a directory holding train.bin (and val.bin, "
+        "the held-out part when heldout > 0). Unused for passkey and recall.",
+    )
+    files: str = opt(
+        "**/*",
+        "text with a directory path: a glob of the files to read, relative to it (e.g. **/*.py, *.txt); "
+        "with pack_documents each file is one document; files are read in the order of their sorted relative paths.",
+    )
+    heldout: float = opt(
+        0.0,
+        "text and bin: the fraction of the data held out of training and scored every train.eval_every "
+        "steps, in bits per byte for text (bits per token for bin), on eval_samples fixed sequences "
+        "(0: none). A directory holds out whole files, chosen by a hash of each relative path (the same "
+        "files on every machine); a single file its last tokens; a bin directory its val.bin.",
     )
     pack_documents: bool = opt(
         False,
@@ -146,7 +162,11 @@ class DataConfig:
         8, "Passkey and recall depth buckets; with cp > 1 a multiple of 2·cp (zigzag) or cp (contiguous), so that "
         "every bucket lies in one rank's shard."
     )
-    eval_samples: int = opt(16, "Passkey and recall evaluation sequences per depth bucket (0: no evaluation).")
+    eval_samples: int = opt(
+        16,
+        "Passkey and recall evaluation sequences per depth bucket; text and bin with heldout: held-out sequences "
+        "scored, spread evenly over the held-out data (0: no evaluation).",
+    )
 
 
 @dataclass
@@ -241,7 +261,9 @@ class TrainConfig:
     activation_checkpointing: bool = opt(False, "Recompute each block in the backward pass.")
     compile: bool = opt(False, "torch.compile the norms and SwiGLU of each block; attention stays eager.")
     seed: int = opt(0, "Seed of the parameter init (identical on every rank).")
-    eval_every: int = opt(0, "Passkey and recall evaluation every N steps and at the end (0: only at the end).")
+    eval_every: int = opt(
+        0, "Passkey, recall and held-out (data.heldout) evaluation every N steps and at the end (0: only at the end)."
+    )
     max_minutes: float = opt(
         0.0,
         "Stop (evaluate, save) after this many minutes of training, a safety "
@@ -557,6 +579,11 @@ def validate(cfg: Config) -> None:
             )
     if d.kind in ("text", "bin") and not d.path:
         raise ConfigError(f"data.path: required for data.kind = {d.kind!r}")
+    _check_range("data.heldout", d.heldout, "[0, 1)")
+    if d.heldout and d.kind not in ("text", "bin"):
+        raise ConfigError(f"data.heldout: needs data.kind = text or bin (a {d.kind} task has its own evaluation)")
+    if d.path == STDLIB and d.kind != "text":
+        raise ConfigError(f"data.path = {STDLIB}: needs data.kind = text, got {d.kind!r}")
     if not 0 <= t.stop_at <= t.steps:
         raise ConfigError(f"train.stop_at ({t.stop_at}) must be in [0, train.steps = {t.steps}]")
     run_id = cfg.logging.run_id

@@ -1,5 +1,7 @@
 """Training data: a synthetic passkey task (the default), a synthetic recall task (a needle in random
-letters, `RecallTask`), byte-level text, nanoGPT token files.
+letters, `RecallTask`), byte-level text (any directory of files, or the installed Python standard
+library: `data.path = "@stdlib"`), nanoGPT token files; and the held-out part of a text or token
+corpus (`data.heldout`, `build_heldout`), which training never draws from.
 
 Every source maps a sample index to one sequence, `(inputs (L,), labels (L,))` int64, labels
 shifted by one and -100 where no loss is taken. With `data.pack_documents` a text or bin source
@@ -24,17 +26,21 @@ across every cp rank's shard.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
+import sysconfig
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ringflash.train.config import ConfigError, DataConfig, resolve_eod_token
+from ringflash.train.config import STDLIB, ConfigError, DataConfig, resolve_eod_token
 
 IGNORE = -100  # label of positions that take no loss (F.cross_entropy's ignore_index)
+# Under the standard library's directory but not part of it: third-party packages, which differ by machine.
+NOT_STDLIB = ("site-packages", "dist-packages")
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 KEY = "The pass key is #{key}. Remember it. "
@@ -200,6 +206,16 @@ class RecallTask:
         return [self.make(rng, positions[(2 * i + 1) * len(positions) // (2 * n)]) for i in range(n)]
 
 
+@dataclass(frozen=True)
+class Corpus:
+    """A token stream and what it was read from."""
+
+    tokens: np.ndarray  # (N,) uint8 or uint16 token ids
+    files: int  # documents read as files (1 for a single file)
+    bytes: int  # bytes read from them
+    what: str  # for messages: "text /path (12 files)"
+
+
 class TokenWindows:
     """Random windows of `seq_len + 1` tokens from one long token array (bytes or uint16).
 
@@ -208,7 +224,8 @@ class TokenWindows:
     token, which the model, seeing only the current document, cannot predict.
     """
 
-    def __init__(self, tokens: np.ndarray, cfg: DataConfig, vocab_size: int, what: str, eod: int | None = None):
+    def __init__(self, corpus: Corpus, cfg: DataConfig, vocab_size: int, eod: int | None = None):
+        tokens, what = corpus.tokens, corpus.what
         if len(tokens) < cfg.seq_len + 1:
             raise ConfigError(
                 f"data.path: {what} holds {len(tokens)} tokens, fewer than data.seq_len + 1 = {cfg.seq_len + 1}"
@@ -225,10 +242,13 @@ class TokenWindows:
                 f"data.eod_token: {what} never holds the end-of-document token {eod}, so data.pack_documents "
                 "would find no document boundary; set data.eod_token to the separator the data uses"
             )
-        self.tokens, self.L, self.seed, self.eod = tokens, cfg.seq_len, cfg.seed, eod
+        self.corpus, self.tokens, self.L, self.seed, self.eod = corpus, tokens, cfg.seq_len, cfg.seed, eod
 
     def __call__(self, index: int) -> tuple[torch.Tensor, ...]:
-        start = random.Random(f"window:{self.seed}:{index}").randrange(len(self.tokens) - self.L)
+        return self.window(random.Random(f"window:{self.seed}:{index}").randrange(len(self.tokens) - self.L))
+
+    def window(self, start: int) -> tuple[torch.Tensor, ...]:
+        """The sample of tokens `start .. start + seq_len`: `(inputs, labels)`, or with `eod` also `doc_ids`."""
         window = torch.from_numpy(self.tokens[start : start + self.L + 1].astype(np.int64))
         inputs, labels = window[:-1], window[1:]
         if self.eod is None:
@@ -237,6 +257,11 @@ class TokenWindows:
         doc_ids = torch.cumsum(ends, 0) - ends.long()  # documents ended strictly before each position
         return inputs, labels.masked_fill(ends, IGNORE), doc_ids
 
+    def spread(self, n: int) -> list[int]:
+        """`n` window starts spread evenly from the first token to the last window: a fixed set."""
+        last = len(self.tokens) - self.L - 1
+        return [i * last // max(1, n - 1) for i in range(n)]
+
 
 def _holds(tokens: np.ndarray, value: int, chunk: int = 1 << 24) -> bool:
     """Whether `value` occurs in `tokens`, read in chunks: a memory-mapped corpus of billions of
@@ -244,41 +269,117 @@ def _holds(tokens: np.ndarray, value: int, chunk: int = 1 << 24) -> bool:
     return any((tokens[i : i + chunk] == value).any() for i in range(0, len(tokens), chunk))
 
 
-def _text_tokens(path: Path, eod: int | None = None) -> np.ndarray:
-    """Bytes of a file, or of every file under a directory (sorted, concatenated).
+def data_root(cfg: DataConfig) -> Path:
+    """`data.path`, with `@stdlib` resolved to the running interpreter's standard library directory."""
+    return Path(sysconfig.get_paths()["stdlib"]) if cfg.path == STDLIB else Path(cfg.path)
 
-    With `eod` (packing), a directory is one document per file: each file that does not already
-    end with `eod` gets it appended. An `eod` >= 256 (not a byte) makes the result uint16.
+
+def document_files(root: Path, pattern: str, stdlib: bool = False) -> list[str]:
+    """The documents of a directory: relative POSIX paths of the files `pattern` matches, sorted as
+    strings, so the order depends only on the names (not on the file system's listing order).
+    `stdlib`: leave out the third-party packages installed under the standard library."""
+    rels = sorted(p.relative_to(root).as_posix() for p in root.glob(pattern) if p.is_file())
+    return [r for r in rels if r.split("/")[0] not in NOT_STDLIB] if stdlib else rels
+
+
+def is_heldout(rel: str, fraction: float) -> bool:
+    """Whether the document at relative path `rel` is held out. A hash of the path alone decides,
+    so a file lands on the same side on every machine whichever other files that machine has."""
+    h = int.from_bytes(hashlib.blake2b(rel.encode(), digest_size=8).digest(), "big")
+    return h < fraction * 2**64
+
+
+def _text_tokens(root: Path, rels: list[str], eod: int | None = None) -> np.ndarray:
+    """Bytes of the files `rels` under `root`, concatenated in that order.
+
+    With `eod` (packing), each file is one document: each file that does not already end with
+    `eod` gets it appended. An `eod` >= 256 (not a byte) makes the result uint16.
     """
     dtype = np.uint8 if eod is None or eod < 256 else np.uint16
-    if path.is_file():
-        if not path.stat().st_size:
-            return np.zeros(0, dtype)
-        data = np.memmap(path, dtype=np.uint8, mode="r")
-        return data if dtype == np.uint8 else data.astype(dtype)
-    files = sorted(p for p in path.rglob("*") if p.is_file())
-    if not files:
-        raise ConfigError(f"data.path: directory {path} holds no files")
     if eod is None:
-        return np.frombuffer(b"".join(p.read_bytes() for p in files), dtype=np.uint8)
+        return np.frombuffer(b"".join((root / r).read_bytes() for r in rels), dtype=np.uint8)
     docs = []
-    for p in files:
-        doc = np.frombuffer(p.read_bytes(), dtype=np.uint8).astype(dtype)
+    for r in rels:
+        doc = np.frombuffer((root / r).read_bytes(), dtype=np.uint8).astype(dtype)
         docs.append(doc if len(doc) and doc[-1] == eod else np.append(doc, np.array(eod, dtype)))
-    return np.concatenate(docs)
+    return np.concatenate(docs) if docs else np.zeros(0, dtype)
 
 
-def _bin_tokens(path: Path) -> tuple[np.ndarray, Path]:
-    """nanoGPT's format: a flat array of uint16 token ids (`train.bin` when given a directory)."""
-    if path.is_dir():
-        path = path / "train.bin"
-        if not path.is_file():
-            raise ConfigError(f"data.path: directory {path.parent} has no train.bin")
+def _file_tokens(path: Path, eod: int | None = None) -> np.ndarray:
+    """The bytes of one file, memory-mapped (uint16 when `eod` is not a byte)."""
+    dtype = np.uint8 if eod is None or eod < 256 else np.uint16
+    if not path.stat().st_size:  # np.memmap refuses an empty file; TokenWindows says it is too short
+        return np.zeros(0, dtype)
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    return data if dtype == np.uint8 else data.astype(dtype)
+
+
+def _bin_tokens(path: Path) -> np.ndarray:
+    """nanoGPT's format: a flat array of uint16 token ids."""
     if path.stat().st_size % 2:
         raise ConfigError(f"data.path: {path} has an odd number of bytes; not a uint16 token file")
-    if not path.stat().st_size:  # np.memmap refuses an empty file; TokenWindows says it is too short
-        return np.zeros(0, np.uint16), path
-    return np.memmap(path, dtype=np.uint16, mode="r"), path
+    if not path.stat().st_size:
+        return np.zeros(0, np.uint16)
+    return np.memmap(path, dtype=np.uint16, mode="r")
+
+
+def _split_tail(corpus: Corpus, fraction: float) -> tuple[Corpus, Corpus]:
+    """A single file's corpus cut in two: the last `fraction` of its tokens held out."""
+    n = len(corpus.tokens)
+    cut = n - round(n * fraction)
+    head_bytes = corpus.bytes * cut // max(1, n)
+    return (
+        Corpus(corpus.tokens[:cut], 1, head_bytes, corpus.what),
+        Corpus(corpus.tokens[cut:], 1, corpus.bytes - head_bytes, f"the held-out last {fraction:g} of {corpus.what}"),
+    )
+
+
+def corpora(cfg: DataConfig) -> tuple[Corpus, Corpus | None]:
+    """The training and the held-out corpus of a text or bin `data.path` (None: `data.heldout` = 0).
+
+    A directory of text files is split by file (`is_heldout`); nanoGPT's directory by its files
+    (train.bin, and val.bin held out); a single file by its last `data.heldout` of tokens.
+    """
+    root, f = data_root(cfg), cfg.heldout
+    if not root.exists():
+        raise ConfigError(f"data.path: {root} does not exist (data.kind = {cfg.kind!r})")
+    eod = resolve_eod_token(cfg) if cfg.pack_documents else None
+    try:
+        if cfg.kind == "bin":
+            path = root / "train.bin" if root.is_dir() else root
+            if not path.is_file():
+                raise ConfigError(f"data.path: directory {root} has no train.bin")
+            train = Corpus(_bin_tokens(path), 1, path.stat().st_size, f"token file {path}")
+            val = root / "val.bin"
+            if not f:
+                return train, None
+            if root.is_dir() and val.is_file():
+                return train, Corpus(_bin_tokens(val), 1, val.stat().st_size, f"token file {val}")
+            return _split_tail(train, f)
+        if root.is_file():
+            whole = Corpus(_file_tokens(root, eod), 1, root.stat().st_size, f"text {root}")
+            return _split_tail(whole, f) if f else (whole, None)
+        rels = document_files(root, cfg.files, stdlib=cfg.path == STDLIB)
+        if not rels:
+            raise ConfigError(f"data.path: directory {root} holds no files" + (
+                f" matching data.files = {cfg.files!r}" if cfg.files != "**/*" else ""))
+        held = [r for r in rels if is_heldout(r, f)]
+        kept = [r for r in rels if not is_heldout(r, f)]
+
+        def corpus(part: list[str], what: str) -> Corpus:
+            n_bytes = sum((root / r).stat().st_size for r in part)
+            return Corpus(_text_tokens(root, part, eod), len(part), n_bytes, f"{what} {root} ({len(part)} files)")
+
+        if not f:
+            return corpus(kept, "text"), None
+        if not held or not kept:
+            raise ConfigError(
+                f"data.heldout ({f:g}) holds out {len(held)} of the {len(rels)} files of {root}: both parts "
+                "need at least one file; change data.heldout or add files"
+            )
+        return corpus(kept, "text"), corpus(held, "held-out text")
+    except OSError as e:  # unreadable (permissions, a FIFO, an I/O error): name the path, not a traceback
+        raise ConfigError(f"data.path: cannot read {e.filename or root}: {e.strerror or e}") from None
 
 
 def build_sources(cfg: DataConfig, vocab_size: int) -> tuple:
@@ -304,19 +405,19 @@ def build_source(cfg: DataConfig, vocab_size: int):
         if vocab_size < 256:
             raise ConfigError(f"model.vocab_size ({vocab_size}) must be >= 256 for byte-level passkey")
         return PasskeyTask(cfg)
-    path = Path(cfg.path)
-    if not path.exists():
-        raise ConfigError(f"data.path: {path} does not exist (data.kind = {cfg.kind!r})")
     if cfg.kind == "text" and vocab_size < 256:
         raise ConfigError(f"model.vocab_size ({vocab_size}) must be >= 256 for byte-level text")
     eod = resolve_eod_token(cfg) if cfg.pack_documents else None
-    try:
-        if cfg.kind == "text":
-            return TokenWindows(_text_tokens(path, eod), cfg, vocab_size, f"text {path}", eod)
-        tokens, path = _bin_tokens(path)
-        return TokenWindows(tokens, cfg, vocab_size, f"token file {path}", eod)
-    except OSError as e:  # unreadable (permissions, a FIFO, an I/O error): name the path, not a traceback
-        raise ConfigError(f"data.path: cannot read {e.filename or path}: {e.strerror or e}") from None
+    return TokenWindows(corpora(cfg)[0], cfg, vocab_size, eod)
+
+
+def build_heldout(cfg: DataConfig, vocab_size: int) -> TokenWindows | None:
+    """The held-out windows of a text or bin corpus (`data.heldout`), packed like training's; None
+    without them. Its samples come from `TokenWindows.window` at fixed starts, never at random."""
+    if cfg.kind not in ("text", "bin") or not cfg.heldout:
+        return None
+    eod = resolve_eod_token(cfg) if cfg.pack_documents else None
+    return TokenWindows(corpora(cfg)[1], cfg, vocab_size, eod)
 
 
 class DataLoader:

@@ -26,6 +26,7 @@ from ringflash.train.checkpoint import Checkpointer, complete_checkpoints
 from ringflash.train.config import Config, ConfigError, early_update_warning, resolve_eod_token, to_dict
 from ringflash.train.data import IGNORE, DataLoader, PasskeyTask, RecallTask, build_sources
 from ringflash.train.evaluate import accuracy_by_owner, bucket_owners, evaluate_passkey, report
+from ringflash.train.heldout import HeldOut
 from ringflash.train.hf_model import build_model
 from ringflash.train.memory import live_bytes, memory_line
 from ringflash.train.metrics import Logger, flops_per_token, matmul_params, peak_memory_gib, peak_tflops
@@ -51,6 +52,7 @@ class NonFiniteLossError(FloatingPointError):
 class TrainResult:
     losses: dict[int, float] = field(default_factory=dict)  # step -> global mean loss
     passkey: list[float] | None = None  # final retrieval accuracy per depth bucket
+    heldout: dict[int, float] = field(default_factory=dict)  # step -> held-out bits per byte (data.heldout)
     final_step: int = 0
     model: nn.Module | None = None  # the trained (unwrapped) model, for tests
 
@@ -280,9 +282,12 @@ def _loop(cfg: Config, pc: ParallelContext, on_exit: contextlib.ExitStack) -> Tr
         log.print(f"sequence-length warm-up: {cfg.data.warmup_seq_len} tokens/seq for {loader.warmup_steps} steps")
     if passkey is not None:
         log.print(f"{name} depth buckets held by cp ranks: " + " ".join(map(str, owners)))
+    heldout = HeldOut.build(cfg, pc, raw, source, autocast, mask_fn, log)  # None without data.heldout
 
     # ---- the loop
     result = TrainResult(final_step=step)
+    if heldout is not None and step == 0:
+        result.heldout[0] = heldout(0)  # the curve's start: the untrained model
     log.start_progress(step, t.steps)
     t_start = time.perf_counter()
     window_s, window_tokens, window_flops = 0.0, 0, 0.0  # since the last summary line (evals excluded)
@@ -343,6 +348,8 @@ def _loop(cfg: Config, pc: ParallelContext, on_exit: contextlib.ExitStack) -> Tr
             stop = step
         if passkey is not None and t.eval_every and step % t.eval_every == 0 and step != stop:
             evaluate(step)
+        if heldout is not None and (step == stop or (t.eval_every and step % t.eval_every == 0)):
+            result.heldout[step] = heldout(step)
         if cfg.checkpoint.enabled and cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0:
             save(step)
 
