@@ -111,8 +111,9 @@ train() {
   local name="$1" config="$2"; shift 2
   local t0=$SECONDS log="$LOGDIR/$name.log" judgeable
   if ! judgeable=$("$PY" launch/acceptance.py overrides "$config" "$STEPS" 2>&1); then
-    FAILED+=("$name"); echo "=== $name: FAIL: $judgeable"
-    record "$name" "FAIL ($judgeable)" 0; copy_out; return
+    local why="${judgeable##*$'\n'}"  # the error's last line
+    FAILED+=("$name"); echo "=== $name: FAIL: $why"
+    record "$name" "FAIL ($why)" 0; copy_out; return
   fi
   mapfile -t judgeable <<<"$judgeable"
   echo "=== $name: $config at cp = $W ${judgeable[*]} $*"
