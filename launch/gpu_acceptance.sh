@@ -19,21 +19,29 @@
 #   configs  every configs/gpu*.toml and configs/hf_*gpu*.toml for STEPS steps at cp = W, at most 32k
 #            tokens per GPU (the 7B config's 128k on 4), passkey evaluation off; a config whose
 #            predicted peak memory (ringflash.train.memory.predict) exceeds 90% of a GPU is skipped.
-# A training step passes if it exits 0 and the mean loss of its last two steps is below that of
-# its first two. Records: $LOGDIR/acceptance.jsonl, one line per step (training lines with tok/s,
-# model TFLOP/s, MFU and peak memory per GPU, from the last logged step); with $OUT set (the
-# device tool) the logs and records are copied there after every step.
+#   parity   (W >= 2) PARITY_CONFIG (configs/gpu1.toml) for PARITY_STEPS (20) steps at cp = 1 on one
+#            GPU, then at cp = W (2 sequences of 8k·W tokens a step), with the same kernels, config,
+#            seed and data: every step's loss within 1% of cp = 1's first loss, and cp = 1's curve
+#            passing the rule below.
+#            Both curves: $LOGDIR/training.jsonl (append it to benchmarks/training.jsonl).
+# Every training step trains on a loss the rule can judge (launch/acceptance.py overrides): the loss
+# on every token, at the lr the config's schedule reaches by step 10, warmed up within the run.
+# It passes if it exits 0, its loss falls by more than its step-to-step noise (the first half's
+# mean minus the last half's, against the median |step-to-step change|) and no step returns above
+# the first step's loss (launch/acceptance.py judge). Records: $LOGDIR/acceptance.jsonl, one line per
+# step (training lines with tok/s, model TFLOP/s, MFU and peak memory per GPU, from the last logged
+# step); with $OUT set (the device tool) the logs and records are copied there after every step.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
 
-GPUS="" ONLY="" STEPS=6
+GPUS="" ONLY="" STEPS=6 PARITY_STEPS="${PARITY_STEPS:-20}" PARITY_CONFIG="${PARITY_CONFIG:-configs/gpu1.toml}"
 while [ $# -gt 0 ]; do
   case "$1" in
     --gpus) GPUS="$2"; shift 2 ;;
     --only) ONLY="$2"; shift 2 ;;
     --steps) STEPS="$2"; shift 2 ;;
-    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^set -uo pipefail/{/^set -uo/!p}' "$0"; exit 0 ;;
     *) echo "error: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -101,35 +109,25 @@ step() {
 # train NAME CONFIG [overrides...]: a training step whose loss must fall (see the header)
 train() {
   local name="$1" config="$2"; shift 2
-  local t0=$SECONDS log="$LOGDIR/$name.log"
-  echo "=== $name: $config at cp = $W $*"
+  local t0=$SECONDS log="$LOGDIR/$name.log" judgeable
+  if ! judgeable=$("$PY" launch/acceptance.py overrides "$config" "$STEPS" 2>&1); then
+    local why="${judgeable##*$'\n'}"  # the error's last line
+    FAILED+=("$name"); echo "=== $name: FAIL: $why"
+    record "$name" "FAIL ($why)" 0; copy_out; return
+  fi
+  mapfile -t judgeable <<<"$judgeable"
+  echo "=== $name: $config at cp = $W ${judgeable[*]} $*"
   timeout --kill-after=20 600 "$PY" -m torch.distributed.run --standalone --nproc_per_node="$W" launch/train.py \
     --config "$config" --parallel.cp="$W" --train.steps="$STEPS" --logging.log_every=1 \
     --logging.dir="$LOGDIR/runs/$name" --logging.tensorboard=false --logging.progress_bar=false \
-    --checkpoint.enabled=false "$@" >"$log" 2>&1
-  local rc=$?
-  local summary
-  summary=$("$PY" - "$log" "$rc" <<'EOF'
-import json, re, sys
-log, rc = open(sys.argv[1]).read(), int(sys.argv[2])
-steps = re.findall(r"step +(\d+) \| loss ([\d.]+) \| lr \S+ \| grad norm \S+ \| ([\d,]+) tok/s \| ([\d.]+) TFLOP/s"
-                   r"(?: \| MFU ([\d.]+)%)? \| peak mem ([\d.]+) GiB", log)
-losses = [float(s[1]) for s in steps]
-falls = len(losses) >= 4 and sum(losses[-2:]) < sum(losses[:2])
-status = "PASS" if rc == 0 and falls else f"FAIL (exit {rc}, losses {losses})"
-last = steps[-1] if steps else None
-out = {"losses": losses, "status_line": status}
-if last:  # the last logged step: steady state, past the first step's compile and autotune
-    out.update({"tok/s": int(last[2].replace(",", "")), "model TFLOP/s per GPU": float(last[3]),
-                "MFU %": float(last[4]) if last[4] else None, "peak GiB per GPU": float(last[5])})
-print(json.dumps(out))
-EOF
-)
-  local status
+    --checkpoint.enabled=false "${judgeable[@]}" "$@" >"$log" 2>&1
+  local rc=$? summary status
+  summary=$("$PY" launch/acceptance.py summary "$log" "$rc")
   status=$(echo "$summary" | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["status_line"])')
   [ "$status" = PASS ] || { FAILED+=("$name"); tail -n 25 "$log"; }
   echo "=== $name: $status in $((SECONDS - t0)) s: $summary"
-  record "$name" "$status" "$((SECONDS - t0))" "$summary" "{\"config\": \"$config\", \"overrides\": \"$*\"}"
+  record "$name" "$status" "$((SECONDS - t0))" "$summary" \
+    "{\"config\": \"$config\", \"overrides\": \"${judgeable[*]} $*\"}"
   copy_out
 }
 
@@ -193,6 +191,22 @@ if [ ${#configs[@]} -gt 0 ]; then
     [ "$name" = gpu2_docs ] && extra+=(--data.path="$DOCS")
     train "$name" "$config" "${extra[@]}"
   done
+fi
+
+if [ "$W" -ge 2 ] && wanted parity; then
+  t0=$SECONDS
+  echo "=== parity: $PARITY_CONFIG at cp = 1 and cp = $W, $PARITY_STEPS steps"
+  row=$(timeout --kill-after=20 600 "$PY" launch/acceptance.py parity --config "$PARITY_CONFIG" --world "$W" \
+    --steps "$PARITY_STEPS" --logdir "$LOGDIR/parity" --record-to "$LOGDIR" -- --data.seq_len=$((8192 * W)) \
+    --data.batch_size=2 --parallel.kernel_backend="$BACKEND" 2>"$LOGDIR/parity.err" | tail -n 1)
+  status=$(echo "$row" | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["status_line"])' 2>/dev/null)
+  if [ "$status" != PASS ]; then
+    FAILED+=(parity); tail -n 25 "$LOGDIR/parity.err" "$LOGDIR"/parity/parity_cp*.log 2>/dev/null
+    [ -n "$status" ] || { status="FAIL (no result: $LOGDIR/parity.err)"; row="{}"; }
+  fi
+  echo "=== parity: $status in $((SECONDS - t0)) s: $row"
+  record parity "$status" "$((SECONDS - t0))" "$row"
+  copy_out
 fi
 
 echo "GPU acceptance at W = $W: ${#FAILED[@]} step(s) failed${FAILED[*]:+: ${FAILED[*]}}; records in $RECORDS"

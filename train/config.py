@@ -261,6 +261,11 @@ class TrainConfig:
     activation_checkpointing: bool = opt(False, "Recompute each block in the backward pass.")
     compile: bool = opt(False, "torch.compile the norms and SwiGLU of each block; attention stays eager.")
     seed: int = opt(0, "Seed of the parameter init (identical on every rank).")
+    strict_lr: bool = opt(
+        False,
+        "Refuse to start, on every rank, when the early learning rate exceeds the bound for the "
+        "model's width and depth (EARLY_UPDATE_BOUND), instead of warning at every start.",
+    )
     eval_every: int = opt(
         0, "Passkey, recall and held-out (data.heldout) evaluation every N steps and at the end (0: only at the end)."
     )
@@ -593,25 +598,46 @@ def validate(cfg: Config) -> None:
 
 # Adam moves every weight by about lr a step from the first steps on, so a linear layer of fan-in
 # n shifts its output by about lr·n of its scale, and the shifts compound over the layers. The
-# early update size lr(step 10)·(largest fan-in)·layers: 0.5-3.3 in the configs whose loss falls
-# from the first steps (tiny_cpu, gpu1, gpu2_passkey, gpu2_docs, a 7B at lr 1e-6), 14 in the 7B
-# whose loss rose to 40 at lr 3e-5 with 2 warm-up steps. Above this bound the run is warned.
+# early update size lr(step 10)·(largest fan-in)·layers sat at 0.28-3.7 in the runs whose loss fell
+# from the first steps and at 14 in the ~7B whose loss rose; EARLY_UPDATE_RUNS names their record.
 EARLY_UPDATE_BOUND = 8.0
+EARLY_UPDATE_RUNS = (
+    "runs whose loss fell sat at 0.28-3.7, a ~7B whose loss rose 7 -> 40 at 14: benchmarks/training.jsonl, "
+    '"The learning-rate bound\'s runs"'
+)
+
+
+def early_lr(t: TrainConfig) -> float:
+    """The learning rate the schedule reaches by step 10: the peak, or 10/warmup_steps of it."""
+    return t.lr * min(1.0, 10 / t.warmup_steps) if t.warmup_steps else t.lr
 
 
 def early_update_warning(t: TrainConfig, max_fan_in: int, n_layers: int) -> str | None:
     """A warning when the learning rate of the first steps is too large for the model's width and
-    depth (`EARLY_UPDATE_BOUND`), naming what to change; None when it is within what trains."""
-    lr10 = t.lr * min(1.0, 10 / t.warmup_steps) if t.warmup_steps else t.lr
+    depth (`EARLY_UPDATE_BOUND`), naming what to change and the runs the bound rests on; None when
+    it is within what trains."""
+    lr10 = early_lr(t)
     size = lr10 * max_fan_in * n_layers
     if size <= EARLY_UPDATE_BOUND:
         return None
     return (
         f"train.lr = {t.lr:g} with train.warmup_steps = {t.warmup_steps} reaches lr {lr10:.3g} by step 10: with "
-        f"fan-ins up to {max_fan_in} over {n_layers} layers each step moves the model by about "
-        f"{size:.0f} (lr·fan-in·layers; runs here train up to ~{EARLY_UPDATE_BOUND:g}) and the loss may rise. "
-        f"Lower train.lr or lengthen train.warmup_steps (Llama 3's 8B recipe: lr 3e-4 over 2000 warm-up steps)"
+        f"fan-ins up to {max_fan_in} over {n_layers} layers each step moves the model by about {size:.0f} "
+        f"(lr·fan-in·layers), above the {EARLY_UPDATE_BOUND:g} the recorded runs allow ({EARLY_UPDATE_RUNS}), "
+        f"and the loss may rise. Lower train.lr or lengthen train.warmup_steps (Llama 3's 8B recipe: lr 3e-4 "
+        f"over 2000 warm-up steps)"
     )
+
+
+def check_early_update(t: TrainConfig, max_fan_in: int, n_layers: int) -> str | None:
+    """`early_update_warning`'s text for the run to print at its start, or, with `train.strict_lr`,
+    a ConfigError naming that option instead."""
+    warning = early_update_warning(t, max_fan_in, n_layers)
+    if warning is not None and t.strict_lr:
+        raise ConfigError(f"train.strict_lr = true refuses this run: {warning}")
+    if warning is not None:
+        return f"{warning}; --train.strict_lr=true makes this an error"
+    return None
 
 
 def resolve_eod_token(d: DataConfig) -> int:

@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ringflash.train.checkpoint import Checkpointer, complete_checkpoints
-from ringflash.train.config import Config, ConfigError, early_update_warning, resolve_eod_token, to_dict
+from ringflash.train.config import Config, ConfigError, check_early_update, resolve_eod_token, to_dict
 from ringflash.train.data import IGNORE, DataLoader, PasskeyTask, RecallTask, build_sources
 from ringflash.train.evaluate import accuracy_by_owner, bucket_owners, evaluate_passkey, report
 from ringflash.train.heldout import HeldOut
@@ -155,6 +155,10 @@ def _loop(cfg: Config, pc: ParallelContext, on_exit: contextlib.ExitStack) -> Tr
     t, dev = cfg.train, pc.device
     # Before anything that can fail on one rank only: a rank with another config is named here.
     check_same_config(cfg)
+    # The learning-rate bound needs only the model's shape: built on the meta device, so that with
+    # train.strict_lr every rank refuses before any data, weights or checkpoints are touched.
+    with torch.device("meta"):
+        lr_warning = check_early_update(t, *fan_in_and_depth(build_model(cfg), cfg))
     # ---- data
     source, warmup_source = build_sources(cfg.data, cfg.model.vocab_size)
     loader = DataLoader(
@@ -166,7 +170,6 @@ def _loop(cfg: Config, pc: ParallelContext, on_exit: contextlib.ExitStack) -> Tr
     torch.manual_seed(t.seed)
     raw = build_model(cfg).to(dev)
     hf = cfg.model.kind == "hf"
-    lr_warning = early_update_warning(t, *fan_in_and_depth(raw, cfg))
     model = (parallelize_hf if hf else parallelize)(raw, pc, cfg)
     mask_fn = raw.masks if hf else None
     optimizer = build_optimizer(raw, cfg)
@@ -204,7 +207,7 @@ def _loop(cfg: Config, pc: ParallelContext, on_exit: contextlib.ExitStack) -> Tr
     on_exit.callback(log.close)
     for note in resume_notes:
         log.print(note)
-    if lr_warning and step == 0:
+    if lr_warning:  # at every start, resumed too: every launch's log shows the setting it trains under
         log.print(f"warning: {lr_warning}")
     if step >= stop:
         # Resumed where it stops: its evaluation and save at that step were done when it got there.
