@@ -261,6 +261,12 @@ class CheckpointConfig:
         "logging.dir holding one, else an error; a checkpoint or run directory path; 'auto': what a "
         "torchrun restart sets, the latest checkpoint of the run its first attempt started, fresh if none.",
     )
+    trust_unverified: bool = opt(
+        False,
+        "Resume a checkpoint that has no manifest.json (written before manifests existed, or not by ringflash), "
+        "whose files nothing verifies; it then loads without checksums, with a warning. Off: refused, naming "
+        "the checkpoint.",
+    )
 
 
 @dataclass

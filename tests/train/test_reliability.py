@@ -181,10 +181,13 @@ def _bad_checkpoints(rank, world, tmp: Path):
     shard.write_bytes(shard.read_bytes()[:100])
     with pytest.raises(CheckpointError, match=rf"checkpoint .*step_00000001 is damaged: {shard.name} does not match"):
         train(cfg_for(tmp, "--train.steps=2", resume))
-    # Without its manifest (as an older checkpoint) the truncated shard still fails in one line.
+    # Without its manifest (as an older checkpoint) it is refused, naming the flag that trusts it; with
+    # the flag the truncated shard still fails in one line.
     (shard.parent / "manifest.json").unlink()
-    with pytest.raises(CheckpointError, match=r"checkpoint .*step_00000001 cannot be read: "):
+    with pytest.raises(CheckpointError, match=r"step_00000001 has no manifest.json, .*--checkpoint.trust_unverified"):
         train(cfg_for(tmp, "--train.steps=2", resume))
+    with pytest.raises(CheckpointError, match=r"checkpoint .*step_00000001 cannot be read: "):
+        train(cfg_for(tmp, "--train.steps=2", resume, "--checkpoint.trust_unverified=true"))
 
 
 def test_checkpoint_of_another_model_or_damaged_is_refused_by_name(tmp_path):
