@@ -36,7 +36,7 @@ import ringflash
 from ringflash import kernels, plan
 from ringflash.kernel_rates import rates_backend
 from ringflash.layout import SCHEMES
-from ringflash.train.config import AUTO, Config, ConfigError, ParallelConfig, kernel_backend, to_dict
+from ringflash.train.config import AUTO, Config, ConfigError, ParallelConfig, check_degrees, kernel_backend, to_dict
 from ringflash.transport.groups import register_grid
 
 
@@ -54,13 +54,7 @@ class ParallelDims:
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int, chosen: str = "") -> ParallelDims:
         """The degrees of `cfg`, its cp_heads and cp_scheme given (`choose_cp_layout` resolves "auto")."""
-        if cfg.cp < 1 or world_size % cfg.cp:
-            raise ConfigError(
-                f"parallel.cp ({cfg.cp}) must divide the world size ({world_size}); "
-                f"launch a multiple of cp processes (torchrun --nproc_per_node)"
-            )
-        if cfg.cp_heads < 1 or cfg.cp % cfg.cp_heads:
-            raise ConfigError(f"parallel.cp_heads ({cfg.cp_heads}) must divide parallel.cp ({cfg.cp})")
+        check_degrees(cfg, world_size)
         return cls(dp=world_size // cfg.cp, cp=cfg.cp, world_size=world_size, cp_heads=cfg.cp_heads,
                    cp_scheme=cfg.cp_scheme, chosen=chosen)  # fmt: skip
 

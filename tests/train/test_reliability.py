@@ -140,7 +140,9 @@ def test_bad_input_names_the_culprit(key):
         (["--steps=10"], r"error: --steps=10: expected an override of the form --section.key=value"),
         (["--config", "/nonexistent/x.toml"], r"error: config file not found: /nonexistent/x.toml"),
         (["--parallel.layout=ring"], r"error: parallel.layout: must be one of zigzag, contiguous, stripe, got 'ring'"),
-        (["--data.seq_len=250", "--parallel.cp=2"], r"error: data.seq_len \(250\) must be divisible by 4"),
+        (["--data.seq_len=251"], r"error: data.seq_len \(251\) must be divisible by 2"),
+        # One process (no torchrun): cp = 2 is the mistake the lengths would follow from.
+        (["--data.seq_len=250", "--parallel.cp=2"], r"error: parallel.cp \(2\) must divide the world size \(1\)"),
     ],
 )
 def test_cli_bad_input_is_one_line_naming_the_key(argv, match, capsys):
