@@ -210,7 +210,10 @@ def _attend(
     # Traced, not run, under torch.compile: only the metadata checks happen here; the group is
     # checked (RingComm) and the ranks compared inside the op. Eager checks the group first.
     compiling = torch.compiler.is_compiling()
-    transport = resolve_transport(transport)
+    try:
+        transport = resolve_transport(transport)
+    except ValueError as e:  # told over the default transport, which the others' check waits on
+        _refuse(e, None if compiling else ring_comm(group), check_ranks, q, k, causal, layout)
     comm = None if compiling else ring_comm(group, transport)
     world = world_size(group) if compiling else comm.world
     if causal is None:

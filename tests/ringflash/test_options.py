@@ -69,6 +69,7 @@ def _worker(rank, world, scheme, hybrid, option, value, on_rank):
     "scheme, hybrid, option, value, on_rank, mine",
     [
         ("ring", False, "heads_k_stride", 2, 1, STRIDE_ON_RING),
+        ("ring", False, "transport", "bogus", 1, BAD_TRANSPORT),
         ("ring", False, "heads_k_stride", 0, None, BAD_STRIDE.format(0)),
         ("ring", False, "heads_k_stride", -5, 0, BAD_STRIDE.format(-5)),
         ("ring", False, "heads_k_stride", 2.0, 1, BAD_STRIDE.format(2.0)),
