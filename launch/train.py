@@ -12,7 +12,8 @@ Fault tolerance: under `torchrun --max-restarts=N` a restarted attempt (TORCHELA
 or TypeError the library raises on bad input), 3 non-finite loss, 4 communication failure (a peer
 rank died, hung past `parallel.timeout_s`, or skipped a collective). An error in the configuration
 itself (the file, the overrides, their checks against the world size) is one line, `error: ...`,
-from rank 0 alone: every rank reads the same arguments and finds the same mistake. Any later error
+from rank 0 alone: every rank reads the same arguments and finds the same mistake. So is a later
+error the ranks agreed on (a checkpoint they cannot resume, configurations that differ); any other
 is one line per rank, `rank N: error: ...`, since each rank sees its own side of it. The line comes
 before torchrun's report (which torchrun prints whenever a rank exits non-zero). Any other
 exception keeps its traceback.
@@ -68,20 +69,16 @@ def main(argv: list[str] | None = None, quiet_wait_s: float = 30.0) -> int:
         cfg = load_config(args.config, overrides, world_size=_world_size())
     except ConfigError as e:
         # The same arguments, files and environment give every rank of a node the same error: its
-        # first rank says it (rank 0's line needs no name). On another node the files may differ,
-        # so that node's first rank speaks too, rather than an error of its own going unsaid.
-        if int(os.environ.get("LOCAL_RANK", rank)) == 0:
-            _say(f"{who if rank else ''}error: {_one_line(e)}")
-        else:
-            # torchrun stops every rank once one exits: a quiet rank that exited first would stop
-            # the one about to speak. It waits instead, and torchrun ends the wait when that one exits.
-            time.sleep(quiet_wait_s)
-        return 2
+        # first rank says it. On another node the files may differ, so that node's first rank
+        # speaks too, rather than an error of its own going unsaid.
+        return _said_once(e, rank, int(os.environ.get("LOCAL_RANK", rank)) == 0, quiet_wait_s)
     try:
         result = train(cfg)
     except (ConfigError, NonFiniteLossError, ValueError, TypeError) as e:
         if not isinstance(e, (ConfigError, NonFiniteLossError)) and not _raised_by_library(e):
             raise  # a bug, not bad input: its traceback is what helps
+        if getattr(e, "agreed", False):  # every rank raised this very error, after comparing notes
+            return _said_once(e, rank, rank == 0, quiet_wait_s)
         _say(f"{who}error: {_one_line(e)}")
         return 3 if isinstance(e, NonFiniteLossError) else 2
     except RuntimeError as e:
@@ -102,6 +99,17 @@ def main(argv: list[str] | None = None, quiet_wait_s: float = 30.0) -> int:
         key, value = ("train.steps", t.steps) if result.final_step >= t.steps else ("train.stop_at", t.stop_at)
         print(f"done: step {result.final_step}, the run is already at {key} = {value}: nothing to do")
     return 0
+
+
+def _said_once(e: Exception, rank: int, speaks: bool, quiet_wait_s: float) -> int:
+    """An error every rank has, said by the rank that `speaks` (rank 0 unnamed); the others stay quiet."""
+    if speaks:
+        _say(f"{f'rank {rank}: ' if rank else ''}error: {_one_line(e)}")
+    else:
+        # torchrun stops every rank once one exits: a quiet rank that exited first would stop the
+        # one about to speak. It waits instead, and torchrun ends the wait when that one exits.
+        time.sleep(quiet_wait_s)
+    return 2
 
 
 def _world_size() -> int:

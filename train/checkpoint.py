@@ -61,6 +61,7 @@ from ringflash.train.checkpoint_files import (  # CheckpointError is re-exported
     TRAIN_STATE,
     CheckpointError,
     agree,
+    agreed,
     first_line,
     hash_share,
     read_metadata,
@@ -214,11 +215,11 @@ class Checkpointer:
             every: list[str | None] = [None] * dist.get_world_size()
             dist.all_gather_object(every, None if path is None else str(path))
             if len(set(every)) > 1:
-                raise CheckpointError(
+                raise agreed(CheckpointError(
                     f"checkpoint.resume = {resume!r} resolves differently on different ranks: "
                     + ", ".join(f"{p} on rank {r}" for r, p in enumerate(every))
                     + f". checkpoint.dir ({self.dir}) must be on a filesystem every rank shares."
-                )
+                ))  # fmt: skip
         return path
 
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, str | None]:

@@ -51,7 +51,14 @@ def agree(error: str | None) -> None:
         dist.all_gather_object(errors, error)
     first = next((e for e in errors if e is not None), None)
     if first is not None:
-        raise CheckpointError(first)
+        raise agreed(CheckpointError(first))
+
+
+def agreed(error: Exception) -> Exception:
+    """`error`, marked as raised alike by every rank (after they compared notes): launch/train.py
+    prints such an error once, from rank 0."""
+    error.agreed = True
+    return error
 
 
 def _rank_world() -> tuple[int, int]:

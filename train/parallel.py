@@ -36,6 +36,7 @@ import ringflash
 from ringflash import kernels, plan
 from ringflash.kernel_rates import rates_backend
 from ringflash.layout import SCHEMES
+from ringflash.train.checkpoint_files import agreed
 from ringflash.train.config import AUTO, Config, ConfigError, ParallelConfig, check_degrees, kernel_backend, to_dict
 from ringflash.transport.groups import register_grid
 
@@ -338,10 +339,10 @@ def check_same_config(cfg: Config) -> None:
             f"{key} is " + ", ".join(f"{theirs.get(key)!r} on rank {r}" for r, theirs in enumerate(every))
             for key in differ
         )
-        raise ConfigError(
+        raise agreed(ConfigError(
             f"the ranks were launched with different configurations: {detail}. "
             "Give every rank the same config file and overrides."
-        )
+        ))  # fmt: skip
 
 
 def parallelize(model: nn.Module, pc: ParallelContext, cfg: Config) -> nn.Module:

@@ -91,3 +91,20 @@ def test_unexpected_exception_keeps_its_traceback(monkeypatch):
     monkeypatch.setattr(launch, "train", broken)
     with pytest.raises(TypeError, match="unsupported operand"):
         launch.main([])
+
+
+@pytest.mark.parametrize("rank, said", [(0, "error: checkpoint x has no manifest.json\n"), (1, "")])
+def test_an_error_the_ranks_agreed_on_is_said_by_rank_0_alone(monkeypatch, capsys, rank, said):
+    # Raised alike by every rank after comparing notes (a checkpoint, differing configurations):
+    # one line, not one per rank.
+    from ringflash.train.checkpoint_files import CheckpointError, agreed
+
+    def refuses(cfg):
+        raise agreed(CheckpointError("checkpoint x has no manifest.json"))
+
+    launch = _launch_script()
+    monkeypatch.setattr(launch, "train", refuses)
+    for key, value in (("RANK", rank), ("LOCAL_RANK", rank), ("WORLD_SIZE", 2)):
+        monkeypatch.setenv(key, str(value))
+    assert launch.main([], quiet_wait_s=0) == 2
+    assert capsys.readouterr().err == said
