@@ -202,6 +202,8 @@ def main() -> int:
     def attn(q, k, v, plain=False, **kw):
         if features and not plain:
             kw.update(window_size=window_size, softcap=args.softcap, learnable_sink=sink)
+        if args.scheme != "ring":
+            kw.pop("transport", None)  # the ring's option, which the all-gather refuses
         return ring_flash_attn_func(q, k, v, group=ring_group, head_group=head_group, scheme=args.scheme, **kw)
 
     failures = 0
