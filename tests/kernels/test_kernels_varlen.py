@@ -156,6 +156,24 @@ def test_spec_is_the_whole_mask_and_refuses_causal_or_window_beside_it():
     assert str(err.value) == f"causal=False, window=5 {rest}"
 
 
+def test_the_ops_refuse_causal_or_window_beside_intervals():
+    q, k, v = (torch.randn(1, 8, 2, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    vis = list(kernels.dense_visibility(8, window=2))
+    o, lse = torch.ops.ringflash.attn_fwd(q, k, v, vis, backend="reference")
+    assert torch.equal(o, attn_fwd(q, k, v, causal=True, window=2, backend="reference")[0])
+    said = (
+        "intervals already say which keys each query sees: give them without causal or window (build them with "
+        "kernels.visibility(..., causal=True, window=...))"
+    )
+    for extra in (dict(causal=True), dict(causal=True, window=2)):
+        with pytest.raises(ValueError) as err:
+            torch.ops.ringflash.attn_fwd(q, k, v, vis, backend="reference", **extra)
+        assert str(err.value) == said
+        with pytest.raises(ValueError) as err:
+            torch.ops.ringflash.attn_bwd(torch.ones_like(o), q, k, v, o, lse, vis, backend="reference", **extra)
+        assert str(err.value) == said
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("window", [1, 6, 40])
