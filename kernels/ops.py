@@ -49,8 +49,8 @@ def attn_fwd(
 
 
 def _spec(causal: bool, window: int | None, intervals: list[Tensor], softcap: float) -> AttnSpec:
-    if intervals:
-        return AttnSpec(intervals=Visibility(*intervals), softcap=softcap)
+    if intervals:  # AttnSpec refuses causal or window beside them, which the intervals would override
+        return AttnSpec(causal=causal, window=window, intervals=Visibility(*intervals), softcap=softcap)
     return AttnSpec(causal=causal, window=window, softcap=softcap)
 
 

@@ -43,6 +43,11 @@ def _documents(cu_seqlens: torch.Tensor, total: int, causal: bool, window: int |
     if spec is not None:
         if not isinstance(spec, AttnSpec):
             raise TypeError(f"spec must be a kernels.AttnSpec or None, got {type(spec).__name__}")
+        if causal or window is not None:  # the spec's own mask would win, unseen
+            raise ValueError(
+                f"causal={causal}, window={window} beside spec=: the spec already holds the documents' mask; build "
+                "it with AttnSpec.documents(cu_seqlens, total, causal=, window=) and pass spec= alone"
+            )
         return spec
     if not isinstance(cu_seqlens, torch.Tensor) or torch.compiler.is_compiling():
         return AttnSpec.documents(cu_seqlens, total, causal=causal, window=window)  # raises naming it
@@ -79,7 +84,7 @@ def attn_varlen_fwd(
     window: causal sliding window, w keys counting the diagonal (flash_attn's `window_size=(w − 1, 0)`);
     needs causal=True.
     spec: the `AttnSpec.documents(cu_seqlens, total, causal=, window=)` of an earlier call, to skip
-    rebuilding it (the backward needs the same one).
+    rebuilding it (the backward needs the same one); then without causal= or window=, which it holds.
     Returns `o (total, H, Dv)` in q's dtype and `lse (H, total)` float32, natural log.
     """
     del max_seqlen  # the grid spans the packed tokens

@@ -206,6 +206,8 @@ class Check:
     def attn(self, q, k, v, plain=False, **kw):
         if self.features and not plain:
             kw.update(window_size=self.window_size, softcap=self.args.softcap, learnable_sink=self.sink)
+        if self.args.scheme != "ring":
+            kw.pop("transport", None)  # the ring's option, which the all-gather refuses
         return ring_flash_attn_func(
             q, k, v, group=self.ring_group, head_group=self.head_group, scheme=self.args.scheme, **kw
         )

@@ -4,7 +4,8 @@
     AutoModelForCausalLM.from_pretrained("runs/X/RUN/hf")      # then loads it, no ringflash needed
 
 One process, no torchrun: the checkpoint's shards are read whatever world size wrote them. Its
-checksums (manifest.json) are verified first, and nothing in it is unpickled but plain data.
+checksums (manifest.json) are verified first (without them it is refused, unless
+`--trust-unverified`), and nothing in it is unpickled but plain data.
 """
 
 from __future__ import annotations
@@ -20,9 +21,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="a complete checkpoint directory (step_XXXXXXXX)")
     parser.add_argument("--out", required=True, help="the directory to write (config.json, model.safetensors)")
+    parser.add_argument(
+        "--trust-unverified",
+        action="store_true",
+        help="export a checkpoint without manifest.json (no checksums to verify it), else refused",
+    )
     args = parser.parse_args(argv)
     try:
-        out = export_pretrained(args.checkpoint, args.out, warn=lambda msg: print(msg, file=sys.stderr))
+        out = export_pretrained(args.checkpoint, args.out, warn=lambda msg: print(msg, file=sys.stderr),
+                                trust_unverified=args.trust_unverified)  # fmt: skip
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

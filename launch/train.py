@@ -10,17 +10,24 @@ Fault tolerance: under `torchrun --max-restarts=N` a restarted attempt (TORCHELA
 (fresh if none was saved yet), so a killed rank costs at most the steps since the last save (set
 `--checkpoint.interval`). Exit codes: 2 configuration or checkpoint error (or another ValueError
 or TypeError the library raises on bad input), 3 non-finite loss, 4 communication failure (a peer
-rank died, hung past `parallel.timeout_s`, or skipped a collective): each rank prints its own
-one-line error, `rank N: error: ...`, before torchrun's report. Any other exception keeps its
-traceback.
+rank died, hung past `parallel.timeout_s`, or skipped a collective). An error in the configuration
+itself (the file, the overrides, their checks against the world size) is one line, `error: ...`,
+from rank 0 alone: every rank reads the same arguments and finds the same mistake. So is a later
+error the ranks agreed on (a checkpoint they cannot resume, configurations that differ); any other
+is one line per rank, `rank N: error: ...`, since each rank sees its own side of it. The line comes
+before torchrun's report (which torchrun prints whenever a rank exits non-zero). Any other
+exception keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 from ringflash.bench import exit_without_teardown
@@ -28,7 +35,9 @@ from ringflash.train.config import ConfigError, describe, load_config
 from ringflash.train.trainer import NonFiniteLossError, train
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, quiet_wait_s: float = 30.0) -> int:
+    """The launch; `quiet_wait_s`: how long a rank that leaves a configuration error to another
+    waits before exiting (torchrun ends the wait sooner, when the speaking rank exits)."""
     parser = argparse.ArgumentParser(
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -57,11 +66,19 @@ def main(argv: list[str] | None = None) -> int:
     # One line per rank, each naming itself when there are several: "rank 1: error: ...".
     who = f"rank {rank}: " if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
     try:
-        cfg = load_config(args.config, overrides)
+        cfg = load_config(args.config, overrides, world_size=_world_size())
+    except ConfigError as e:
+        # The same arguments, files and environment give every rank of a node the same error: its
+        # first rank says it. On another node the files may differ, so that node's first rank
+        # speaks too, rather than an error of its own going unsaid.
+        return _said_once(e, rank, int(os.environ.get("LOCAL_RANK", rank)) == 0, quiet_wait_s)
+    try:
         result = train(cfg)
     except (ConfigError, NonFiniteLossError, ValueError, TypeError) as e:
         if not isinstance(e, (ConfigError, NonFiniteLossError)) and not _raised_by_library(e):
             raise  # a bug, not bad input: its traceback is what helps
+        if getattr(e, "agreed", False):  # every rank raised this very error, after comparing notes
+            return _said_once(e, rank, rank == 0, quiet_wait_s)
         _say(f"{who}error: {_one_line(e)}")
         return 3 if isinstance(e, NonFiniteLossError) else 2
     except RuntimeError as e:
@@ -84,6 +101,28 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _said_once(e: Exception, rank: int, speaks: bool, quiet_wait_s: float) -> int:
+    """An error every rank has, said by the rank that `speaks` (rank 0 unnamed); the others stay quiet."""
+    if speaks:
+        _say(f"{f'rank {rank}: ' if rank else ''}error: {_one_line(e)}")
+    else:
+        # torchrun stops every rank once one exits: a quiet rank that exited first would stop the
+        # one about to speak. It waits instead, and torchrun ends the wait when that one exits.
+        time.sleep(quiet_wait_s)
+    return 2
+
+
+def _world_size() -> int:
+    """The job's world size, checked against the configuration before anything follows from it:
+    the process group's where one exists already (a test harness's, which `distributed` then
+    uses), else torchrun's WORLD_SIZE (1 without torchrun)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
 def _is_comm_failure(e: RuntimeError) -> bool:
     import torch.distributed as dist
 
@@ -97,10 +136,17 @@ def _first_line(e: BaseException) -> str:
 
 
 def _say(line: str) -> None:
-    """`line` to stderr in one write: the ranks share torchrun's stream, and print's separate write
-    of the newline let another rank's line in before it."""
+    """The error `line` to stderr in one write (the ranks share torchrun's stream, and print's
+    separate write of the newline let another rank's line in before it), and to torchrun's error
+    file for this rank, so that torchrun's report names it instead of a link to its docs."""
     sys.stderr.write(line + "\n")
     sys.stderr.flush()
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        with contextlib.suppress(OSError):  # the line is out already; the report is a courtesy
+            # torchelastic's own layout (ErrorHandler.record_exception), without the traceback.
+            report = {"message": {"message": line, "extraInfo": {"timestamp": str(int(time.time()))}}}
+            Path(error_file).write_text(json.dumps(report))
 
 
 def _one_line(e: BaseException) -> str:

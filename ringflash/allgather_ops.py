@@ -27,9 +27,9 @@ from ringflash.allgather import GatherMask, allgather_backward, allgather_forwar
 from ringflash.inputs import autocast_inputs, check_local, flash_options, world_size
 from ringflash.kernels import FULL, AttnSpec, Visibility, check_softcap, device_guard, get_backend
 from ringflash.kernels.checks import resolve_scale
-from ringflash.transport import ring_comm
+from ringflash.transport import resolve_transport, ring_comm
 
-__all__ = ["allgather_attn", "allgather_attn_bwd", "attend", "check_stride"]
+__all__ = ["allgather_attn", "allgather_attn_bwd", "attend", "check_scheme_options", "check_stride"]
 
 
 def _spec(vis: list[Tensor], comm, q, causal, layout, window_size, softcap) -> AttnSpec:
@@ -150,11 +150,31 @@ def check_stride(heads_k_stride) -> int:
     return heads_k_stride
 
 
+def check_scheme_options(scheme: str, transport: str | None, heads_k_stride) -> None:
+    """Each option checked, and one that `scheme` (a known scheme) cannot honour refused by name,
+    never ignored: `heads_k_stride` (K/V heads per gather) is the all-gather's, which the ring
+    has no use for; `transport` (how blocks travel between ring neighbours) is the ring's, and the
+    all-gather moves K/V by the group's own collectives."""
+    check_stride(heads_k_stride)
+    if transport is not None:
+        resolve_transport(transport)  # an unknown name: the ring's message
+    if scheme == "ring" and heads_k_stride != 1:
+        raise ValueError(
+            f"heads_k_stride={heads_k_stride}: scheme='ring' passes whole K/V blocks and cannot use it; it sets "
+            "scheme='allgather''s K/V heads per gather (leave it at 1 for the ring)"
+        )
+    if scheme == "allgather" and transport is not None:
+        raise ValueError(
+            f"transport={transport!r}: scheme='allgather' gathers K/V with the group's collectives and cannot use "
+            "it; it sets how scheme='ring' passes blocks between neighbours (leave it None for the all-gather)"
+        )
+
+
 def attend(q, k, v, flash: tuple, softmax_scale, causal, group, *, layout, backend, check_ranks, window, mask,
-           heads_k_stride, prepare=None, softcap=0.0, learnable_sink=None):  # fmt: skip
+           heads_k_stride, prepare=None, softcap=0.0, learnable_sink=None, transport=None):  # fmt: skip
     """`ring_flash_attn_func`'s body for `scheme="allgather"`: returns `(o, lse)`. `flash`: its
     `(dropout_p, window_size, alibi_slopes, deterministic, return_attn_probs)`; `softcap`,
-    `learnable_sink`: its own.
+    `learnable_sink`: its own; `transport`: its own, refused unless None (`check_scheme_options`).
     `prepare(call, rank, world) -> (q, k, v, spec)` (`call`: the call's `AttnSpec`, causal and
     window), if given, makes the inputs and the
     mask inside the checks (the llama3 varlen forms of ringflash/ring_flash_attn.py), so that its
@@ -165,7 +185,7 @@ def attend(q, k, v, flash: tuple, softmax_scale, causal, group, *, layout, backe
     world = world_size(group) if compiling else comm.world
     spec = None
     try:
-        check_stride(heads_k_stride)
+        check_scheme_options("allgather", transport, heads_k_stride)
         call = flash_options(*flash, causal, window)
         if prepare is not None:
             if compiling:

@@ -111,12 +111,14 @@ def ring_flash_attn_func(
         check_ranks: first check that every rank's call agrees, raising on all of them if not.
         window: causal sliding window, w keys counting the diagonal: `window_size=(w - 1, 0)`.
         mask: a `RingMask` from `ring_mask` (packed documents and/or a window), built once per batch.
-        transport: `"nccl"` or `"copy-engine"` (GPUs of one host); None reads `RINGFLASH_TRANSPORT`.
+        transport: `"nccl"` or `"copy-engine"` (GPUs of one host); None reads `RINGFLASH_TRANSPORT`. The
+            ring's only: with `scheme="allgather"` anything but None raises.
         head_group: head parallelism × ring (ringflash/hybrid.py): `u` ranks that all-to-all heads
             around the ring over `group` (`hybrid_groups`); inputs sharded by `shard(..., head_rank=,
             head_world=)`, `mask` built over `group`. None: the ring alone.
         scheme: `"ring"` (K/V passed around the ring) or `"allgather"` (K/V all-gathered in chunks of
             `heads_k_stride` heads, ringflash/allgather.py; `mask` then from `gather_mask`).
+        heads_k_stride: the all-gather's K/V heads per gather, a positive int; the ring raises on any but 1.
         softcap: flash_attn's logit softcapping, scores `c·tanh(s/c)` before the mask; 0.0: none.
         learnable_sink: `(H,)` float32, FlashAttention-4's: a logit per head joining every row's
             softmax with a zero value (gpt-oss). Differentiable; its gradient covers this rank's
@@ -139,7 +141,7 @@ def ring_flash_attn_func(
                 nonlocal spec
                 fields, spec = _agreed(q, (dropout_p, window_size, alibi_slopes, deterministic, return_attn_probs),
                                        causal, softmax_scale, window, mask, transport, backend, softcap,
-                                       learnable_sink)  # fmt: skip
+                                       learnable_sink, heads_k_stride)  # fmt: skip
                 return fields
 
             o, lse = hybrid_attention(
@@ -154,7 +156,7 @@ def ring_flash_attn_func(
             return (o, lse, None) if return_attn_probs else o
         return _attend(
             q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs,
-            group, **options, learnable_sink=learnable_sink,
+            group, **options, learnable_sink=learnable_sink, heads_k_stride=heads_k_stride,
         )  # fmt: skip
 
 
@@ -170,13 +172,13 @@ def _allgather(q, k, v, flash, softmax_scale, causal, group, scheme, head_group,
         _refuse(e, comm, options["check_ranks"], q, k, causal, options["layout"])
     mask = options["mask"]
     causal = getattr(mask, "causal", False) if causal is None else causal
-    options = {key: val for key, val in options.items() if key != "transport"}  # no ring transfers
 
     def gather(q, k, v, sink):
         return allgather_ops.attend(q, k, v, flash, softmax_scale, causal, group, heads_k_stride=heads_k_stride,
                                     learnable_sink=sink, **options)  # fmt: skip
 
     def settings():  # the hybrid's grid check: the all-gather's settings, its mask's digest
+        allgather_ops.check_scheme_options("allgather", options["transport"], heads_k_stride)
         fields, _ = _agreed(q, flash, causal, softmax_scale, options["window"], None, "nccl", options["backend"],
                             options["softcap"], learnable_sink)  # fmt: skip
         window_size = getattr(getattr(mask, "call", None), "window_size", fields["window_size"])
@@ -197,22 +199,27 @@ def _allgather(q, k, v, flash, softmax_scale, causal, group, scheme, head_group,
 def _attend(
     q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs, group,
     *, layout, backend, check_ranks, window, mask, transport, prepare=None, softcap=0.0, learnable_sink=None,
-    spec=None,
+    spec=None, heads_k_stride=1,
 ):  # fmt: skip
     """`ring_flash_attn_func`'s body. `prepare(spec, rank, world) -> (q, k, v, mask)` (`spec`: the
     call's `AttnSpec`, causal and window), if given, turns the caller's inputs into the ring's
     inside the checks, so that its errors too are refused on every rank (the varlen forms of
     ringflash/ring_flash_attn.py). `spec`: that spec, when the caller has already made it from
-    these arguments (the hybrid's grid check, `_agreed`)."""
+    these arguments (the hybrid's grid check, `_agreed`). `heads_k_stride`: the caller's, refused
+    unless 1 (the all-gather's option)."""
     # Traced, not run, under torch.compile: only the metadata checks happen here; the group is
     # checked (RingComm) and the ranks compared inside the op. Eager checks the group first.
     compiling = torch.compiler.is_compiling()
-    transport = resolve_transport(transport)
+    try:
+        transport = resolve_transport(transport)
+    except ValueError as e:  # told over the default transport, which the others' check waits on
+        _refuse(e, None if compiling else ring_comm(group), check_ranks, q, k, causal, layout)
     comm = None if compiling else ring_comm(group, transport)
     world = world_size(group) if compiling else comm.world
     if causal is None:
         causal = mask.causal if isinstance(mask, RingMask) else False
     try:
+        allgather_ops.check_scheme_options("ring", None, heads_k_stride)
         if spec is None:
             spec = flash_options(dropout_p, window_size, alibi_slopes, deterministic, return_attn_probs, causal, window)
         if prepare is not None:
@@ -265,9 +272,10 @@ def _attend(
 
 
 def _agreed(q, flash: tuple, causal, softmax_scale, window, mask, transport, backend, softcap=0.0,
-            learnable_sink=None) -> tuple[dict, kernels.AttnSpec]:  # fmt: skip
+            learnable_sink=None, heads_k_stride=1) -> tuple[dict, kernels.AttnSpec]:  # fmt: skip
     """The ring's settings the hybrid's grid check compares (`agree.row`'s keywords), checked here,
     before its all-to-all, and the call's `AttnSpec`; `flash`: `flash_options`' first five arguments."""
+    allgather_ops.check_scheme_options("ring", None, heads_k_stride)
     causal = causal if causal is not None else (mask.causal if isinstance(mask, RingMask) else False)
     spec = flash_options(*flash, causal, window)
     kernels.get_backend(backend, q.device)  # an unknown name raises here; the backend is not compared
@@ -368,11 +376,9 @@ class RingFlashAttention(nn.Module):
         super().__init__()
         check_layout(layout)
         check_scheme(scheme)
-        allgather_ops.check_stride(heads_k_stride)
+        allgather_ops.check_scheme_options(scheme, transport, heads_k_stride)
         kernels.check_softcap(softcap)
         spec = kernels.AttnSpec(causal=causal, window=window)  # the window enters here, checked once
-        if transport is not None:
-            resolve_transport(transport)
         if backend is not None:
             named = kernels.backend_named(backend)  # raises on an unknown name
             why = named and named.supports(spec.kind, None, None)

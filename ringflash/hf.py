@@ -22,7 +22,8 @@ from `shard_batch`'s `RingMasks`, passed to the model as the keyword `ring_masks
 softcapping (the `softcap` the layer passes: Gemma 2) and attention sinks (gpt-oss: the
 layer's `s_aux`, its `sinks` parameter, as float32) go to the ring as `softcap=` and
 `learnable_sink=`. Refused by name: ALiBi, chunked attention, attention dropout in training,
-non-causal layers, a KV cache (decoding), and any `attention_mask` but an all-ones one; and, by
+non-causal layers, a KV cache (decoding), flash-attention's varlen arguments (`cu_seq_lens_q`, ...),
+and any `attention_mask` but an all-ones one; and, by
 `shard_batch(config=)`, models whose layers bypass the AttentionInterface (Bloom, MPT).
 
 Which process group and scheme. `shard_batch` records the group, layout and scheme (the ring,
@@ -62,7 +63,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 import ringflash
 from ringflash import agree
 from ringflash.allgather import GatherMask, gather_mask
-from ringflash.allgather_ops import check_stride
+from ringflash.allgather_ops import check_scheme_options
 from ringflash.kernels import AttnSpec
 from ringflash.layout import check_layout, check_scheme, check_splittable, shard
 from ringflash.masks import RingMask, ring_mask
@@ -84,14 +85,16 @@ __all__ = [
 ATTN_IMPLEMENTATION = "ring_attention"
 IGNORE_INDEX = -100  # transformers' label for "no loss here"
 _BATCH_KEYS = ("input_ids", "labels", "position_ids", "attention_mask")
+_VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")  # FlashAttentionKwargs
 
 
 @dataclass(frozen=True)
 class RingContext:
     """Where ring attention runs: the context-parallel `group` (None: the default group, or this
     process alone), the `layout` the sequence was sharded with, optionally the kernel `backend`
-    and `transport` (None: ringflash's defaults), and the `scheme`, `"ring"` or `"allgather"`
-    (with `heads_k_stride` K/V heads per gather); see `ringflash.ring_flash_attn_func`."""
+    and `transport` (None: ringflash's defaults; the ring's only), and the `scheme`, `"ring"` or
+    `"allgather"` (with `heads_k_stride` K/V heads per gather, 1 for the ring); see
+    `ringflash.ring_flash_attn_func`."""
 
     group: dist.ProcessGroup | None = None
     layout: str = "zigzag"
@@ -103,7 +106,7 @@ class RingContext:
     def __post_init__(self):
         check_layout(self.layout)
         check_scheme(self.scheme)
-        check_stride(self.heads_k_stride)
+        check_scheme_options(self.scheme, self.transport, self.heads_k_stride)
         if self.group is not None and not isinstance(self.group, dist.ProcessGroup):
             raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {type(self.group).__name__}")
 
@@ -408,6 +411,12 @@ def _refuse_features(module, attention_mask, dropout: float, kwargs: dict) -> No
         raise ValueError(
             f"config.attention_dropout = {getattr(config, 'attention_dropout', dropout)}: ring attention has no "
             "attention dropout; set it to 0.0 for training"
+        )
+    varlen = [name for name in _VARLEN_KWARGS if kwargs.get(name) is not None]
+    if varlen:  # the layer would attend across the documents they describe
+        raise ValueError(
+            f"{', '.join(varlen)}: ring attention does not read flash-attention's varlen arguments; give packed "
+            "documents as position_ids restarting at 0 to ringflash.hf.shard_batch and call the model with its shard"
         )
     if not kwargs.get("is_causal", getattr(module, "is_causal", True)):
         raise ValueError("is_causal = False: the transformers ring attention is causal (decoder) attention only")

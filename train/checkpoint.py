@@ -21,8 +21,9 @@ Loading first verifies the manifest (a damaged or missing file is named), then c
 checkpoint against this run before touching the model: every rank must have resolved the same
 checkpoint, and its parameter names and shapes must be this model's (a checkpoint of another model
 shape names the differing `model.*` settings). Nothing in a checkpoint can run code when loaded
-(train/checkpoint_files.py). A checkpoint without a manifest (written before manifests existed)
-loads with a warning. What cannot be used raises `CheckpointError` (a `ConfigError`: the
+(train/checkpoint_files.py). A checkpoint without a manifest (written before manifests existed,
+or not by ringflash) is refused, unless `checkpoint.trust_unverified` says to load it without
+checksums (with a warning). What cannot be used raises `CheckpointError` (a `ConfigError`: the
 launcher prints it as one line).
 
 Another world size is not refused: DCP stores every tensor with its global shape and each rank
@@ -60,6 +61,7 @@ from ringflash.train.checkpoint_files import (  # CheckpointError is re-exported
     TRAIN_STATE,
     CheckpointError,
     agree,
+    agreed,
     first_line,
     hash_share,
     read_metadata,
@@ -134,11 +136,14 @@ def _set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None
 class Checkpointer:
     """Saves and restores `model`, `optimizer` and a JSON-serialisable `train_state` dict.
 
-    `writer`: DCP's storage writer class for a directory (a test passes one that fails).
+    `writer`: DCP's storage writer class for a directory (a test passes one that fails);
+    `trust_unverified`: load a checkpoint without a manifest (`checkpoint.trust_unverified`).
     """
 
-    def __init__(self, directory: str | Path, keep: int, rank: int, device: torch.device, writer=FileSystemWriter):
+    def __init__(self, directory: str | Path, keep: int, rank: int, device: torch.device, writer=FileSystemWriter,
+                 trust_unverified: bool = False):  # fmt: skip
         self.dir, self.keep, self.rank, self.device, self.writer = Path(directory), keep, rank, device, writer
+        self.trust_unverified = trust_unverified
 
     def _state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -210,22 +215,23 @@ class Checkpointer:
             every: list[str | None] = [None] * dist.get_world_size()
             dist.all_gather_object(every, None if path is None else str(path))
             if len(set(every)) > 1:
-                raise CheckpointError(
+                raise agreed(CheckpointError(
                     f"checkpoint.resume = {resume!r} resolves differently on different ranks: "
                     + ", ".join(f"{p} on rank {r}" for r, p in enumerate(every))
                     + f". checkpoint.dir ({self.dir}) must be on a filesystem every rank shares."
-                )
+                ))  # fmt: skip
         return path
 
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, str | None]:
         """Restore model, optimizer and this rank's RNG in place; return the saved train_state and a
-        warning (None, or: no manifest to verify).
+        warning (None, or: no manifest to verify, loaded as `trust_unverified` allows).
 
-        Raises CheckpointError if a file is damaged (checked against the manifest first), the
-        checkpoint holds another model (parameter names or shapes differ: checked before anything
-        is loaded) or cannot be read; every rank raises, so the run stops.
+        Raises CheckpointError if there is no manifest (unless `trust_unverified`), a file is
+        damaged (checked against the manifest first), the checkpoint holds another model
+        (parameter names or shapes differ: checked before anything is loaded) or cannot be read;
+        every rank raises, so the run stops.
         """
-        warning = verify(path)
+        warning = verify(path, self.trust_unverified)
         metadata = read_metadata(path)
         train_state = read_train_state(path, metadata)
         saved_keys = metadata.state_dict_metadata

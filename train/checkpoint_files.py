@@ -1,7 +1,8 @@
 """A checkpoint's files: the manifest of checksums, and reading what DCP wrote without running code.
 
 `manifest.json` holds the sha256 and size of every other file of a checkpoint; `verify` checks
-them (every rank hashes a share) and names the first damaged or missing file. `.metadata` is
+them (every rank hashes a share) and names the first damaged or missing file, and refuses a
+checkpoint without one unless the caller's flag says to trust it. `.metadata` is
 DCP's pickle: `SafeReader` reads it with an unpickler that admits only DCP's metadata classes,
 `torch.Size` and dtypes. `SafePlanner` lets DCP unpickle its non-tensor values only once a
 `weights_only` load has accepted them (tensors already load that way). `train_state.json` is
@@ -50,7 +51,14 @@ def agree(error: str | None) -> None:
         dist.all_gather_object(errors, error)
     first = next((e for e in errors if e is not None), None)
     if first is not None:
-        raise CheckpointError(first)
+        raise agreed(CheckpointError(first))
+
+
+def agreed(error: Exception) -> Exception:
+    """`error`, marked as raised alike by every rank (after they compared notes): launch/train.py
+    prints such an error once, from rank 0."""
+    error.agreed = True
+    return error
 
 
 def _rank_world() -> tuple[int, int]:
@@ -87,16 +95,24 @@ def write_manifest(directory: Path, digests: dict[str, str]) -> None:
     write_durably(directory / MANIFEST, json.dumps({"algorithm": "sha256", "files": files}, indent=1))
 
 
-def verify(path: Path) -> str | None:
-    """CheckpointError naming the first damaged or missing file of `path`, on every rank; returns a
-    warning if `path` has no manifest (an older checkpoint), else None. Collective when distributed."""
+def verify(path: Path, trust_unverified: bool = False, flag: str = "--checkpoint.trust_unverified=true") -> str | None:
+    """CheckpointError naming the first damaged or missing file of `path`, on every rank. A `path`
+    without a manifest (written before manifests existed, or not by ringflash) has nothing to
+    verify its files by: CheckpointError naming it and `flag`, the caller's way to set
+    `trust_unverified`; with it, a warning is returned instead. Else None. Collective when distributed."""
     try:
         files = json.loads((path / MANIFEST).read_text())["files"]
         listed = {name: entry["sha256"] for name, entry in files.items()}
         if any(Path(name).name != name or name in ("", ".", "..") for name in listed):
             raise ValueError("a listed name is not a file of the checkpoint directory")
     except FileNotFoundError:
-        return f"checkpoint {path} has no {MANIFEST} (written by an older ringflash): loaded without checksums"
+        unverified = f"checkpoint {path} has no {MANIFEST}, so nothing verifies its files"
+        if trust_unverified:
+            return f"{unverified}: loaded without checksums, as {flag} asks"
+        agree(
+            f"{unverified} (written before manifests existed, or not by ringflash): refused. If you trust where "
+            f"it came from, pass {flag} to load it without checksums"
+        )
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         agree(f"checkpoint {path}: {MANIFEST} is damaged ({type(e).__name__}: {e}); the checkpoint cannot be trusted")
     names = sorted(listed)

@@ -288,6 +288,12 @@ class CheckpointConfig:
         "logging.dir holding one, else an error; a checkpoint or run directory path; 'auto': what a "
         "torchrun restart sets, the latest checkpoint of the run its first attempt started, fresh if none.",
     )
+    trust_unverified: bool = opt(
+        False,
+        "Resume a checkpoint that has no manifest.json (written before manifests existed, or not by ringflash), "
+        "whose files nothing verifies; it then loads without checksums, with a warning. Off: refused, naming "
+        "the checkpoint.",
+    )
 
 
 @dataclass
@@ -404,8 +410,11 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
     return pairs
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults, then the TOML file at `path`, then `--section.key=value` overrides; validated."""
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, world_size: int | None = None
+) -> Config:
+    """Defaults, then the TOML file at `path`, then `--section.key=value` overrides; validated, against
+    the job's `world_size` too if given."""
     cfg = Config()
     if path is not None:
         path = Path(path)
@@ -423,7 +432,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                 _set(cfg, f"{section_name}.{name}", value, from_cli=False)
     for key, value in parse_overrides(overrides or []):
         _set(cfg, key, value, from_cli=True)
-    validate(cfg)
+    validate(cfg, world_size)
     return cfg
 
 
@@ -443,9 +452,23 @@ def _check_range(key: str, value: float, interval: str) -> None:
         raise ConfigError(f"{key}: must be {'' if finite else 'finite and '}{expected}, got {value}")
 
 
-def validate(cfg: Config) -> None:
-    """Each numeric field's range, then the checks that need more than one field; the world size is
-    checked later, by ParallelDims."""
+def validate(cfg: Config, world_size: int | None = None) -> None:
+    """The checks in the order of cause, so that the first error is the mistake and not one that
+    follows from it: each numeric field's range; the parallel degrees against `world_size` (the
+    job's, where the caller knows it: launch/train.py passes torchrun's; else ParallelDims checks
+    it at start-up) and the transport; the model's shape and how the degrees cut it; the lengths
+    cut over cp; the kernels; the data; the run's own bookkeeping."""
+    _check_ranges(cfg)
+    check_degrees(cfg.parallel, world_size)
+    _check_transport(cfg.parallel)
+    _check_model(cfg.model, cfg.parallel)
+    _check_lengths(cfg)
+    _check_kernels(cfg)
+    _check_data(cfg.data, cfg.model)
+    _check_run(cfg)
+
+
+def _check_ranges(cfg: Config) -> None:
     m, d, p, t, c = cfg.model, cfg.data, cfg.parallel, cfg.train, cfg.checkpoint
     # Where 0 means off, auto or "only at the end" (see each field's help), the range starts at 0.
     ranges = {
@@ -492,6 +515,32 @@ def validate(cfg: Config) -> None:
         }
     for key, (value, interval) in ranges.items():
         _check_range(key, value, interval)
+
+
+def check_degrees(p: ParallelConfig, world_size: int | None) -> None:
+    """parallel.cp against the world size (None: not known yet), cp_heads against cp: what every
+    length cut over cp follows from. ParallelDims checks them again with the group's own size."""
+    if world_size is not None and (p.cp < 1 or world_size % p.cp):
+        raise ConfigError(
+            f"parallel.cp ({p.cp}) must divide the world size ({world_size}); "
+            f"launch a multiple of cp processes (torchrun --nproc_per_node)"
+        )
+    if p.cp_heads != AUTO and (p.cp_heads < 1 or p.cp % p.cp_heads):
+        raise ConfigError(f"parallel.cp_heads ({p.cp_heads}) must divide parallel.cp ({p.cp})")
+
+
+def _check_transport(p: ParallelConfig) -> None:
+    if p.transport == "copy-engine" and p.cp_scheme == "allgather":
+        raise ConfigError(
+            "parallel.transport = copy-engine moves the ring's blocks; parallel.cp_scheme = allgather gathers K/V "
+            "with the group's collectives and cannot use it: set transport = nccl, or cp_scheme = ring or auto"
+        )
+    if p.transport == "copy-engine" and p.dist_backend == "gloo":
+        raise ConfigError("parallel.transport: copy-engine needs GPUs and NCCL, not parallel.dist_backend = gloo")
+
+
+def _check_model(m: ModelConfig, p: ParallelConfig) -> None:
+    """The model's shape, then how parallel.cp_heads cuts its heads."""
     if m.dim % m.n_heads or (m.dim // m.n_heads) % 2:
         raise ConfigError(f"model.dim ({m.dim}) must be n_heads ({m.n_heads}) times an even head_dim")
     if m.kind == "small" and (m.hf_config or m.hf_pretrained or m.hf):
@@ -505,41 +554,43 @@ def validate(cfg: Config) -> None:
             raise ConfigError("model.window: with model.kind = hf the windows are the HF config's (sliding_window)")
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(f"model.n_kv_heads ({m.n_kv_heads}) must divide model.n_heads ({m.n_heads})")
-    if p.cp_heads != AUTO and p.cp % p.cp_heads:
-        raise ConfigError(f"parallel.cp_heads ({p.cp_heads}) must divide parallel.cp ({p.cp})")
-    if p.cp_heads != AUTO and p.cp_heads > 1 and m.kind == "hf":
+    if p.cp_heads == AUTO or p.cp_heads == 1:
+        return
+    if m.kind == "hf":
         # Their attention runs the ring over all of cp (ringflash.hf): a head grid would shard the
         # tokens one way and attend to them another.
         raise ConfigError(
             "parallel.cp_heads > 1 needs model.kind = small (transformers models run the ring or the all-gather "
             "over all of cp)"
         )
-    if p.cp_heads != AUTO and p.cp_heads > 1:
-        from ringflash.hybrid import kv_heads_per_rank
+    from ringflash.hybrid import kv_heads_per_rank
 
-        try:
-            kv_heads_per_rank(m.n_heads, m.n_kv_heads, p.cp_heads)
-        except ValueError as e:
-            raise ConfigError(
-                f"parallel.cp_heads ({p.cp_heads}) does not fit model.n_heads ({m.n_heads}) and model.n_kv_heads "
-                f"({m.n_kv_heads}): {e}"
-            ) from None
-    chunks = 2 * p.cp if p.layout == "zigzag" else p.cp
-    if d.seq_len % chunks:
+    try:
+        kv_heads_per_rank(m.n_heads, m.n_kv_heads, p.cp_heads)
+    except ValueError as e:
         raise ConfigError(
-            f"data.seq_len ({d.seq_len}) must be divisible by {chunks} "
-            f"({'2·cp' if p.layout == 'zigzag' else 'cp'} for the {p.layout} layout, cp={p.cp})"
-        )
-    if d.kind in ("passkey", "recall") and d.eval_samples and p.cp > 1 and p.layout == "stripe":
+            f"parallel.cp_heads ({p.cp_heads}) does not fit model.n_heads ({m.n_heads}) and model.n_kv_heads "
+            f"({m.n_kv_heads}): {e}"
+        ) from None
+
+
+def _check_lengths(cfg: Config) -> None:
+    """data.seq_len and what else is cut over the cp ranks: whole chunks of the layout."""
+    d, p, t = cfg.data, cfg.parallel, cfg.train
+    chunks = 2 * p.cp if p.layout == "zigzag" else p.cp
+    which = f"{'2·cp' if p.layout == 'zigzag' else 'cp'} for the {p.layout} layout, cp={p.cp}"
+    if d.seq_len % chunks:
+        raise ConfigError(f"data.seq_len ({d.seq_len}) must be divisible by {chunks} ({which})")
+    evaluates = d.kind in ("passkey", "recall") and d.eval_samples and p.cp > 1
+    if evaluates and p.layout == "stripe":
         raise ConfigError(
             "parallel.layout = stripe spreads every evaluation depth bucket over all cp ranks: set "
             "data.eval_samples = 0 (no evaluation) or use the zigzag or contiguous layout"
         )
-    if d.kind in ("passkey", "recall") and d.eval_samples and p.cp > 1 and d.eval_buckets % chunks:
+    if evaluates and d.eval_buckets % chunks:
         # A bucket across a chunk boundary has keys on two ranks: its "held by rank" label would be wrong.
         raise ConfigError(
-            f"data.eval_buckets ({d.eval_buckets}) must be a multiple of {chunks} "
-            f"({'2·cp' if p.layout == 'zigzag' else 'cp'} for the {p.layout} layout, cp={p.cp}), so that each "
+            f"data.eval_buckets ({d.eval_buckets}) must be a multiple of {chunks} ({which}), so that each "
             f"depth bucket lies in one rank's shard; or set data.eval_samples = 0 (no evaluation)"
         )
     if d.warmup_seq_len:
@@ -553,22 +604,27 @@ def validate(cfg: Config) -> None:
                 f"data.warmup_seq_steps ({d.warmup_seq_steps}) must be in [1, train.steps = {t.steps}] "
                 "when data.warmup_seq_len is set"
             )
-    # The kernels' own limits, from their backend (kernels/backends.py), before any tensor exists.
+
+
+def _check_kernels(cfg: Config) -> None:
+    """The kernels' own limits, from their backend (kernels/backends.py), before any tensor exists."""
+    m, d, p, t = cfg.model, cfg.data, cfg.parallel, cfg.train
     name, source = kernel_backend(p)
     backend = backend_named(name)
-    if backend is not None:
-        kind = mask_kind(causal=True, window=m.attn_spec.window, intervals=d.pack_documents)
-        dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(t.dtype)
-        # An HF model's head dim is known only once its config is read: the kernels check it then.
-        why = backend.supports(kind, dtype, None if m.kind == "hf" else m.dim // m.n_heads)
-        if why is not None:
-            raise ConfigError(f"{source} = {name}: {why} (model.window, data.pack_documents, train.dtype, "
-                              "model.dim / model.n_heads)")
-        if name == "cudnn" and t.device == "cpu":
-            raise ConfigError(f"{source} = cudnn needs train.device = cuda")
-    if p.transport == "copy-engine" and p.dist_backend == "gloo":
-        raise ConfigError("parallel.transport: copy-engine needs GPUs and NCCL, not parallel.dist_backend = gloo")
+    if backend is None:
+        return
+    kind = mask_kind(causal=True, window=m.attn_spec.window, intervals=d.pack_documents)
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(t.dtype)
+    # An HF model's head dim is known only once its config is read: the kernels check it then.
+    why = backend.supports(kind, dtype, None if m.kind == "hf" else m.dim // m.n_heads)
+    if why is not None:
+        raise ConfigError(f"{source} = {name}: {why} (model.window, data.pack_documents, train.dtype, "
+                          "model.dim / model.n_heads)")  # fmt: skip
+    if name == "cudnn" and t.device == "cpu":
+        raise ConfigError(f"{source} = cudnn needs train.device = cuda")
 
+
+def _check_data(d: DataConfig, m: ModelConfig) -> None:
     if d.eod_token < -1:
         raise ConfigError(f"data.eod_token: must be -1 (auto) or a token id >= 0, got {d.eod_token}")
     if d.pack_documents:
@@ -589,6 +645,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"data.heldout: needs data.kind = text or bin (a {d.kind} task has its own evaluation)")
     if d.path == STDLIB and d.kind != "text":
         raise ConfigError(f"data.path = {STDLIB}: needs data.kind = text, got {d.kind!r}")
+
+
+def _check_run(cfg: Config) -> None:
+    t = cfg.train
     if not 0 <= t.stop_at <= t.steps:
         raise ConfigError(f"train.stop_at ({t.stop_at}) must be in [0, train.steps = {t.steps}]")
     run_id = cfg.logging.run_id

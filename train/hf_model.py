@@ -156,10 +156,11 @@ def config_from_dict(saved: dict) -> Config:
     return cfg
 
 
-def export_pretrained(checkpoint: str | Path, out: str | Path, warn=print) -> Path:
+def export_pretrained(checkpoint: str | Path, out: str | Path, warn=print, trust_unverified: bool = False) -> Path:
     """Write the `kind = hf` model of a training checkpoint with `save_pretrained` to `out`, for
     `AutoModelForCausalLM.from_pretrained(out)`. One process, no process group needed. The
-    checkpoint's checksums are verified first (`warn` gets the note if it has none)."""
+    checkpoint's checksums are verified first; one without them is refused unless `trust_unverified`
+    (`warn` then gets the note)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     from ringflash.train.checkpoint_files import read_metadata, read_tensors, read_train_state, verify
@@ -167,7 +168,7 @@ def export_pretrained(checkpoint: str | Path, out: str | Path, warn=print) -> Pa
     path = Path(checkpoint)
     if not (path / ".metadata").is_file():
         raise ConfigError(f"--checkpoint: {path} is not a complete checkpoint (no .metadata)")
-    if (warning := verify(path)) is not None:
+    if (warning := verify(path, trust_unverified, "--trust-unverified")) is not None:
         warn(f"warning: {warning}")
     cfg = config_from_dict(read_train_state(path, read_metadata(path))["config"])
     if cfg.model.kind != "hf":

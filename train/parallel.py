@@ -36,7 +36,8 @@ import ringflash
 from ringflash import kernels, plan
 from ringflash.kernel_rates import rates_backend
 from ringflash.layout import SCHEMES
-from ringflash.train.config import AUTO, Config, ConfigError, ParallelConfig, kernel_backend, to_dict
+from ringflash.train.checkpoint_files import agreed
+from ringflash.train.config import AUTO, Config, ConfigError, ParallelConfig, check_degrees, kernel_backend, to_dict
 from ringflash.transport.groups import register_grid
 
 
@@ -54,13 +55,7 @@ class ParallelDims:
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int, chosen: str = "") -> ParallelDims:
         """The degrees of `cfg`, its cp_heads and cp_scheme given (`choose_cp_layout` resolves "auto")."""
-        if cfg.cp < 1 or world_size % cfg.cp:
-            raise ConfigError(
-                f"parallel.cp ({cfg.cp}) must divide the world size ({world_size}); "
-                f"launch a multiple of cp processes (torchrun --nproc_per_node)"
-            )
-        if cfg.cp_heads < 1 or cfg.cp % cfg.cp_heads:
-            raise ConfigError(f"parallel.cp_heads ({cfg.cp_heads}) must divide parallel.cp ({cfg.cp})")
+        check_degrees(cfg, world_size)
         return cls(dp=world_size // cfg.cp, cp=cfg.cp, world_size=world_size, cp_heads=cfg.cp_heads,
                    cp_scheme=cfg.cp_scheme, chosen=chosen)  # fmt: skip
 
@@ -349,10 +344,10 @@ def check_same_config(cfg: Config) -> None:
             f"{key} is " + ", ".join(f"{theirs.get(key)!r} on rank {r}" for r, theirs in enumerate(every))
             for key in differ
         )
-        raise ConfigError(
+        raise agreed(ConfigError(
             f"the ranks were launched with different configurations: {detail}. "
             "Give every rank the same config file and overrides."
-        )
+        ))  # fmt: skip
 
 
 def parallelize(model: nn.Module, pc: ParallelContext, cfg: Config) -> nn.Module:
@@ -366,6 +361,7 @@ def parallelize(model: nn.Module, pc: ParallelContext, cfg: Config) -> nn.Module
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     backend = _kernel_backend(model, cfg)
+    transport = _ring_transport(cfg, pc)
     for i, block in enumerate(model.blocks):
         # One code path for every cp: with a world-1 group the ring is a single local kernel call.
         # The cross-rank check stays on: shapes agree by construction (check_same_config), but
@@ -378,7 +374,7 @@ def parallelize(model: nn.Module, pc: ParallelContext, cfg: Config) -> nn.Module
             layout=cfg.parallel.layout,
             causal=True,
             window=cfg.model.attn_spec.window,
-            transport=cfg.parallel.transport,
+            transport=transport,
             backend=backend,
             head_group=pc.head_group,
             scheme=pc.dims.cp_scheme,
@@ -405,6 +401,12 @@ def _replicate_or_shard(model: nn.Module, pc: ParallelContext, cfg: Config) -> n
         return shard_model(model, pc.dp_cp_mesh, fsdp_policy(cfg, pc.device))
     device_ids = [pc.device.index] if pc.device.type == "cuda" else None
     return DDP(model, device_ids=device_ids, process_group=dist.group.WORLD)
+
+
+def _ring_transport(cfg: Config, pc: ParallelContext) -> str | None:
+    """`parallel.transport` for the ring; None for the all-gather, which moves K/V by the group's
+    collectives and refuses a transport (`validate` refuses copy-engine with cp_scheme = allgather)."""
+    return cfg.parallel.transport if pc.dims.cp_scheme == "ring" else None
 
 
 def _kernel_backend(model: nn.Module, cfg: Config) -> str:
@@ -493,7 +495,7 @@ def parallelize_hf(model: nn.Module, pc: ParallelContext, cfg: Config) -> nn.Mod
     import ringflash.hf
 
     backend = _kernel_backend(model, cfg)
-    model.context = ringflash.hf.RingContext(pc.cp_group, cfg.parallel.layout, backend, cfg.parallel.transport,
+    model.context = ringflash.hf.RingContext(pc.cp_group, cfg.parallel.layout, backend, _ring_transport(cfg, pc),
                                              scheme=pc.dims.cp_scheme)  # fmt: skip
     model.hf.set_attn_implementation(ringflash.hf.ATTN_IMPLEMENTATION)
     try:  # a model whose attention would not route through the ring trains on its shard alone

@@ -180,7 +180,7 @@ def _loop(cfg: Config, pc: ParallelContext, on_exit: contextlib.ExitStack) -> Tr
     run = resolve_run(cfg, pc.rank)
     on_exit.callback(run.remove_if_unused, pc.is_main)  # after log.close: a run that wrote nothing
     ckpt_dir = run.checkpoints
-    ckpt = Checkpointer(ckpt_dir, cfg.checkpoint.keep, pc.rank, dev)
+    ckpt = Checkpointer(ckpt_dir, cfg.checkpoint.keep, pc.rank, dev, trust_unverified=cfg.checkpoint.trust_unverified)
     ckpt.clean_partial()
     step, resume_notes = 0, []
     path = ckpt.resolve(run.resume)

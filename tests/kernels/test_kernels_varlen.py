@@ -151,6 +151,46 @@ def test_varlen_builds_the_documents_once_per_boundaries_tensor():
     _assert_close(dict(o=o, lse=lse, dq=grads[0], dk=grads[1], dv=grads[2]), truth, torch.float32)
 
 
+def test_spec_is_the_whole_mask_and_refuses_causal_or_window_beside_it():
+    # A spec built once serves forward and backward; a causal= or window= next to it would be ignored.
+    q, k, v, do, cu = _packed((20, 7), 2, 1, 32, torch.float32, seed=4)
+    spec = kernels.AttnSpec.documents(cu, q.shape[0], causal=True, window=5)
+    o, lse = attn_varlen_fwd(q, k, v, cu, spec=spec, backend="reference")
+    o_built, lse_built = attn_varlen_fwd(q, k, v, cu, causal=True, window=5, backend="reference")
+    assert torch.equal(o, o_built) and torch.equal(lse, lse_built)
+    grads = attn_varlen_bwd(do, q, k, v, o, lse, cu, spec=spec, backend="reference")
+    built = attn_varlen_bwd(do, q, k, v, o, lse, cu, causal=True, window=5, backend="reference")
+    assert all(torch.equal(a, b) for a, b in zip(grads, built))
+    rest = (
+        "beside spec=: the spec already holds the documents' mask; build it with "
+        "AttnSpec.documents(cu_seqlens, total, causal=, window=) and pass spec= alone"
+    )
+    with pytest.raises(ValueError) as err:
+        attn_varlen_fwd(q, k, v, cu, causal=True, spec=spec, backend="reference")
+    assert str(err.value) == f"causal=True, window=None {rest}"
+    with pytest.raises(ValueError) as err:
+        attn_varlen_bwd(do, q, k, v, o, lse, cu, window=5, spec=spec, backend="reference")
+    assert str(err.value) == f"causal=False, window=5 {rest}"
+
+
+def test_the_ops_refuse_causal_or_window_beside_intervals():
+    q, k, v = (torch.randn(1, 8, 2, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    vis = list(kernels.dense_visibility(8, window=2))
+    o, lse = torch.ops.ringflash.attn_fwd(q, k, v, vis, backend="reference")
+    assert torch.equal(o, attn_fwd(q, k, v, causal=True, window=2, backend="reference")[0])
+    said = (
+        "intervals already say which keys each query sees: give them without causal or window (build them with "
+        "kernels.visibility(..., causal=True, window=...))"
+    )
+    for extra in (dict(causal=True), dict(causal=True, window=2)):
+        with pytest.raises(ValueError) as err:
+            torch.ops.ringflash.attn_fwd(q, k, v, vis, backend="reference", **extra)
+        assert str(err.value) == said
+        with pytest.raises(ValueError) as err:
+            torch.ops.ringflash.attn_bwd(torch.ones_like(o), q, k, v, o, lse, vis, backend="reference", **extra)
+        assert str(err.value) == said
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("window", [1, 6, 40])

@@ -252,6 +252,12 @@ def _bad(rank, world, what):
         if rank == 0:
             shard["attention_mask"] = torch.ones(2, 1, N // 2, N // 2, dtype=torch.bool)
         ring(**shard)
+    elif what == "varlen-kwargs-on-one-rank":  # flash-attention's packing reaches attention on rank 1 only
+        ring, _ = models("llama")
+        shard = rh.shard_batch(make_batch("plain"))
+        if rank == 1:
+            shard["cu_seq_lens_q"] = shard["cu_seq_lens_k"] = torch.tensor([0, 10, N // 2], dtype=torch.int32)
+        ring(**shard)
 
 
 @pytest.mark.parametrize(
@@ -266,6 +272,7 @@ def _bad(rank, world, what):
         ("mismatch-docs", r"shard_batch inputs differ between the ranks of the group: batch\['position_ids'\] "
                           r"\(digest\) is [0-9a-f]{16} on rank 0, [0-9a-f]{16} on rank 1"),
         ("mask-on-one-rank", None),
+        ("varlen-kwargs-on-one-rank", None),
     ],
 )  # fmt: skip
 def test_bad_input_fails_every_rank(what, match):
@@ -280,6 +287,13 @@ def test_bad_input_fails_every_rank(what, match):
     if what == "mask-on-one-rank":
         assert "ring attention takes no dense mask" in errors[0]
         assert "rank(s) [0] of the group rejected their inputs" in errors[1]
+    if what == "varlen-kwargs-on-one-rank":
+        assert (
+            "ValueError: cu_seq_lens_q, cu_seq_lens_k: ring attention does not read flash-attention's varlen "
+            "arguments; give packed documents as position_ids restarting at 0 to ringflash.hf.shard_batch and call "
+            "the model with its shard\n" in errors[1]
+        ), errors[1]
+        assert "rank(s) [1] of the group rejected their inputs" in errors[0]
 
 
 def _answer(fn) -> tuple[str, str, float]:

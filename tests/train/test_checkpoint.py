@@ -164,7 +164,7 @@ def test_flipped_bytes_in_a_shard_or_metadata_are_named(tmp_path):
     run_ranks(_damaged_files_are_named, 2, args=(tmp_path,), timeout_s=60)
 
 
-def _no_manifest_loads_with_a_warning(rank, world, tmp: Path):
+def _no_manifest_is_refused_unless_trusted(rank, world, tmp: Path):
     model, opt = _linear_and_adamw()
     ckpt = Checkpointer(tmp, keep=2, rank=rank, device=torch.device("cpu"))
     path = ckpt.save(1, model, opt, {"step": 1})
@@ -172,14 +172,30 @@ def _no_manifest_loads_with_a_warning(rank, world, tmp: Path):
     if rank == 0:
         (path / "manifest.json").unlink()
     dist.barrier()
-    state, warning = ckpt.load(path, model, opt)
+    saved = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    with pytest.raises(CheckpointError) as err:
+        ckpt.load(path, model, opt)
+    assert str(err.value) == (
+        f"checkpoint {path} has no manifest.json, so nothing verifies its files (written before manifests existed, "
+        "or not by ringflash): refused. If you trust where it came from, pass --checkpoint.trust_unverified=true "
+        "to load it without checksums"
+    )
+    assert all(not torch.equal(a, b) for a, b in zip(saved, model.parameters()))  # nothing was loaded
+    trusting = Checkpointer(tmp, keep=2, rank=rank, device=torch.device("cpu"), trust_unverified=True)
+    state, warning = trusting.load(path, model, opt)
     assert state == {"step": 1}
-    old = "has no manifest.json (written by an older ringflash): loaded without checksums"
-    assert warning == f"checkpoint {path} {old}"
+    assert all(torch.equal(a, b) for a, b in zip(saved, model.parameters()))
+    assert warning == (
+        f"checkpoint {path} has no manifest.json, so nothing verifies its files: loaded without checksums, as "
+        "--checkpoint.trust_unverified=true asks"
+    )
 
 
-def test_checkpoint_without_manifest_loads_with_a_warning(tmp_path):
-    run_ranks(_no_manifest_loads_with_a_warning, 2, args=(tmp_path,))
+def test_checkpoint_without_manifest_is_refused_unless_trusted(tmp_path):
+    run_ranks(_no_manifest_is_refused_unless_trusted, 2, args=(tmp_path,))
 
 
 class _FullDisk(FileSystemWriter):

@@ -1,6 +1,8 @@
 """A checkpoint cannot run code: crafted pickles in the three places a DCP checkpoint holds one
 (ringflash's old training-state blob, a DCP value, DCP's `.metadata`) are refused on `--resume`
-and by `launch/export_hf.py`, and the file their unpickling would create never appears."""
+and by `launch/export_hf.py`, and the file their unpickling would create never appears. Having no
+manifest, they are refused before any reading unless the flag that trusts such checkpoints is set;
+with it, the readers' own refusal is what stops them."""
 
 from __future__ import annotations
 
@@ -45,19 +47,30 @@ def _craft(where: str, directory: Path, marker: Path) -> Path:
 WHERE = ["train_blob", "dcp_value", "metadata"]
 
 
-def _resume(rank, world, run_dir: Path, checkpoint: Path):
+def _resume(rank, world, run_dir: Path, checkpoint: Path, *flags: str):
     from ringflash.train.trainer import train
 
     with pytest.raises(CheckpointError, match=rf"checkpoint {checkpoint}") as err:
-        train(tiny_config(run_dir, "--train.steps=2", f"--checkpoint.resume={checkpoint}"))
+        train(tiny_config(run_dir, "--train.steps=2", f"--checkpoint.resume={checkpoint}", *flags))
     return str(err.value)
+
+
+def _unverified(checkpoint: Path, flag: str) -> str:
+    return (
+        f"checkpoint {checkpoint} has no manifest.json, so nothing verifies its files (written before manifests "
+        f"existed, or not by ringflash): refused. If you trust where it came from, pass {flag} to load it without "
+        "checksums"
+    )
 
 
 @pytest.mark.parametrize("where", WHERE)
 def test_resume_of_a_crafted_checkpoint_runs_no_code(tmp_path, where):
     marker = tmp_path / "created_by_unpickling"
     checkpoint = _craft(where, tmp_path / "crafted" / "step_00000001", marker)
-    [msg] = run_ranks(_resume, 1, args=(tmp_path / "run", checkpoint), timeout_s=60)
+    trusted = "--checkpoint.trust_unverified=true"
+    [refused, msg] = [run_ranks(_resume, 1, args=(tmp_path / "run", checkpoint, *flags), timeout_s=60)[0]
+                      for flags in ((), (trusted,))]  # fmt: skip
+    assert refused == _unverified(checkpoint, trusted)
     assert not marker.exists()
     assert "refused" in msg or "not plain data" in msg or "Weights only load failed" in msg, msg
 
@@ -67,11 +80,17 @@ def test_export_of_a_crafted_checkpoint_runs_no_code(tmp_path, where, capsys):
     marker = tmp_path / "created_by_unpickling"
     checkpoint = _craft(where, tmp_path / "crafted" / "step_00000001", marker)
     export = _load_script("export_hf")
-    assert export.main(["--checkpoint", str(checkpoint), "--out", str(tmp_path / "hf")]) == 2
+    args = ["--checkpoint", str(checkpoint), "--out", str(tmp_path / "hf")]
+    assert export.main(args) == 2
+    assert capsys.readouterr().err == f"error: {_unverified(checkpoint, '--trust-unverified')}\n"
+    assert export.main([*args, "--trust-unverified"]) == 2
     assert not marker.exists()
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith(f"error: checkpoint {checkpoint}"), err
-    assert len(err) == 2 and err[0].startswith("warning: ") and "no manifest.json" in err[0], err  # older format
+    assert err[:-1] == [  # older format
+        f"warning: checkpoint {checkpoint} has no manifest.json, so nothing verifies its files: loaded without "
+        "checksums, as --trust-unverified asks"
+    ], err
 
 
 def _older_checkpoint_loads(rank, world, tmp: Path):
@@ -80,7 +99,7 @@ def _older_checkpoint_loads(rank, world, tmp: Path):
     opt = torch.optim.AdamW(model.parameters())
     model(torch.randn(2, 4)).sum().backward()
     opt.step()
-    ckpt = Checkpointer(tmp, keep=2, rank=rank, device=torch.device("cpu"))
+    ckpt = Checkpointer(tmp, keep=2, rank=rank, device=torch.device("cpu"), trust_unverified=True)
     state = ckpt._state(model, opt)
     state["train"] = pickle.dumps({"step": 3, "scheduler": {"last_epoch": 3, "_last_lr": [1e-3]}})
     dcp.save(state, checkpoint_id=tmp / "step_00000003")

@@ -140,7 +140,9 @@ def test_bad_input_names_the_culprit(key):
         (["--steps=10"], r"error: --steps=10: expected an override of the form --section.key=value"),
         (["--config", "/nonexistent/x.toml"], r"error: config file not found: /nonexistent/x.toml"),
         (["--parallel.layout=ring"], r"error: parallel.layout: must be one of zigzag, contiguous, stripe, got 'ring'"),
-        (["--data.seq_len=250", "--parallel.cp=2"], r"error: data.seq_len \(250\) must be divisible by 4"),
+        (["--data.seq_len=251"], r"error: data.seq_len \(251\) must be divisible by 2"),
+        # One process (no torchrun): cp = 2 is the mistake the lengths would follow from.
+        (["--data.seq_len=250", "--parallel.cp=2"], r"error: parallel.cp \(2\) must divide the world size \(1\)"),
     ],
 )
 def test_cli_bad_input_is_one_line_naming_the_key(argv, match, capsys):
@@ -181,10 +183,13 @@ def _bad_checkpoints(rank, world, tmp: Path):
     shard.write_bytes(shard.read_bytes()[:100])
     with pytest.raises(CheckpointError, match=rf"checkpoint .*step_00000001 is damaged: {shard.name} does not match"):
         train(cfg_for(tmp, "--train.steps=2", resume))
-    # Without its manifest (as an older checkpoint) the truncated shard still fails in one line.
+    # Without its manifest (as an older checkpoint) it is refused, naming the flag that trusts it; with
+    # the flag the truncated shard still fails in one line.
     (shard.parent / "manifest.json").unlink()
-    with pytest.raises(CheckpointError, match=r"checkpoint .*step_00000001 cannot be read: "):
+    with pytest.raises(CheckpointError, match=r"step_00000001 has no manifest.json, .*--checkpoint.trust_unverified"):
         train(cfg_for(tmp, "--train.steps=2", resume))
+    with pytest.raises(CheckpointError, match=r"checkpoint .*step_00000001 cannot be read: "):
+        train(cfg_for(tmp, "--train.steps=2", resume, "--checkpoint.trust_unverified=true"))
 
 
 def test_checkpoint_of_another_model_or_damaged_is_refused_by_name(tmp_path):
