@@ -33,6 +33,10 @@ SECTIONS = {
     "steps": "Ring step kernels (`launch/bench_steps.py`)",
     "merge": "Fused merge (`launch/bench_merge.py`)",
     "training": "Training (`launch/train.py`, recorded by hand)",
+    "scaling": "Ring, all-gather and head parallelism against the planner (`launch/bench_scaling.py`)",
+    "hf": "transformers models (`launch/bench_hf.py`)",
+    "ring_compute": "Ring compute alone, per kernel backend (recorded by hand)",
+    "acceptance": "GPU acceptance run (`launch/gpu_acceptance.sh`)",
 }
 _DATE = re.compile(r"\d{4}-\d{2}-\d{2}(?: \d{2}:\d{2})?")
 
