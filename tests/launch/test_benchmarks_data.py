@@ -50,15 +50,26 @@ def _rec(title, date, commit, rows, **kw):
             "args": {"world": 2}, "results": rows, "peers": [], "ceilings": {}, "notes": "", **kw}
 
 
-def test_generator_renders_newest_first(tmp_path):
+def test_generator_renders_the_newest_record_of_each_table_newest_first(tmp_path):
     old = _rec("old run", "2026-11-22 20:00 UTC", "aaa1111", [{"impl": "ringflash", "ms": 6.26}])
     new = _rec("new run", "2026-11-23 09:36 UTC", "bbb2222", [{"impl": "ringflash", "ms": 5.0, "note": None}],
                peers=["torch CP (cudnn)"], ceilings={"kv_hop_alone": [
                    {"tokens_per_rank": 8192, "transport": "nccl", "ms": 0.25, "MiB": 64.0, "GB/s": 268.4}]})
-    same_day = _rec("dated by day only", "2026-11-23", None, [])
-    (tmp_path / "ring.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (old, new, same_day)))
+    same_day = _rec("dated by day only", "2026-11-23", None, [{"impl": "ringflash", "ms": 5.5}])
+    # Two earlier runs of "new run"'s table (one on another machine of the same GPUs) and a note on them
+    superseded = _rec("new run", "2026-11-23 08:00 UTC", "ccc3333", [{"impl": "ringflash", "ms": 5.9}])
+    elsewhere = _rec("new run", "2026-11-23 07:00 UTC", "ddd4444", [{"impl": "ringflash", "ms": 5.8}],
+                     device="2x GPU (another host)")
+    note = _rec("correction to the runs above", "2026-11-23 10:00 UTC", "eee5555", [], notes="read them as ...")
+    other_device = _rec("new run", "2026-11-22 21:00 UTC", "fff6666", [{"impl": "ringflash", "ms": 4.1}],
+                        device="4x GPU")
+    records = (old, superseded, new, elsewhere, same_day, note, other_device)
+    (tmp_path / "ring.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     text = benchmarks_md.render(benchmarks_md.load(tmp_path))
-    assert text.index("### new run") < text.index("### dated by day only") < text.index("### old run")
+    order = ["- commit: bbb2222", "### dated by day only", "- commit: fff6666", "### old run"]
+    assert [text.index(s) for s in order] == sorted(text.index(s) for s in order)
+    for hidden in ("ccc3333", "ddd4444", "correction to the runs above"):
+        assert hidden not in text
     expected = (
         "### new run\n\n"
         "- device: 2x GPU\n"
@@ -74,7 +85,7 @@ def test_generator_renders_newest_first(tmp_path):
         "| ringflash | 5 |  |\n"
     )
     assert expected in text
-    assert "`benchmarks/ring.jsonl`, 3 records, newest 2026-11-23 09:36 UTC at bbb2222" in text
+    assert "`benchmarks/ring.jsonl`, 7 records, 4 tables shown, newest 2026-11-23 10:00 UTC at eee5555" in text
 
 
 def test_generated_file_is_up_to_date():
