@@ -5,6 +5,7 @@ steps. Everything here runs on CPU too (tests/launch/test_acceptance.py).
     python launch/acceptance.py overrides CONFIG STEPS     # the run's overrides for CONFIG, one a line
     python launch/acceptance.py summary LOG EXIT_CODE      # a training log judged: one JSON line
     python launch/acceptance.py parity --config C --world W --steps N --logdir D [--record-to DIR] [-- OVERRIDES]
+    python launch/acceptance.py plot                       # the newest parity record: docs/parity.png
 
 The rule (`judge`): a run passes when its loss over all tokens falls by more than its step-to-step
 noise and no step after the first returns above the first step's loss. The parity rule (`parity`):
@@ -190,6 +191,37 @@ def run_parity(config: str, world: int, steps: int, logdir: Path, overrides: Seq
             **{f"losses cp = {cp}": " ".join(f"{x:.4f}" for x in curve) for cp, curve in curves.items()}}  # fmt: skip
 
 
+def plot_parity(records: Path, out: Path) -> Path:
+    """The newest loss-parity record of `records` (a training.jsonl) drawn: both curves, and their
+    gap as a share of the first loss against the 1% bound."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in records.read_text().splitlines() if line.strip()]
+    parity = [r for r in rows if r["title"].startswith("Loss parity:")]
+    if not parity:
+        raise SystemExit(f"{records}: no loss-parity record")
+    rec = parity[-1]
+    steps = [r["step"] for r in rec["results"]]
+    ring_key = next(k for k in rec["results"][0] if k.startswith("loss cp = ") and k != "loss cp = 1")
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True, height_ratios=(3, 2))
+    top.plot(steps, [r["loss cp = 1"] for r in rec["results"]], "o-", label="cp = 1 (one GPU)")
+    top.plot(steps, [r[ring_key] for r in rec["results"]], "x--", label=ring_key.removeprefix("loss ") + " (ring)")
+    top.set_ylabel("loss")
+    top.legend()
+    top.set_title(f"{rec['title']}\n{rec['device']}, {rec['date']}, {rec['commit']}", fontsize=9)
+    bottom.semilogy(steps, [max(r["|gap| / first loss"], 1e-7) for r in rec["results"]], "o-")
+    bottom.axhline(PARITY_TOLERANCE, color="red", linestyle=":", label=f"bound ({PARITY_TOLERANCE:.0%})")
+    bottom.set_ylabel("|gap| / first loss")
+    bottom.set_xlabel("step")
+    bottom.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -206,7 +238,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--logdir", type=Path, required=True)
     p.add_argument("--record-to", type=Path, default=None, help="directory whose training.jsonl gets the record")
     p.add_argument("overrides", nargs="*", help="after --: more --section.key=value for both runs")
+    d = sub.add_parser("plot", help="the newest loss-parity record drawn (docs/parity.png)")
+    d.add_argument("--records", type=Path, default=REPO / "benchmarks" / "training.jsonl")
+    d.add_argument("--out", type=Path, default=REPO / "docs" / "parity.png")
     args = ap.parse_args(argv)
+    if args.command == "plot":
+        print(f"plot: {plot_parity(args.records, args.out)}")
+        return 0
     if args.command == "overrides":
         print("\n".join(acceptance_overrides(args.config, args.steps)))
         return 0

@@ -165,3 +165,21 @@ def test_parity_runner_on_gloo(tmp_path):
     assert all(r["|gap| / first loss"] <= 1e-5 for r in rec["results"])
     assert "--data.passkey_loss=all" in rec["args"]["overrides"] and "PASS" in rec["notes"]
     assert Path(tmp_path / "logs" / "parity_cp2.log").is_file()
+
+
+def test_the_newest_parity_record_is_drawn(tmp_path):
+    # Two parity records: the plot reads the newest (its title in the figure is not checked, its file is).
+    def rec(title, gap):
+        results = [{"step": s, "loss cp = 1": 5.0 - s, "loss cp = 2": 5.0 - s + gap, "|gap| / first loss": gap / 5}
+                   for s in range(1, 5)]  # fmt: skip
+        return json.dumps({"title": title, "device": "cpu", "date": "2026-01-01 00:00 UTC", "commit": "x",
+                           "results": results})  # fmt: skip
+
+    records = tmp_path / "training.jsonl"
+    records.write_text("\n".join([rec("Loss parity: old", 0.01), json.dumps({"title": "Real text"}),
+                                  rec("Loss parity: new", 0.0)]) + "\n")  # fmt: skip
+    out = acceptance.plot_parity(records, tmp_path / "parity.png")
+    assert out.read_bytes().startswith(b"\x89PNG")
+    (tmp_path / "none.jsonl").write_text(json.dumps({"title": "Real text"}) + "\n")
+    with pytest.raises(SystemExit, match="no loss-parity record"):
+        acceptance.plot_parity(tmp_path / "none.jsonl", tmp_path / "x.png")
