@@ -15,7 +15,9 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -151,59 +153,79 @@ def train(cfg: Config) -> TrainResult:
         return _loop(cfg, pc, on_exit)
 
 
+@dataclass
+class _Parts:
+    """What a launch trains, built identically on every rank (DDP also broadcasts rank 0's weights)."""
+
+    source: object  # the training task or text source
+    loader: DataLoader
+    passkey: PasskeyTask | RecallTask | None  # the task evaluated by depth bucket, if any
+    raw: nn.Module  # the unwrapped model
+    model: nn.Module  # the DDP / FSDP2 wrapper that steps
+    mask_fn: Callable | None  # an HF model's per-layer masks; None: `attention_mask`
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    autocast: contextlib.AbstractContextManager
+
+
+def _build(cfg: Config, pc: ParallelContext) -> _Parts:
+    t = cfg.train
+    source, warmup_source = build_sources(cfg.data, cfg.model.vocab_size)
+    loader = DataLoader(
+        source, cfg.data.batch_size, t.grad_accum, pc.dp_rank, pc.dims.dp, warmup_source, cfg.data.warmup_seq_steps
+    )
+    passkey = source if isinstance(source, (PasskeyTask, RecallTask)) and cfg.data.eval_samples > 0 else None
+    torch.manual_seed(t.seed)  # after the data: the same initial weights whatever the task drew
+    raw = build_model(cfg).to(pc.device)
+    hf = cfg.model.kind == "hf"
+    model = (parallelize_hf if hf else parallelize)(raw, pc, cfg)
+    optimizer = build_optimizer(raw, cfg)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    mask_fn = raw.masks if hf else None
+    return _Parts(source, loader, passkey, raw, model, mask_fn, optimizer, scheduler, autocast_for(cfg, pc.device))
+
+
+def _resume(cfg: Config, run, ckpt: Checkpointer, parts: _Parts) -> tuple[int, Path | None, list[str]]:
+    """The step this launch starts at, the checkpoint it resumed from (None: fresh) and what to say about it."""
+    path = ckpt.resolve(run.resume)
+    if path is not None:
+        state, warning = ckpt.load(path, parts.model, parts.optimizer)
+        parts.scheduler.load_state_dict(state["scheduler"])
+        parts.loader.load_state_dict(state["data"])
+        step = state["step"]
+        return step, path, [f"resumed from {path} at step {step}"] + ([f"warning: {warning}"] if warning else [])
+    if run.resume:
+        return 0, None, [f"no complete checkpoint in {ckpt.dir} yet: starting this run fresh"]
+    if cfg.checkpoint.enabled and complete_checkpoints(ckpt.dir):
+        # Starting over here would interleave two runs' checkpoints; make the user choose.
+        raise ConfigError(
+            f"checkpoint.dir {ckpt.dir} already holds checkpoints "
+            f"({complete_checkpoints(ckpt.dir)[-1].name}): pass --resume to continue "
+            f"that run, or give another --checkpoint.dir / --logging.run_id (auto: a new directory per run)"
+        )
+    return 0, None, []
+
+
 def _loop(cfg: Config, pc: ParallelContext, on_exit: contextlib.ExitStack) -> TrainResult:
-    t, dev = cfg.train, pc.device
+    t = cfg.train
     # Before anything that can fail on one rank only: a rank with another config is named here.
     check_same_config(cfg)
     # The learning-rate bound needs only the model's shape: built on the meta device, so that with
     # train.strict_lr every rank refuses before any data, weights or checkpoints are touched.
     with torch.device("meta"):
         lr_warning = check_early_update(t, *fan_in_and_depth(build_model(cfg), cfg))
-    # ---- data
-    source, warmup_source = build_sources(cfg.data, cfg.model.vocab_size)
-    loader = DataLoader(
-        source, cfg.data.batch_size, t.grad_accum, pc.dp_rank, pc.dims.dp, warmup_source, cfg.data.warmup_seq_steps
-    )
-    passkey = source if isinstance(source, (PasskeyTask, RecallTask)) and cfg.data.eval_samples > 0 else None
-
-    # ---- model, optimizer, schedule (identical init on every rank; DDP also broadcasts rank 0's)
-    torch.manual_seed(t.seed)
-    raw = build_model(cfg).to(dev)
-    hf = cfg.model.kind == "hf"
-    model = (parallelize_hf if hf else parallelize)(raw, pc, cfg)
-    mask_fn = raw.masks if hf else None
-    optimizer = build_optimizer(raw, cfg)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    autocast = autocast_for(cfg, dev)
-
-    # ---- run directory, resume
+    parts = _build(cfg, pc)
     run = resolve_run(cfg, pc.rank)
     on_exit.callback(run.remove_if_unused, pc.is_main)  # after log.close: a run that wrote nothing
-    ckpt_dir = run.checkpoints
-    ckpt = Checkpointer(ckpt_dir, cfg.checkpoint.keep, pc.rank, dev, trust_unverified=cfg.checkpoint.trust_unverified)
+    ckpt = Checkpointer(
+        run.checkpoints, cfg.checkpoint.keep, pc.rank, pc.device, trust_unverified=cfg.checkpoint.trust_unverified
+    )
     ckpt.clean_partial()
-    step, resume_notes = 0, []
-    path = ckpt.resolve(run.resume)
-    if path is not None:
-        state, warning = ckpt.load(path, model, optimizer)
-        scheduler.load_state_dict(state["scheduler"])
-        loader.load_state_dict(state["data"])
-        step = state["step"]
-        resume_notes = [f"resumed from {path} at step {step}"] + ([f"warning: {warning}"] if warning else [])
-    elif run.resume:
-        resume_notes = [f"no complete checkpoint in {ckpt_dir} yet: starting this run fresh"]
-    elif cfg.checkpoint.enabled and complete_checkpoints(ckpt_dir):
-        # Starting over here would interleave two runs' checkpoints; make the user choose.
-        raise ConfigError(
-            f"checkpoint.dir {ckpt_dir} already holds checkpoints "
-            f"({complete_checkpoints(ckpt_dir)[-1].name}): pass --resume to continue "
-            f"that run, or give another --checkpoint.dir / --logging.run_id (auto: a new directory per run)"
-        )
+    step, path, resume_notes = _resume(cfg, run, ckpt, parts)
 
     stop = t.stop_at or t.steps
     # A run resumed at its end has nothing to log: no TensorBoard directory for it either.
-    tensorboard = cfg.logging.tensorboard and step < stop
-    log = Logger(str(run.dir), pc.is_main, tensorboard, cfg.logging.progress_bar)
+    log = Logger(str(run.dir), pc.is_main, cfg.logging.tensorboard and step < stop, cfg.logging.progress_bar)
     on_exit.callback(log.close)
     for note in resume_notes:
         log.print(note)
@@ -212,37 +234,95 @@ def _loop(cfg: Config, pc: ParallelContext, on_exit: contextlib.ExitStack) -> Tr
     if step >= stop:
         # Resumed where it stops: its evaluation and save at that step were done when it got there.
         # Empty losses tell the caller that nothing ran.
-        return TrainResult(final_step=step, model=raw)
+        return TrainResult(final_step=step, model=parts.raw)
 
-    last_saved = step if path is not None else -1
+    session = _Session(cfg, pc, parts, ckpt, log, last_saved=step if path is not None else -1)
+    session.print_setup()
+    heldout = HeldOut.build(cfg, pc, parts.raw, parts.source, parts.autocast, parts.mask_fn, log)
+    result = TrainResult(final_step=step)
+    if heldout is not None and step == 0:
+        result.heldout[0] = heldout(0)  # the curve's start: the untrained model
+    t_start = time.perf_counter()
+    step = session.run_steps(step, stop, heldout, result, t_start)
+    if parts.passkey is not None:
+        result.passkey = session.evaluate(step)
+    if cfg.checkpoint.enabled and step != session.last_saved:
+        session.save(step)
+    result.final_step, result.model = step, parts.raw
+    session.print_summary(result, t_start)
+    return result
 
-    def save(at: int) -> None:
-        nonlocal last_saved
-        last_saved = at
+
+@dataclass
+class _StepStats:
+    """One step's loss, gradient norm and learning rate, its wall time, tokens and model FLOPs."""
+
+    loss: float
+    grad_norm: float
+    lr: float
+    seconds: float
+    tokens: int
+    flops: float
+
+
+@dataclass
+class _Throughput:
+    """Time, tokens and FLOPs since the last printed step line (evaluations excluded)."""
+
+    seconds: float = 0.0
+    tokens: int = 0
+    flops: float = 0.0
+
+    def add(self, seconds: float, tokens: int, flops: float) -> None:
+        self.seconds += seconds
+        self.tokens += tokens
+        self.flops += flops
+
+    def reset(self) -> None:
+        self.seconds, self.tokens, self.flops = 0.0, 0, 0.0
+
+
+class _Session:
+    """One launch's training once every check has passed: the steps, their log lines, evaluations and saves."""
+
+    def __init__(self, cfg: Config, pc: ParallelContext, parts: _Parts, ckpt: Checkpointer, log: Logger,
+                 last_saved: int):
+        self.cfg, self.pc, self.parts, self.ckpt, self.log = cfg, pc, parts, ckpt, log
+        self.last_saved = last_saved
+        self.name = cfg.data.kind  # passkey or recall: the printed name and the TensorBoard tag prefix
+        passkey = parts.passkey
+        self.owners = (
+            bucket_owners(passkey, pc.dims.cp, cfg.parallel.layout, pc.dims.cp_heads) if passkey is not None else []
+        )
+        # What a step costs, for throughput and MFU (at the step's sequence length).
+        self.n_matmul = matmul_params(parts.raw)
+        self.shape = getattr(parts.raw, "flops_config", cfg.model)  # layers, width and attn_spec: attention FLOPs
+        self.peak = peak_tflops(pc.device, cfg.logging.peak_tflops)
+
+    def save(self, at: int) -> None:
+        self.last_saved = at
         train_state = {
             "step": at,
-            "scheduler": scheduler.state_dict(),
-            "data": loader.state_dict(),
-            "config": to_dict(cfg),
-            "parallel_dims": asdict(pc.dims),  # what ran, where the config says auto
+            "scheduler": self.parts.scheduler.state_dict(),
+            "data": self.parts.loader.state_dict(),
+            "config": to_dict(self.cfg),
+            "parallel_dims": asdict(self.pc.dims),  # what ran, where the config says auto
         }
-        log.print(f"checkpoint: {ckpt.save(at, model, optimizer, train_state)}")
+        self.log.print(f"checkpoint: {self.ckpt.save(at, self.parts.model, self.parts.optimizer, train_state)}")
 
-    name = cfg.data.kind  # passkey or recall: the printed name and the TensorBoard tag prefix
-    owners = bucket_owners(passkey, pc.dims.cp, cfg.parallel.layout, pc.dims.cp_heads) if passkey is not None else []
-
-    def evaluate(at: int) -> list[float]:
+    def evaluate(self, at: int) -> list[float]:
+        cfg, name, log = self.cfg, self.name, self.log
         acc = evaluate_passkey(
-            raw,
-            passkey,
-            pc,
+            self.parts.raw,
+            self.parts.passkey,
+            self.pc,
             cfg.parallel.layout,
             cfg.data.eval_samples,
             cfg.data.batch_size,
-            autocast,
+            self.parts.autocast,
             window=cfg.model.attn_spec.window,
         )
-        by_rank = accuracy_by_owner(acc, owners)
+        by_rank = accuracy_by_owner(acc, self.owners)
         log.scalars(at, {f"{name}/acc_bucket{i}": a for i, a in enumerate(acc)})
         log.scalars(at, {f"{name}/acc_mean": sum(acc) / len(acc), f"{name}/acc_min": min(acc)})
         log.scalars(at, {f"{name}/acc_key_on_rank{r}": a for r, a in by_rank.items()})
@@ -254,126 +334,133 @@ def _loop(cfg: Config, pc: ParallelContext, on_exit: contextlib.ExitStack) -> Tr
         )
         return acc
 
-    # ---- what a step costs, for throughput and MFU (at the step's sequence length)
-    world, n_matmul = pc.dims.world_size, matmul_params(raw)
-    shape = getattr(raw, "flops_config", cfg.model)  # layers, width and attn_spec for the attention FLOPs
-
-    def step_cost(at: int, micros=None) -> tuple[int, float]:
+    def step_cost(self, at: int, micros=None) -> tuple[int, float]:
         """Tokens and model FLOPs of step `at`, all ranks together. With packed documents the
         attention work depends on the batch: it is counted on this dp rank's micro-batches, times dp."""
-        L = cfg.data.warmup_seq_len if at < loader.warmup_steps else cfg.data.seq_len
-        tokens = pc.dims.dp * t.grad_accum * cfg.data.batch_size * L
+        cfg, dims = self.cfg, self.pc.dims
+        L = cfg.data.warmup_seq_len if at < self.parts.loader.warmup_steps else cfg.data.seq_len
+        tokens = dims.dp * cfg.train.grad_accum * cfg.data.batch_size * L
         if micros is None or not cfg.data.pack_documents:
-            return tokens, flops_per_token(shape, n_matmul, L) * tokens
-        local = sum(flops_per_token(shape, n_matmul, L, doc_ids) * doc_ids.numel() for *_, doc_ids in micros)
-        return tokens, pc.dims.dp * local
+            return tokens, flops_per_token(self.shape, self.n_matmul, L) * tokens
+        local = sum(flops_per_token(self.shape, self.n_matmul, L, doc_ids) * doc_ids.numel() for *_, doc_ids in micros)
+        return tokens, dims.dp * local
 
-    peak = peak_tflops(dev, cfg.logging.peak_tflops)
-    n_params = raw.num_params()
-    tokens_per_step, _ = step_cost(loader.warmup_steps)
-    log.print(
-        f"model {n_params / 1e6:.2f}M params | dp {pc.dims.dp} × cp {pc.dims.cp} on {dev.type} "
-        f"({dist.get_backend()}) | {tokens_per_step} tokens/step, {cfg.data.seq_len // pc.dims.cp} per rank per seq"
-    )
-    if pc.dims.chosen:
-        log.print(pc.dims.chosen)
-    if cfg.data.pack_documents or cfg.model.window:
-        docs = f"packed documents ending at token {resolve_eod_token(cfg.data)}" if cfg.data.pack_documents else ""
-        window = f"sliding window of {cfg.model.window} tokens" if cfg.model.window else ""
-        log.print("attention: " + ", ".join(filter(None, (docs, window))))
-    if loader.warmup_steps:
-        log.print(f"sequence-length warm-up: {cfg.data.warmup_seq_len} tokens/seq for {loader.warmup_steps} steps")
-    if passkey is not None:
-        log.print(f"{name} depth buckets held by cp ranks: " + " ".join(map(str, owners)))
-    heldout = HeldOut.build(cfg, pc, raw, source, autocast, mask_fn, log)  # None without data.heldout
+    def print_setup(self) -> None:
+        cfg, pc, log, dev = self.cfg, self.pc, self.log, self.pc.device
+        tokens_per_step, _ = self.step_cost(self.parts.loader.warmup_steps)
+        log.print(
+            f"model {self.parts.raw.num_params() / 1e6:.2f}M params | dp {pc.dims.dp} × cp {pc.dims.cp} on {dev.type} "
+            f"({dist.get_backend()}) | {tokens_per_step} tokens/step, {cfg.data.seq_len // pc.dims.cp} per rank per seq"
+        )
+        if pc.dims.chosen:
+            log.print(pc.dims.chosen)
+        if cfg.data.pack_documents or cfg.model.window:
+            docs = f"packed documents ending at token {resolve_eod_token(cfg.data)}" if cfg.data.pack_documents else ""
+            window = f"sliding window of {cfg.model.window} tokens" if cfg.model.window else ""
+            log.print("attention: " + ", ".join(filter(None, (docs, window))))
+        warmup_steps = self.parts.loader.warmup_steps
+        if warmup_steps:
+            log.print(f"sequence-length warm-up: {cfg.data.warmup_seq_len} tokens/seq for {warmup_steps} steps")
+        if self.parts.passkey is not None:
+            log.print(f"{self.name} depth buckets held by cp ranks: " + " ".join(map(str, self.owners)))
 
-    # ---- the loop
-    result = TrainResult(final_step=step)
-    if heldout is not None and step == 0:
-        result.heldout[0] = heldout(0)  # the curve's start: the untrained model
-    log.start_progress(step, t.steps)
-    t_start = time.perf_counter()
-    window_s, window_tokens, window_flops = 0.0, 0, 0.0  # since the last summary line (evals excluded)
-    while step < stop:
-        t0 = time.perf_counter()
-        micros = loader.next()
-        tokens_per_step, flops_per_step = step_cost(step, micros)
-        loss = forward_backward(model, micros, pc, cfg.parallel.layout, autocast, cfg.model.attn_spec.window, mask_fn)
-        clip = t.grad_clip if t.grad_clip > 0 else float("inf")
-        grad_norm = clip_grad_norm(raw.parameters(), clip)  # the global norm, over FSDP's shards too
+    def update(self, step: int, micros, first: bool) -> tuple[float, float, float]:
+        """One optimizer step on `micros`: the step's loss, gradient norm and learning rate."""
+        cfg, pc, parts = self.cfg, self.pc, self.parts
+        loss = forward_backward(
+            parts.model, micros, pc, cfg.parallel.layout, parts.autocast, cfg.model.attn_spec.window, parts.mask_fn
+        )
+        clip = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
+        grad_norm = clip_grad_norm(parts.raw.parameters(), clip)  # the global norm, over FSDP's shards too
         loss_f, norm_f = loss.item(), grad_norm.item()  # identical on every rank (all-reduced)
         if not (math.isfinite(loss_f) and math.isfinite(norm_f)):
             # Raised before the update and before any save: the last checkpoint stays the last good one.
-            latest = complete_checkpoints(ckpt_dir)
+            latest = complete_checkpoints(self.ckpt.dir)
             raise NonFiniteLossError(
                 f"non-finite {'loss' if not math.isfinite(loss_f) else 'gradient norm'} at step "
                 f"{step + 1} (loss {loss_f}, grad norm {norm_f}); stopping without updating or saving. "
                 f"Latest complete checkpoint: {latest[-1] if latest else 'none'}. "
                 f"Try a lower --train.lr or --train.grad_clip."
             )
-        lr = scheduler.get_last_lr()[0]
-        optimizer.step()
-        scheduler.step()
-        if step == result.final_step:  # the first step of this launch: gradients and AdamW states are live
-            log.print(memory_line(live_bytes(raw, optimizer), pc.dims.world_size if cfg.parallel.fsdp else None))
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        dt = time.perf_counter() - t0
-        result.losses[step] = loss_f
+        lr = parts.scheduler.get_last_lr()[0]
+        parts.optimizer.step()
+        parts.scheduler.step()
+        if first:  # the first step of this launch: gradients and AdamW states are live
+            fsdp_world = pc.dims.world_size if cfg.parallel.fsdp else None
+            self.log.print(memory_line(live_bytes(parts.raw, parts.optimizer), fsdp_world))
+        parts.optimizer.zero_grad(set_to_none=True)
+        return loss_f, norm_f, lr
 
-        tflops = flops_per_step / dt / world / 1e12  # per device
+    def log_step(self, step: int, stop: int, s: _StepStats, window: _Throughput) -> None:
+        """TensorBoard scalars every step; a printed line every log_every steps and at the last."""
+        dev, world = self.pc.device, self.pc.dims.world_size
+        loss_f, norm_f, lr = s.loss, s.grad_norm, s.lr
+        tflops = s.flops / s.seconds / world / 1e12  # per device
         metrics = {
             "loss": loss_f,
             "lr": lr,
             "grad_norm": norm_f,
-            "tokens_per_s": tokens_per_step / dt,
+            "tokens_per_s": s.tokens / s.seconds,
             "tflops_per_device": tflops,
             "memory/peak_gib": peak_memory_gib(dev),
         }
-        if peak > 0:
-            metrics["mfu"] = tflops / peak
-        log.scalars(step, metrics)
-        log.advance(loss_f)
-        window_s += dt
-        window_tokens += tokens_per_step
-        window_flops += flops_per_step
-        if step % cfg.logging.log_every == 0 or step == stop:
-            avg_tflops = window_flops / window_s / world / 1e12
-            mfu = f" | MFU {100 * avg_tflops / peak:.1f}%" if peak > 0 else ""
-            log.print(
+        if self.peak > 0:
+            metrics["mfu"] = tflops / self.peak
+        self.log.scalars(step, metrics)
+        self.log.advance(loss_f)
+        window.add(s.seconds, s.tokens, s.flops)
+        if step % self.cfg.logging.log_every == 0 or step == stop:
+            avg_tflops = window.flops / window.seconds / world / 1e12
+            mfu = f" | MFU {100 * avg_tflops / self.peak:.1f}%" if self.peak > 0 else ""
+            self.log.print(
                 f"step {step:6d} | loss {loss_f:.4f} | lr {lr:.2e} | grad norm {norm_f:.3f} | "
-                f"{window_tokens / window_s:,.0f} tok/s | {avg_tflops:.2f} TFLOP/s{mfu} | "
+                f"{window.tokens / window.seconds:,.0f} tok/s | {avg_tflops:.2f} TFLOP/s{mfu} | "
                 f"peak mem {metrics['memory/peak_gib']:.2f} GiB"
             )
-            window_s, window_tokens, window_flops = 0.0, 0, 0.0
-        if t.max_minutes and step % cfg.logging.log_every == 0 and _out_of_time(t_start, t.max_minutes, dev):
-            log.print(f"step {step:6d} | train.max_minutes = {t.max_minutes} reached: stopping early")
-            stop = step
-        if passkey is not None and t.eval_every and step % t.eval_every == 0 and step != stop:
-            evaluate(step)
-        if heldout is not None and (step == stop or (t.eval_every and step % t.eval_every == 0)):
-            result.heldout[step] = heldout(step)
-        if cfg.checkpoint.enabled and cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0:
-            save(step)
+            window.reset()
 
-    if passkey is not None:
-        result.passkey = evaluate(step)
-    if cfg.checkpoint.enabled and step != last_saved:
-        save(step)
-    result.final_step, result.model = step, raw
-    losses = list(result.losses.values())
-    minutes, seconds = divmod(round(time.perf_counter() - t_start), 60)
-    resumed = f" (resumed at step {step - len(losses)})" if len(losses) < step else ""
-    log.print(
-        f"summary: trained {len(losses)} steps{resumed} in {minutes}m{seconds:02d}s on {pc.dims.world_size} "
-        f"{dev.type} processes (cp = {pc.dims.cp}, dp = {pc.dims.dp}); loss {losses[0]:.4f} -> {losses[-1]:.4f}"
-    )
-    if result.passkey is not None:
-        for line in report(name, result.passkey, passkey, pc.dims.cp, cfg.parallel.layout, cfg.data.eval_samples,
-                           pc.dims.cp_heads):
-            log.print(line)
-    if log.writer is not None:
-        log.print(f"TensorBoard logs: {log.writer.get_logdir()} (every run: tensorboard --logdir {cfg.logging.dir})")
-    if cfg.checkpoint.enabled:
-        log.print(f"checkpoint of step {step}: {ckpt_dir / f'step_{step:08d}'} (continue with --resume)")
-    return result
+    def run_steps(self, step: int, stop: int, heldout: HeldOut | None, result: TrainResult, t_start: float) -> int:
+        """Step from `step` to `stop` (or until train.max_minutes); return the step reached."""
+        cfg, t = self.cfg, self.cfg.train
+        self.log.start_progress(step, t.steps)
+        window = _Throughput()
+        while step < stop:
+            t0 = time.perf_counter()
+            micros = self.parts.loader.next()
+            tokens, flops = self.step_cost(step, micros)
+            loss_f, norm_f, lr = self.update(step, micros, first=step == result.final_step)
+            step += 1
+            stats = _StepStats(loss_f, norm_f, lr, time.perf_counter() - t0, tokens, flops)
+            result.losses[step] = loss_f
+            self.log_step(step, stop, stats, window)
+            logged = step % cfg.logging.log_every == 0
+            if t.max_minutes and logged and _out_of_time(t_start, t.max_minutes, self.pc.device):
+                self.log.print(f"step {step:6d} | train.max_minutes = {t.max_minutes} reached: stopping early")
+                stop = step
+            if self.parts.passkey is not None and t.eval_every and step % t.eval_every == 0 and step != stop:
+                self.evaluate(step)
+            if heldout is not None and (step == stop or (t.eval_every and step % t.eval_every == 0)):
+                result.heldout[step] = heldout(step)
+            if cfg.checkpoint.enabled and cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0:
+                self.save(step)
+        return step
+
+    def print_summary(self, result: TrainResult, t_start: float) -> None:
+        cfg, pc, log, step = self.cfg, self.pc, self.log, result.final_step
+        losses = list(result.losses.values())
+        minutes, seconds = divmod(round(time.perf_counter() - t_start), 60)
+        resumed = f" (resumed at step {step - len(losses)})" if len(losses) < step else ""
+        log.print(
+            f"summary: trained {len(losses)} steps{resumed} in {minutes}m{seconds:02d}s on {pc.dims.world_size} "
+            f"{pc.device.type} processes (cp = {pc.dims.cp}, dp = {pc.dims.dp}); "
+            f"loss {losses[0]:.4f} -> {losses[-1]:.4f}"
+        )
+        if result.passkey is not None:
+            for line in report(self.name, result.passkey, self.parts.passkey, pc.dims.cp, cfg.parallel.layout,
+                               cfg.data.eval_samples, pc.dims.cp_heads):
+                log.print(line)
+        if log.writer is not None:
+            logdir = log.writer.get_logdir()
+            log.print(f"TensorBoard logs: {logdir} (every run: tensorboard --logdir {cfg.logging.dir})")
+        if cfg.checkpoint.enabled:
+            log.print(f"checkpoint of step {step}: {self.ckpt.dir / f'step_{step:08d}'} (continue with --resume)")
