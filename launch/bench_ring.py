@@ -46,9 +46,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import math
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -66,8 +64,8 @@ from ringflash.bench import (
     doc_lengths,
     exit_without_teardown,
     parse_tokens,
+    profile_calls,
     record,
-    synchronize,
     time_collective,
     time_local,
     visible_fraction,
@@ -112,11 +110,12 @@ def bench_ring(args, n_local, layout, dev, dtype, mask=None, transport="nccl", c
 
     if args.profile:
         name = f"{n_local}_{layout}_{backend or 'default'}_{transport}"
-        _profile(
+        profile_calls(
             fwd_bwd, f"ring fwd+bwd ({transport}), {layout}, {n_local} tokens/rank", args.trace_dir, f"ring_{name}"
         )
         if compute:
-            _profile(compute_only, f"compute only, {layout}, {n_local} tokens/rank", args.trace_dir, f"compute_{name}")
+            title = f"compute only, {layout}, {n_local} tokens/rank"
+            profile_calls(compute_only, title, args.trace_dir, f"compute_{name}")
     fwd_ms = time_collective(fwd, args.iters, args.warmup)
     fwd_bwd_ms = time_collective(fwd_bwd, args.iters, args.warmup)
     if not compute:
@@ -143,77 +142,6 @@ def bench_hop(args, n_local, dev, dtype, transport) -> tuple[float, int]:
     recv = comm.buffer("kv0", kv.shape, kv.dtype, kv.device)
     ms = time_collective(lambda: comm.send_recv(kv, recv).wait(), args.iters, args.warmup)
     return ms, kv.numel() * kv.element_size()
-
-
-def _profile(fn, title: str, trace_dir: str | None = None, name: str = "", iters: int = 3) -> None:
-    """Print rank 0's GPU time per kernel (torch.profiler) over `iters` calls of `fn`, and every
-    rank's timeline: how busy its compute stream is and where it waits (`_idle_gaps`). With
-    `trace_dir`, every rank's chrome trace is kept there as `{name}_rank{r}.json`."""
-    import json
-    import tempfile
-
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        synchronize()
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        text = Path(f.name).read_text()
-    if trace_dir:
-        Path(trace_dir).mkdir(parents=True, exist_ok=True)
-        (Path(trace_dir) / f"{name}_rank{dist.get_rank()}.json").write_text(text)
-    events = json.loads(text)["traceEvents"]
-    timelines = [None] * dist.get_world_size()
-    dist.all_gather_object(timelines, _idle_gaps(events, iters))
-    if dist.get_rank() == 0:
-        print(f"== profile: {title} ({iters} calls)")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
-        for r, lines in enumerate(timelines):
-            print(f"-- rank {r}: " + "\n   ".join(lines))
-
-
-def _idle_gaps(events: list[dict], calls: int, top: int = 8) -> list[str]:
-    """Where the compute stream waits, from a chrome trace: busy/span per call, NCCL kernels' time
-    per call, and the idle gaps (> 5 µs) summed by the kernels on either side, largest first."""
-    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    streams: dict[int, list[dict]] = {}
-    for e in gpu:
-        streams.setdefault(e["args"].get("stream", -1), []).append(e)
-    nccl = [e for e in gpu if e["name"].startswith("nccl")]
-    nccl_streams = {e["args"].get("stream", -1) for e in nccl}
-    compute_streams = [s for sid, s in streams.items() if sid not in nccl_streams]
-    if not compute_streams:
-        return ["no compute kernels in the trace (CPU run?)"]
-    compute = max(compute_streams, key=lambda s: sum(e["dur"] for e in s))
-    compute.sort(key=lambda e: e["ts"])
-    span = compute[-1]["ts"] + compute[-1]["dur"] - compute[0]["ts"]
-    busy = sum(e["dur"] for e in compute)
-    gaps: dict[tuple[str, str], list[float]] = {}
-    for a, b in itertools.pairwise(compute):
-        idle = b["ts"] - (a["ts"] + a["dur"])
-        if idle > 5:
-            gaps.setdefault((_short(a["name"]), _short(b["name"])), []).append(idle)
-    lines = [
-        f"compute stream busy {busy / calls / 1e3:.3f} of {span / calls / 1e3:.3f} ms per call; "
-        f"NCCL kernels {sum(e['dur'] for e in nccl) / calls / 1e3:.3f} ms per call ({len(nccl) // calls} per call, "
-        f"up to {max((math.prod(e['args'].get('grid', [0])) for e in nccl), default=0)} blocks)"
-    ]
-    if nccl and len(nccl) % calls == 0:  # each transfer's kernel, in call order (waiting for the peer included)
-        per_call = len(nccl) // calls
-        nccl.sort(key=lambda e: e["ts"])
-        ms = [statistics.median(e["dur"] for e in nccl[i::per_call]) / 1e3 for i in range(per_call)]
-        lines.append("NCCL kernels in order, median ms: " + ", ".join(f"{t:.3f}" for t in ms))
-    for (a, b), g in sorted(gaps.items(), key=lambda kv: -sum(kv[1]))[:top]:
-        lines.append(f"idle {sum(g) / calls / 1e3:.3f} ms/call ({len(g) / calls:.3g}×) between {a} → {b}")
-    return lines
-
-
-def _short(kernel: str) -> str:
-    return kernel.split("(")[0].split("<")[0][:28]
 
 
 def bench_masks(args, n_local, layout, dev, dtype) -> list[list]:
@@ -403,7 +331,7 @@ def _ringflash_rows(args, n, flops, dev, dtype, layouts, transports, backends) -
     n_global = n * world
     rows = []
     for backend in backends:
-        single = bench_single(args, n_global, dev, dtype, backend, _profile if args.profile else None) / world
+        single = bench_single(args, n_global, dev, dtype, backend, profile_calls if args.profile else None) / world
         for layout, transport in itertools.product(layouts, transports):
             first = transport == transports[0]  # compute-only does not depend on the transport
             predicted = predicted_ms(args, n_global, world, backend, transport, layout)  # before measuring

@@ -3,7 +3,8 @@
 FLOPs follow FlashAttention's convention: forward `4·B·H·N²·D` (halved when causal), backward
 2.5× forward. Times are medians of CUDA-event timings (`triton.testing.do_bench`) after warm-up;
 `time_collective` times calls every rank makes, in steady state. `bench_single`,
-`bench_single_sdpa` and `bench_torch_cp` time the one-GPU baselines and torch's context parallel.
+`bench_single_sdpa` and `bench_torch_cp` time the one-GPU baselines and torch's context parallel;
+`profile_calls` prints where a call's GPU time goes and where each rank's compute stream waits.
 
 Results are data: `record` appends one JSON line per run to `benchmarks/<benchmark>.jsonl`
 (`RECORD_KEYS` below); `launch/benchmarks_md.py` turns those files into BENCHMARKS.md and the plots.
@@ -13,6 +14,7 @@ Results are data: `record` appends one JSON line per run to `benchmarks/<benchma
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import math
 import os
@@ -381,3 +383,73 @@ def bench_torch_cp(args, n_global, dev, dtype, sdpa_backend: str) -> tuple[float
             return time_collective(_sdpa_fwd_bwd(q, k, v, do, sdpa_backend), args.iters, args.warmup), ""
     except Exception as e:  # an experimental API: report why, keep benchmarking
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+
+
+def profile_calls(fn, title: str, trace_dir: str | None = None, name: str = "", iters: int = 3) -> None:
+    """Print rank 0's GPU time per kernel (torch.profiler) over `iters` calls of `fn`, and every
+    rank's timeline: how busy its compute stream is and where it waits (`idle_gaps`). With
+    `trace_dir`, every rank's chrome trace is kept there as `{name}_rank{r}.json`."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        text = Path(f.name).read_text()
+    if trace_dir:
+        Path(trace_dir).mkdir(parents=True, exist_ok=True)
+        (Path(trace_dir) / f"{name}_rank{dist.get_rank()}.json").write_text(text)
+    events = json.loads(text)["traceEvents"]
+    timelines = [None] * dist.get_world_size()
+    dist.all_gather_object(timelines, idle_gaps(events, iters))
+    if dist.get_rank() == 0:
+        print(f"== profile: {title} ({iters} calls)")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+        for r, lines in enumerate(timelines):
+            print(f"-- rank {r}: " + "\n   ".join(lines))
+
+
+def idle_gaps(events: list[dict], calls: int, top: int = 8) -> list[str]:
+    """Where the compute stream waits, from a chrome trace: busy/span per call, NCCL kernels' time
+    per call, and the idle gaps (> 5 µs) summed by the kernels on either side, largest first."""
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    streams: dict[int, list[dict]] = {}
+    for e in gpu:
+        streams.setdefault(e["args"].get("stream", -1), []).append(e)
+    nccl = [e for e in gpu if e["name"].startswith("nccl")]
+    nccl_streams = {e["args"].get("stream", -1) for e in nccl}
+    compute_streams = [s for sid, s in streams.items() if sid not in nccl_streams]
+    if not compute_streams:
+        return ["no compute kernels in the trace (CPU run?)"]
+    compute = max(compute_streams, key=lambda s: sum(e["dur"] for e in s))
+    compute.sort(key=lambda e: e["ts"])
+    span = compute[-1]["ts"] + compute[-1]["dur"] - compute[0]["ts"]
+    busy = sum(e["dur"] for e in compute)
+    gaps: dict[tuple[str, str], list[float]] = {}
+    for a, b in itertools.pairwise(compute):
+        idle = b["ts"] - (a["ts"] + a["dur"])
+        if idle > 5:
+            gaps.setdefault((_short_name(a["name"]), _short_name(b["name"])), []).append(idle)
+    lines = [
+        f"compute stream busy {busy / calls / 1e3:.3f} of {span / calls / 1e3:.3f} ms per call; "
+        f"NCCL kernels {sum(e['dur'] for e in nccl) / calls / 1e3:.3f} ms per call ({len(nccl) // calls} per call, "
+        f"up to {max((math.prod(e['args'].get('grid', [0])) for e in nccl), default=0)} blocks)"
+    ]
+    if nccl and len(nccl) % calls == 0:  # each transfer's kernel, in call order (waiting for the peer included)
+        per_call = len(nccl) // calls
+        nccl.sort(key=lambda e: e["ts"])
+        ms = [statistics.median(e["dur"] for e in nccl[i::per_call]) / 1e3 for i in range(per_call)]
+        lines.append("NCCL kernels in order, median ms: " + ", ".join(f"{t:.3f}" for t in ms))
+    for (a, b), g in sorted(gaps.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        lines.append(f"idle {sum(g) / calls / 1e3:.3f} ms/call ({len(g) / calls:.3g}×) between {a} → {b}")
+    return lines
+
+
+def _short_name(kernel: str) -> str:
+    return kernel.split("(")[0].split("<")[0][:28]
