@@ -26,7 +26,7 @@ def test_defaults_are_valid():
 
 
 def test_choices_are_the_librarys():
-    # train/config.py spells them out so that loading a config imports no torch; they must stay
+    # train/config_schema.py spells them out so that loading a config imports no torch; they must stay
     # what the ring accepts.
     from ringflash.layout import LAYOUTS, SCHEMES
     from ringflash.transport import TRANSPORTS
