@@ -3,7 +3,7 @@
     python launch/bench_kernels.py                      # the full table, appended to benchmarks/kernels.jsonl
     python launch/bench_kernels.py --seqlens 4096 --head-dims 128 --no-flex   # quicker
     python launch/bench_kernels.py --masks              # packed documents and sliding windows
-    python launch/bench_kernels.py --features           # softcap, MLA head dims, a two-sided window (issue 42)
+    python launch/bench_kernels.py --features           # what softcap, MLA head dims and a two-sided window cost
     python launch/bench_kernels.py --group 8 --tokens 16384 --seqlens 16384 --head-dims 64   # a 1B Llama's GQA
     python launch/benchmarks_md.py                      # then: BENCHMARKS.md and docs/bench_kernels.png
 
@@ -278,7 +278,7 @@ def _first_sdpa(*names):
 
 
 def features(N: int, D: int, tokens: int, hidden: int, group: int, record_to: Path | None) -> None:
-    """The speed cost of each feature (issue 42) at one shape, bf16, B = tokens/N, H = hidden/D: plain
+    """The speed cost of each feature at one shape, bf16, B = tokens/N, H = hidden/D: plain
     causal, logit softcapping, DeepSeek's MLA head dims (q/k 1.5·D, v D: 192 and 128 at D = 128) and a
     two-sided window, each by our Triton and Hopper backends (which kernels ran: Hopper's fall back to
     Triton's where they do not apply), SDPA (cuDNN; n/a where it has no such feature) and FlexAttention."""

@@ -217,7 +217,7 @@ def plot_ring(records: list[dict], path: Path) -> None:
 
 def plot_ring_history(records: list[dict], path: Path) -> None:
     """Our zigzag ring's efficiency at 8k and 32k tokens per rank (Triton kernels; NCCL and copy
-    engine) in every 2-rank run, by date: the issue's two ring goals over time."""
+    engine) in every 2-rank run, by date: the two ring-efficiency goals (docs/performance.md) over time."""
     import datetime
 
     panels: dict[int, list] = {8192: [], 32768: []}

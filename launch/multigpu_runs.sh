@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Issue 29's multi-GPU runs in one command: exactness over NCCL, the pending 2-GPU goals, scaling
+# The multi-GPU runs in one command: exactness over NCCL, the pending 2-GPU goals, scaling
 # and training, on however many GPUs this host has (2, 4 or 8; best 8).
 #
 #   bash launch/multigpu_runs.sh                         # everything, N = the GPUs found
 #   bash launch/multigpu_runs.sh --steps exact,scaling   # a part (the device tool's 10-min commands)
 #   bash launch/multigpu_runs.sh --worlds 4 --steps exact # the exact and scaling steps at W = 4 only
 #   bash launch/multigpu_runs.sh --smoke                 # the same sequence on CPU gloo, 2-4 processes
-#   bash launch/multigpu_runs.sh --steps ring8k          # issue 41's measurements on a 4-GPU host
+#   bash launch/multigpu_runs.sh --steps ring8k          # the 8k ring on a 4-GPU host
 #
 # Steps, in order (each under its own `timeout`, so a hang cannot eat the lease; a failure is
 # logged and the script goes on; the summary at the end lists each step's status):
@@ -14,12 +14,12 @@
 #            backends: triton, cudnn) and the head-parallel x ring hybrid (--head-parallel 2 at
 #            every W, and 4 at W = 8), each against one GPU in float32. TOKENS_PER_RANK (default
 #            16384) keeps the float32 reference on the whole sequence short.
-#   x2       launch/ring_x2_checks.sh's benchmarks on GPUs 0 and 1 (issue 5's pending goals), one
+#   x2       launch/ring_x2_checks.sh's benchmarks on GPUs 0 and 1 (the pending ring goals), one
 #            step per length (8k, 32k tokens per rank); its checks are the exact step's at W = 2.
 #   scaling  launch/bench_scaling.py at W = 2, 4, 8, two steps each: 8k and 32k tokens per GPU
 #            (weak), a fixed 256k sequence (strong); ring, head-parallel, hybrid, torch CP, each with
 #            the planner's prediction; appends to benchmarks/scaling.jsonl.
-#   ring8k   issue 41 (N >= 4, at W = 4): bench_ring at 8k tokens per rank, zigzag, the `hopper`
+#   ring8k   the 8k ring goal (N >= 4, at W = 4): bench_ring at 8k tokens per rank, zigzag, the `hopper`
 #            kernels over NCCL and the copy engine, MHA (H = 16) and Llama-3-8B's 32/8 heads, each row
 #            with the planner's prediction; bench_scaling at 8k and 32k per GPU on the `hopper`
 #            kernels (ring, head-parallel, hybrid, torch CP); the 7B config at cp = 4, 10 steps.
@@ -171,7 +171,7 @@ if want scaling; then
   done
 fi
 
-# ---- 3b. issue 41: the ring at 8k tokens per GPU on 4 GPUs --------------------------------------
+# ---- 3b. the ring at 8k tokens per GPU on 4 GPUs ------------------------------------------------
 if want ring8k; then
   if [ "$SMOKE" = 1 ]; then
     step ring8k_bench "${TORCHRUN[@]}" --nproc_per_node=4 launch/bench_ring.py --quick --layouts zigzag \

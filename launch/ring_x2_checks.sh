@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The 2-GPU run that issue 5's open ring goals wait for (docs/performance.md, "Open leads"),
+# The 2-GPU run that the open ring-efficiency goals wait for (docs/performance.md, "Open leads"),
 # on two GPUs of one host (2×H200 for the recorded figures), ~10 min:
 #   bash launch/ring_x2_checks.sh
 # 1. check_ring_nccl on both kernel backends: the ring over NCCL and over copy engines against

@@ -151,8 +151,8 @@ def predict(
     out["activations"] = int(tokens * (layers + per["head"] + max(per["block"], per["head"])))
     out["ring"] = int(tokens * ring_bytes_per_token(model_cfg, dtype, cp))
     # The activations peak at the start of the backward, before most gradients exist; the gradients
-    # are all there only at its end, once the activations are freed (measured on one H100:
-    # docs/memory.md). So the peak holds the larger of the two, not their sum.
+    # are all there only at its end, once the activations are freed (docs/memory.md sets the
+    # prediction beside measured peaks). So the peak holds the larger of the two, not their sum.
     out["peak"] = (out["weights"] + out["optimizer"] + out["working_weights"] + out["ring"]
                    + max(out["activations"], out["gradients"]))  # fmt: skip
     return out
