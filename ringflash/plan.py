@@ -104,12 +104,12 @@ class Cluster:
     nvlink_gbs: float = _option(360.0, "NVLink GB/s per GPU, one direction, as NCCL's collectives reach (the "
                               "all-gather, the all-to-alls)")  # fmt: skip
     nccl_p2p_gbs: float = _option(155.0, "GB/s of a ring hop over NCCL send/recv inside a node, each rank "
-                                "sending to one peer and receiving from another (measured: 64 MiB in 0.43 ms, "
-                                "4×H100)")  # fmt: skip
+                                "sending to one peer and receiving from another (as measured on H100s: "
+                                "docs/planner.md)")  # fmt: skip
     nccl_pair_gbs: float = _option(280.0, "GB/s of a ring hop over NCCL between two ranks of a node, each sending to "
-                                 "the other (measured: 270-295, 2×H200)")  # fmt: skip
-    copy_engine_gbs: float = _option(335.0, "GB/s of a ring hop by copy engines inside a node (measured: 64 MiB in "
-                                   "0.20 ms, 4×H100)")  # fmt: skip
+                                 "the other (as measured on H200s: docs/planner.md)")  # fmt: skip
+    copy_engine_gbs: float = _option(335.0, "GB/s of a ring hop by copy engines inside a node (as measured on "
+                                   "H100s: docs/planner.md)")  # fmt: skip
     ib_gbs: float = _option(42.0, "InfiniBand GB/s per GPU, one direction, as NCCL reaches")
     hbm_gbs: float = _option(3000.0, "GB/s of an elementwise pass over GPU memory (the fused backwards' dK/dV "
                            "sums; H100 SXM's HBM3: 3350 peak)")  # fmt: skip
