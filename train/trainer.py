@@ -43,7 +43,7 @@ from ringflash.train.parallel import (
     parallelize_hf,
     shard_batch,
 )
-from ringflash.train.runs import resolve_run
+from ringflash.train.runs import Run, resolve_run
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -185,7 +185,7 @@ def _build(cfg: Config, pc: ParallelContext) -> _Parts:
     return _Parts(source, loader, passkey, raw, model, mask_fn, optimizer, scheduler, autocast_for(cfg, pc.device))
 
 
-def _resume(cfg: Config, run, ckpt: Checkpointer, parts: _Parts) -> tuple[int, Path | None, list[str]]:
+def _resume(cfg: Config, run: Run, ckpt: Checkpointer, parts: _Parts) -> tuple[int, Path | None, list[str]]:
     """The step this launch starts at, the checkpoint it resumed from (None: fresh) and what to say about it."""
     path = ckpt.resolve(run.resume)
     if path is not None:
