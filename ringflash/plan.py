@@ -350,9 +350,13 @@ def recommend(preds: list[Prediction], c: Cluster) -> tuple[Prediction | None, s
     why = [f"{best.describe()} is the fastest within {c.memory_gib:g} GiB of attention buffers "
            f"({best.time_s * 1e3:.2f} ms per layer, {best.memory_bytes / 2**30:.2f} GiB; communication exposed "
            f"{(best.time_s - best.compute_s) * 1e3:.2f} ms)"]  # fmt: skip
-    other = next((p for p in fits if (p.scheme, p.u == 1, p.r == 1) != (best.scheme, best.u == 1, best.r == 1)), None)
+    # The runner-up of another kind (scheme, or head parallelism against the ring): rows of the same
+    # kind that differ only in transport or grid say little about the choice. Its row in the table is named.
+    kind = lambda p: (p.scheme, p.u == 1, p.r == 1)
+    row, other = next(((i, p) for i, p in enumerate(preds, 1) if p in fits and kind(p) != kind(best)), (0, None))
     if other is not None:
-        why.append(f"next, {other.describe()}: {other.time_s * 1e3:.2f} ms (+{other.time_s / best.time_s - 1:.1%})")
+        why.append(f"next-best of another kind (row {row} of {len(preds)}), {other.describe()}: "
+                   f"{other.time_s * 1e3:.2f} ms (+{other.time_s / best.time_s - 1:.1%})")
     faster = [p for p in preds if p.time_s < best.time_s]
     if faster:
         why.append(f"{faster[0].describe()} would take {faster[0].time_s * 1e3:.2f} ms but needs "
@@ -472,7 +476,8 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
 
 _COLUMNS = """columns: scheme across the r ranks (ring or allgather; r = 1 has none), u head-parallel ranks x r
 ranks, the ring's transport; layer ms: one attention layer's forward + backward; a2a ms: its
-all-to-alls (exposed); buffers GiB: what one attention call holds per GPU beyond its inputs and
+all-to-alls (exposed); exposed ms: layer ms less its kernels' compute, the communication nothing
+hides (the all-to-alls included); buffers GiB: what one attention call holds per GPU beyond its inputs and
 outputs; model s: layer ms x --layers, the attention of one training step (no MLPs, no optimizer);
 efficiency: the unsharded attention's FLOPs / (GPUs x time x the kernel's best rate)."""
 
@@ -535,12 +540,12 @@ def main(argv: list[str] | None = None) -> None:
     print(f"H={m.heads} Hkv={m.kv_heads} D={m.head_dim} layers={m.layers} B={m.batch} N={a.seqlen} on "
           f"{c.nodes}x{c.gpus_per_node} GPUs ({a.layout}, {'causal' if m.causal else 'non-causal'}, "
           f"{a.backend} kernels)")  # fmt: skip
-    print(f"{'scheme':>10} {'u':>5} {'r':>5} {'transport':>12} {'layer ms':>10} {'a2a ms':>8} {'buffers GiB':>11} "
-          f"{'model s':>9} {'efficiency':>10}")  # fmt: skip
-    for q in preds:
-        print(f"{q.scheme if q.r > 1 else '-':>10} {q.u:>5} {q.r:>5} {q.transport:>12} {q.time_s * 1e3:>10.2f} "
-              f"{q.a2a_s * 1e3:>8.2f} {q.memory_bytes / 2**30:>11.2f} {q.time_s * m.layers:>9.3f} "
-              f"{q.efficiency:>10.1%}")  # fmt: skip
+    print(f"{'row':>3} {'scheme':>10} {'u':>5} {'r':>5} {'transport':>12} {'layer ms':>10} {'a2a ms':>8} "
+          f"{'exposed ms':>10} {'buffers GiB':>11} {'model s':>9} {'efficiency':>10}")  # fmt: skip
+    for i, q in enumerate(preds, 1):
+        print(f"{i:>3} {q.scheme if q.r > 1 else '-':>10} {q.u:>5} {q.r:>5} {q.transport:>12} {q.time_s * 1e3:>10.2f} "
+              f"{q.a2a_s * 1e3:>8.2f} {(q.time_s - q.compute_s) * 1e3:>10.2f} {q.memory_bytes / 2**30:>11.2f} "
+              f"{q.time_s * m.layers:>9.3f} {q.efficiency:>10.1%}")  # fmt: skip
     if not preds:
         print("no feasible grid (u must divide H and split or replicate the K/V heads)")
         return
