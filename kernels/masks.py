@@ -35,7 +35,8 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["Visibility", "check_visibility", "check_window", "dense_visibility", "varlen_visibility", "visibility"]
+__all__ = ["Visibility", "check_visibility", "check_window", "dense_visibility", "refuse_window", "varlen_visibility",
+           "visibility"]
 
 
 class Visibility(NamedTuple):
@@ -76,6 +77,16 @@ def check_window(
     if not causal:
         raise ValueError(f"{name} needs causal=True (a causal sliding window: i - {name} < j <= i)")
     return (window - 1, 0)
+
+
+def refuse_window(window) -> None:
+    """The attention calls take flash_attn's `window_size=(left, right)`; an old `window=` is named
+    with its replacement rather than read as a second form."""
+    if window is not None:
+        raise TypeError(
+            f"window={window!r} is now window_size=(left, right), flash_attn's form (-1: no limit): a causal "
+            "window of w keys is window_size=(w - 1, 0)"
+        )
 
 
 def _as_2d(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
