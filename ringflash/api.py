@@ -109,7 +109,7 @@ def ring_flash_attn_func(
         layout: how the inputs were sharded, `"zigzag"` (balances causal work) or `"contiguous"`.
         backend: kernels, one of `kernels.BACKENDS`; None reads `RINGFLASH_KERNEL_BACKEND` (auto).
         check_ranks: first check that every rank's call agrees, raising on all of them if not.
-        window: causal sliding window, w keys counting the diagonal: `window_size=(w - 1, 0)`.
+        window: the old name of `window_size`, refused on every rank with a TypeError naming it.
         mask: a `RingMask` from `ring_mask` (packed documents and/or a window), built once per batch.
         transport: `"nccl"` or `"copy-engine"` (GPUs of one host); None reads `RINGFLASH_TRANSPORT`. The
             ring's only: with `scheme="allgather"` anything but None raises.
@@ -240,8 +240,8 @@ def _attend(
         if mask is None and spec.window is not None:
             if compiling:  # building a mask is host work Dynamo cannot trace (ringflash/masks.py)
                 raise ValueError(
-                    "window= without mask= cannot be traced by torch.compile: build the mask outside the "
-                    "compiled region, ringflash.ring_mask(None, seqlen=N_global, window=w, group=..., "
+                    "window_size= without mask= cannot be traced by torch.compile: build the mask outside the "
+                    "compiled region, ringflash.ring_mask(None, seqlen=N_global, window=window_size, group=..., "
                     "layout=..., device=q.device), and pass mask="
                 )
             rank = 0 if world == 1 else dist.get_rank(group)
@@ -345,10 +345,11 @@ class RingFlashAttention(nn.Module):
     q `(B, N_local, H, D)`, k `(B, N_local, Hkv, D)`, v `(B, N_local, Hkv, Dv)`; o `(B, N_local, H, Dv)` in
     q's dtype. Causal by default (language
     models). With no group and no torch.distributed it is plain single-device attention, so a
-    model can hold it unconditionally. `window`: a causal sliding window of w keys in every call
-    (flash_attn's `window_size=(w - 1, 0)`; see `ring_flash_attn_func`); `forward(..., mask=)`:
-    this batch's `RingMask` (packed documents), whose causal flag must be the module's and whose
-    window must be the module's if it has one.
+    model can hold it unconditionally. `window_size`: flash_attn's `(left, right)` in every call
+    (a causal sliding window of w keys is `(w - 1, 0)`; see `ring_flash_attn_func`); `window=`, its
+    old name, is refused naming it. `forward(..., mask=)`: this batch's `RingMask` (packed
+    documents), whose causal flag must be the module's and whose window must be the module's if it
+    has one.
     `transport`: as in `ring_flash_attn_func` (None: `RINGFLASH_TRANSPORT`, read at each call);
     `backend`: the kernels, as in `ring_flash_attn_func` (None: `RINGFLASH_KERNEL_BACKEND`).
     `head_group`: head parallelism around the ring over `group` (`ring_flash_attn_func`'s).
@@ -365,20 +366,22 @@ class RingFlashAttention(nn.Module):
         softmax_scale: float | None = None,
         backend: str | None = None,
         check_ranks: bool = True,
-        window: int | None = None,
+        window_size: tuple[int, int] = (-1, -1),
         transport: str | None = None,
         *,
         head_group: dist.ProcessGroup | None = None,
         scheme: str = "ring",
         heads_k_stride: int = 1,
         softcap: float = 0.0,
+        window: None = None,
     ):
         super().__init__()
         check_layout(layout)
         check_scheme(scheme)
         allgather_ops.check_scheme_options(scheme, transport, heads_k_stride)
         kernels.check_softcap(softcap)
-        spec = kernels.AttnSpec(causal=causal, window=window)  # the window enters here, checked once
+        kernels.refuse_window(window)
+        spec = kernels.AttnSpec.from_window_size(window_size, causal=causal)  # the window enters here, checked once
         if backend is not None:
             named = kernels.backend_named(backend)  # raises on an unknown name
             why = named and named.supports(spec.kind, None, None)
@@ -387,7 +390,7 @@ class RingFlashAttention(nn.Module):
         self.softcap = softcap
         self.group, self.layout, self.causal = group, layout, causal
         self.softmax_scale, self.backend, self.check_ranks = softmax_scale, backend, check_ranks
-        self.window, self.window_size = window, spec.window_size
+        self.window_size = spec.window_size
         self.transport, self.head_group = transport, head_group
         self.scheme, self.heads_k_stride = scheme, heads_k_stride
 
@@ -414,7 +417,7 @@ class RingFlashAttention(nn.Module):
         )
 
     def extra_repr(self) -> str:
-        window = f", window={self.window}" if self.window is not None else ""
+        window = f", window_size={self.window_size}" if self.window_size != (-1, -1) else ""
         transport = f", transport={self.transport!r}" if self.transport is not None else ""
         scheme = f", scheme={self.scheme!r}" if self.scheme != "ring" else ""
         cap = f", softcap={self.softcap}" if self.softcap else ""
