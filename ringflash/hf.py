@@ -16,7 +16,7 @@ GQA/MQA needs no `repeat_kv`. The layer's `scaling` is the softmax scale. Its sl
 is the layer's own: the `sliding_window` the model passes (Mistral, Qwen2/3), else
 `config.sliding_window` where `config.layer_types[layer_idx] == "sliding_attention"`; HF's
 window (key j visible from query i iff i − w < j <= i, masking_utils.sliding_window_overlay) is
-ringflash's `window=w` exactly. HF builds no mask for this implementation (the registered mask
+ringflash's `window_size=(w - 1, 0)` exactly. HF builds no mask for this implementation (the registered mask
 function returns None), so no dense (B, 1, N, N) mask is ever made: documents and padding come
 from `shard_batch`'s `RingMasks`, passed to the model as the keyword `ring_masks`. Logit
 softcapping (the `softcap` the layer passes: Gemma 2) and attention sinks (gpt-oss: the
@@ -196,7 +196,7 @@ class RingMasks:
 
 def layer_spec(window: int | None) -> AttnSpec:
     """A decoder layer's attention as the kernels' spec: causal, within HF's sliding `window`
-    (key j visible from query i iff i − w < j <= i, ringflash's `window=w`) or none."""
+    (key j visible from query i iff i − w < j <= i, the spec's window `(w - 1, 0)`) or none."""
     return AttnSpec(causal=True, window=window)
 
 
