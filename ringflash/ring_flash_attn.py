@@ -226,26 +226,9 @@ def _varlen(
 
     first = tensors[0]
     with device_guard(first):
-        out = api._attend(
-            first,
-            None,
-            None,
-            dropout_p,
-            softmax_scale,
-            causal,
-            window_size,
-            alibi_slopes,
-            deterministic,
-            return_attn_probs,
-            group,
-            layout=layout,
-            backend=None,
-            check_ranks=True,
-            window=None,
-            mask=None,
-            transport=None,
-            prepare=prepare,
-        )
+        flash = (dropout_p, window_size, alibi_slopes, deterministic, return_attn_probs)
+        out = api._attend(first, None, None, flash, softmax_scale, causal, group, api.CallOptions(layout=layout),
+                          prepare=prepare)  # fmt: skip
     if return_attn_probs:
         o, lse, _ = out
         return o[0], lse[0], None  # lse (H, total_local), flash_attn's varlen convention
