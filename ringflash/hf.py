@@ -60,12 +60,11 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("ringflash.hf needs transformers: pip install 'ringflash[hf]'") from e
 
-import ringflash
 from ringflash import agree
 from ringflash.allgather import GatherMask, gather_mask
-from ringflash.allgather_ops import check_scheme_options
+from ringflash.api import CallOptions, _run
 from ringflash.kernels import AttnSpec
-from ringflash.layout import check_layout, check_scheme, check_splittable, shard
+from ringflash.layout import check_layout, check_splittable, shard
 from ringflash.masks import RingMask, ring_mask
 
 __all__ = [
@@ -105,8 +104,7 @@ class RingContext:
 
     def __post_init__(self):
         check_layout(self.layout)
-        check_scheme(self.scheme)
-        check_scheme_options(self.scheme, self.transport, self.heads_k_stride)
+        self.options().check()
         if self.group is not None and not isinstance(self.group, dist.ProcessGroup):
             raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {type(self.group).__name__}")
 
@@ -115,10 +113,10 @@ class RingContext:
             return 0, 1
         return dist.get_rank(self.group), dist.get_world_size(self.group)
 
-    def ring_kwargs(self) -> dict:
-        extra = {k: v for k, v in (("backend", self.backend), ("transport", self.transport)) if v is not None}
-        return dict(group=self.group, layout=self.layout, scheme=self.scheme, heads_k_stride=self.heads_k_stride,
-                    **extra)  # fmt: skip
+    def options(self, softcap: float = 0.0) -> CallOptions:
+        """One call's options in this context (`softcap`: the layer's), as `ring_flash_attn_func` makes them."""
+        return CallOptions(scheme=self.scheme, layout=self.layout, backend=self.backend, transport=self.transport,
+                           heads_k_stride=self.heads_k_stride, softcap=softcap)  # fmt: skip
 
     def mask(self, doc_ids: torch.Tensor | None, **kwargs) -> RingMask | GatherMask:
         """The scheme's mask (`ring_mask` or `gather_mask`, both taking `kwargs`) over this group and layout."""
@@ -464,12 +462,10 @@ def ring_attention_forward(
     # The layer's own score transforms, as it hands them to the built-in kernels: Gemma's softcap
     # (None: none) and gpt-oss's sinks (`s_aux`, in the model's dtype; the ring takes float32).
     sink = kwargs.get("s_aux")
-    extra = dict(softcap=float(kwargs.get("softcap") or 0.0), learnable_sink=None if sink is None else sink.float())
-    if mask is not None:
-        return ringflash.ring_flash_attn_func(q, k, v, causal=True, softmax_scale=scaling, mask=mask,
-                                              **ctx.ring_kwargs(), **extra), None  # fmt: skip
-    return ringflash.ring_flash_attn_func(q, k, v, causal=True, softmax_scale=scaling, window_size=spec.window_size,
-                                          **ctx.ring_kwargs(), **extra), None  # fmt: skip
+    options = ctx.options(softcap=float(kwargs.get("softcap") or 0.0))
+    flash = (0.0, spec.window_size if mask is None else (-1, -1), None, False, False)  # a mask holds its window
+    return _run(q, k, v, flash, scaling, True, ctx.group, None, options, mask,
+                None if sink is None else sink.float()), None  # fmt: skip
 
 
 def _announce(ctx: RingContext, q: torch.Tensor, k: torch.Tensor) -> None:
