@@ -22,7 +22,7 @@ from torch import nn
 
 from ringflash import allgather_ops, kernels, ops
 from ringflash.hybrid import hybrid_attention
-from ringflash.inputs import autocast_inputs, check_local, flash_options, world_size
+from ringflash.inputs import FlashArgs, autocast_inputs, check_local, flash_options, world_size
 from ringflash.kernels.checks import resolve_scale
 from ringflash.layout import check_layout, check_scheme
 from ringflash.masks import RingMask, op_args, window_mask
@@ -130,14 +130,13 @@ def ring_flash_attn_func(
     """
     options = CallOptions(scheme=scheme, layout=layout, backend=backend, transport=transport,
                           heads_k_stride=heads_k_stride, softcap=softcap, check_ranks=check_ranks)  # fmt: skip
-    flash = (dropout_p, window_size, alibi_slopes, deterministic, return_attn_probs)
+    flash = FlashArgs(dropout_p, window_size, alibi_slopes, deterministic, return_attn_probs)
     return _run(q, k, v, flash, softmax_scale, causal, group, head_group, options, mask, learnable_sink, window)
 
 
 @dataclass(frozen=True)
 class CallOptions:
-    """ringflash's own options of one attention call, beside flash_attn's arguments (`flash`, the
-    5-tuple `(dropout_p, window_size, alibi_slopes, deterministic, return_attn_probs)`): made once
+    """ringflash's own options of one attention call, beside flash_attn's arguments (`FlashArgs`): made once
     where a call enters (`ring_flash_attn_func`, the module, the drop-ins) and handed to the scheme
     that runs it. `check()` is their one check; each option a scheme cannot honour is refused by name."""
 
@@ -157,7 +156,7 @@ class CallOptions:
         kernels.check_softcap(self.softcap)
 
 
-def _run(q, k, v, flash: tuple, softmax_scale, causal, group, head_group, options: CallOptions, mask,
+def _run(q, k, v, flash: FlashArgs, softmax_scale, causal, group, head_group, options: CallOptions, mask,
          learnable_sink, window=None):  # fmt: skip
     """One call, settled: `flash` and `options` as `CallOptions` says, `window` the old name of
     `window_size` (refused where flash_attn's arguments are checked). Dispatches to the scheme,
@@ -182,11 +181,11 @@ def _run(q, k, v, flash: tuple, softmax_scale, causal, group, head_group, option
             q, k, v, head_group=head_group, group=group, layout=options.layout, check_ranks=options.check_ranks,
             causal=_causal(causal, mask), settings=settings,
             ring=lambda q, k, v: _attend(
-                q, k, v, (*flash[:4], True), softmax_scale, causal, group, options, mask=mask, window=window,
-                learnable_sink=ops.sink_slice(learnable_sink, head_group, q.shape[2]), spec=spec,
+                q, k, v, flash._replace(return_attn_probs=True), softmax_scale, causal, group, options, mask=mask,
+                window=window, learnable_sink=ops.sink_slice(learnable_sink, head_group, q.shape[2]), spec=spec,
             )[:2],
         )  # fmt: skip
-        return (o, lse, None) if flash[4] else o
+        return (o, lse, None) if flash.return_attn_probs else o
 
 
 def _causal(causal, mask) -> bool:
@@ -226,10 +225,10 @@ def _allgather(q, k, v, flash, softmax_scale, causal, group, head_group, options
                 check_ranks=options.check_ranks, causal=causal, settings=settings,
                 ring=lambda q, k, v: gather(q, k, v, ops.sink_slice(learnable_sink, head_group, q.shape[2])),
             )  # fmt: skip
-    return (o, lse, None) if flash[-1] else o
+    return (o, lse, None) if flash.return_attn_probs else o
 
 
-def _attend(q, k, v, flash: tuple, softmax_scale, causal, group, options: CallOptions, *, mask=None, window=None,
+def _attend(q, k, v, flash: FlashArgs, softmax_scale, causal, group, options: CallOptions, *, mask=None, window=None,
             prepare=None, learnable_sink=None, spec=None):  # fmt: skip
     """The ring's body. `prepare(spec, rank, world) -> (q, k, v, mask)` (`spec`: the call's
     `AttnSpec`, causal and window), if given, turns the caller's inputs into the ring's inside
@@ -256,7 +255,7 @@ def _attend(q, k, v, flash: tuple, softmax_scale, causal, group, options: CallOp
             q, k, v = autocast_inputs(q, k, v)
         scale, kern = check_local(q, k, v, causal, softmax_scale, layout, options.backend, world)
         ops.check_sink(learnable_sink, q)
-        if flash[3] and not kern.deterministic:
+        if flash.deterministic and not kern.deterministic:
             raise ValueError(
                 f"deterministic=True: backend {kern.name!r} is not deterministic; use 'triton' (or 'auto')"
             )
@@ -296,10 +295,10 @@ def _attend(q, k, v, flash: tuple, softmax_scale, causal, group, options: CallOp
         softcap=float(options.softcap),
         **mask_kwargs,
     )
-    return (o, lse, None) if flash[4] else o
+    return (o, lse, None) if flash.return_attn_probs else o
 
 
-def _agreed(q, flash: tuple, causal, softmax_scale, mask, options: CallOptions, learnable_sink=None,
+def _agreed(q, flash: FlashArgs, causal, softmax_scale, mask, options: CallOptions, learnable_sink=None,
             window=None) -> tuple[dict, kernels.AttnSpec]:  # fmt: skip
     """The scheme's settings the hybrid's grid check compares (`agree.row`'s keywords), checked
     here, before its all-to-all, and the call's `AttnSpec`. The all-gather's transport is the
@@ -420,7 +419,7 @@ class RingFlashAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: RingMask | None = None, *,
                 learnable_sink: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-        flash = (0.0, self.window_size, None, False, False)
+        flash = FlashArgs(window_size=self.window_size)
         return _run(q, k, v, flash, self.softmax_scale, self.causal, self.group, self.head_group, self.options, mask,
                     learnable_sink)  # fmt: skip
 

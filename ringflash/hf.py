@@ -63,6 +63,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from ringflash import agree
 from ringflash.allgather import GatherMask, gather_mask
 from ringflash.api import CallOptions, _run
+from ringflash.inputs import FlashArgs
 from ringflash.kernels import AttnSpec
 from ringflash.layout import check_layout, check_splittable, shard
 from ringflash.masks import RingMask, ring_mask
@@ -463,7 +464,7 @@ def ring_attention_forward(
     # (None: none) and gpt-oss's sinks (`s_aux`, in the model's dtype; the ring takes float32).
     sink = kwargs.get("s_aux")
     options = ctx.options(softcap=float(kwargs.get("softcap") or 0.0))
-    flash = (0.0, spec.window_size if mask is None else (-1, -1), None, False, False)  # a mask holds its window
+    flash = FlashArgs(window_size=spec.window_size if mask is None else (-1, -1))  # a mask holds its window
     return _run(q, k, v, flash, scaling, True, ctx.group, None, options, mask,
                 None if sink is None else sink.float()), None  # fmt: skip
 

@@ -6,6 +6,8 @@ then makes every rank raise with it."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 
@@ -13,7 +15,18 @@ from ringflash import kernels
 from ringflash.kernels.checks import check_qkv, resolve_scale
 from ringflash.layout import check_layout, check_splittable
 
-__all__ = ["autocast_inputs", "check_local", "flash_options", "world_size"]
+__all__ = ["FlashArgs", "autocast_inputs", "check_local", "flash_options", "world_size"]
+
+
+class FlashArgs(NamedTuple):
+    """flash_attn's own arguments of one call, in its positional order (`flash_options(*args, causal)`
+    checks them and makes the call's `AttnSpec`)."""
+
+    dropout_p: float = 0.0
+    window_size: tuple[int, int] = (-1, -1)
+    alibi_slopes: torch.Tensor | None = None
+    deterministic: bool = False
+    return_attn_probs: bool = False
 
 
 def autocast_inputs(q, k, v) -> tuple:
