@@ -29,7 +29,6 @@ from ringflash.masks import RingMask, op_args, window_mask
 from ringflash.transport import resolve_transport, ring_comm
 
 __all__ = [
-    "CallOptions",
     "RingFlashAttention",
     "ring_flash_attn_func",
     "ring_flash_attn_kvpacked_func",
