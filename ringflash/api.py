@@ -135,9 +135,12 @@ def ring_flash_attn_func(
 
 @dataclass(frozen=True)
 class CallOptions:
-    """ringflash's own options of one attention call, beside flash_attn's arguments (`FlashArgs`): made once
-    where a call enters (`ring_flash_attn_func`, the module, the drop-ins) and handed to the scheme
-    that runs it. `check()` is their one check; each option a scheme cannot honour is refused by name."""
+    """ringflash's own options of one attention call, beside flash_attn's arguments (`FlashArgs`):
+    made once where a call enters (`ring_flash_attn_func`; the module and ringflash.hf's
+    `RingContext` at construction; the varlen drop-ins) and handed to the scheme that runs it.
+    `check()` is their one check (each option a scheme cannot honour refused by name), run inside
+    the ring's and the hybrid's checks so that a refusal reaches every rank; the all-gather's
+    `allgather_ops.attend` still takes them as keywords and checks them with the same functions."""
 
     scheme: str = "ring"
     layout: str = "zigzag"
