@@ -21,11 +21,11 @@ vectorised `searchsorted` only: no host synchronisation, so it can be built insi
 on the GPU. `varlen_visibility(cu_seqlens, total, ...)` and `dense_visibility(n, ...)` cover
 packed sequences and the batch form.
 
-Window convention: `window = w` lets query position p see key positions p − w < t <= p, i.e.
-w keys *counting the diagonal* (w = 1: each token sees only itself). flash_attn's
-`window_size=(left, 0)` is `window = left + 1`. Without causality a window is flash_attn's pair
-`window = (left, right)`: query position p sees key positions p − left <= t <= p + right (−1: no
-limit on that side), an interval by global position like every other mask here.
+Window convention: one form, flash_attn's pair `window = (left, right)`: query position p sees
+key positions p − left <= t <= p + right (−1: no limit on that side), an interval by global
+position like every other mask here. A causal window of w keys *counting the diagonal* (w = 1:
+each token sees only itself) is `(w − 1, 0)`; an int w is accepted as that shorthand where a
+window enters (`check_window`), and becomes the pair there.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["Visibility", "check_visibility", "check_window", "dense_visibility", "varlen_visibility", "visibility"]
+__all__ = ["Visibility", "check_visibility", "check_window", "dense_visibility", "refuse_window", "varlen_visibility",
+           "visibility"]
 
 
 class Visibility(NamedTuple):
@@ -48,26 +49,44 @@ class Visibility(NamedTuple):
     q_hi: torch.Tensor
 
 
-def check_window(window: int | tuple[int, int] | None, causal: bool, name: str = "window") -> None:
-    """`window` is None, a positive int with causal, or a pair `(left, right)` of ints >= -1
-    without causal (module docstring); errors name `name`."""
+def check_window(
+    window: int | tuple[int, int] | None, causal: bool, name: str = "window"
+) -> tuple[int, int] | None:
+    """`window` checked and returned in its one form, the pair `(left, right)` (module docstring), or
+    None for no window. A pair's entries are ints >= -1 (-1: no limit); with causal its right is 0
+    (or -1, read as 0: the diagonal bounds it anyway), and `(-1, 0)` is no window. An int w >= 1,
+    causal only, is the w keys counting the diagonal, `(w - 1, 0)`. Errors name `name`."""
     if window is None:
-        return
+        return None
     if isinstance(window, tuple):
         if len(window) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in window):
             raise TypeError(f"{name} must be a pair of ints (left, right), got {window!r}")
+        left, right = window
         if min(window) < -1:
             raise ValueError(f"{name}={window}: entries must be >= 0, or -1 for no limit")
-        if causal:
+        if causal and right > 0:
             raise ValueError(
-                f"{name}={window}: a two-sided window (left, right) is for causal=False; a causal window is "
-                "w keys counting the diagonal"
+                f"{name}={window} with causal=True: a causal window has no keys to the right (right must be 0 or "
+                "-1); a two-sided window needs causal=False"
             )
-        return
+        if causal:
+            return None if left == -1 else (left, 0)
+        return None if window == (-1, -1) else window
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"{name} must be a positive int (keys seen, counting the diagonal) or None, got {window!r}")
     if not causal:
         raise ValueError(f"{name} needs causal=True (a causal sliding window: i - {name} < j <= i)")
+    return (window - 1, 0)
+
+
+def refuse_window(window) -> None:
+    """The attention calls take flash_attn's `window_size=(left, right)`; an old `window=` is named
+    with its replacement rather than read as a second form."""
+    if window is not None:
+        raise TypeError(
+            f"window={window!r} is now window_size=(left, right), flash_attn's form (-1: no limit): a causal "
+            "window of w keys is window_size=(w - 1, 0)"
+        )
 
 
 def _as_2d(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
@@ -110,7 +129,7 @@ def visibility(
     counting the diagonal (module docstring), causal only; or `(left, right)` without causal.
     Orders are checked for CPU tensors.
     """
-    check_window(window, causal)
+    window = check_window(window, causal)
     if (q_doc is None) != (k_doc is None):
         raise ValueError("q_doc and k_doc must be given together (document ids of the query and key rows)")
     qp, kp, qd, kd = (_as_2d(n, t) for n, t in (("q_pos", q_pos), ("k_pos", k_pos), ("q_doc", q_doc),
@@ -140,14 +159,12 @@ def visibility(
         hi = torch.searchsorted(kd, qd, right=True)  # one past its last
     if causal:
         hi = torch.minimum(hi, torch.searchsorted(kp, qp, right=True))
-    if isinstance(window, tuple):  # key positions [p − left, p + right], −1: unlimited
+    if window is not None:  # key positions [p − left, p + right], −1: unlimited
         left, right = window
         if left >= 0:
             lo = torch.maximum(lo, torch.searchsorted(kp, qp - left))
         if right >= 0:
             hi = torch.minimum(hi, torch.searchsorted(kp, qp + right, right=True))
-    elif window is not None:
-        lo = torch.maximum(lo, torch.searchsorted(kp, qp - (window - 1)))
     hi = torch.maximum(hi, lo)  # an empty row as [lo, lo): keeps both bounds non-decreasing
     # Inverse, by monotonicity: the rows that see key j are those with hi > j (a suffix) and
     # lo <= j (a prefix).
@@ -160,18 +177,20 @@ def visibility(
 def dense_visibility(
     n: int, *, window: int | tuple[int, int], device: torch.device | str | None = None
 ) -> Visibility:
-    """Sliding window over one sequence of `n` tokens (the batch form's `window=`): causal for an
-    int, two-sided for a pair `(left, right)`.
+    """Sliding window over one sequence of `n` tokens (the batch form's window): a pair `(left, right)`,
+    query i seeing keys i − left ... i + right (a causal window is `(w − 1, 0)`); an int w is that
+    causal window.
 
     Cached per (n, window, device): a model calls it with the same few shapes in every layer
     and step, and the tensors are never written."""
+    window = check_window(window, causal=not isinstance(window, tuple))
     return _dense_visibility(n, window, torch.device(device or "cpu"))
 
 
 @functools.lru_cache(maxsize=64)
-def _dense_visibility(n: int, window: int, device: torch.device) -> Visibility:
+def _dense_visibility(n: int, window: tuple[int, int] | None, device: torch.device) -> Visibility:
     pos = torch.arange(n, device=device)
-    return visibility(pos, pos, causal=not isinstance(window, tuple), window=window)
+    return visibility(pos, pos, causal=False, window=window)
 
 
 def cu_seqlens_to_doc_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:

@@ -2,18 +2,20 @@
 
     AttnSpec()                             # full: every query sees every key
     AttnSpec(causal=True)                  # causal diagonal block: query i sees keys j <= i
-    AttnSpec(causal=True, window=w)        # causal sliding window: i - w < j <= i (w keys, the diagonal counted)
+    AttnSpec(causal=True, window=(w - 1, 0))  # causal sliding window: i - w < j <= i (w keys, the diagonal
+                                              # counted); window=w is the same spec
     AttnSpec(window=(left, right))         # two-sided window: i - left <= j <= i + right (-1: no limit)
     AttnSpec.documents(cu_seqlens, total)  # packed documents (+ causal=, window=)
     AttnSpec(intervals=vis)                # any per-row key intervals (kernels/masks.py `Visibility`)
     AttnSpec(causal=True, softcap=30.0)    # + logit softcapping: scores s -> c·tanh(s/c) before the mask
-    AttnSpec.from_window_size((w - 1, 0), causal=True)  # flash_attn's form: AttnSpec(causal=True, window=w)
+    AttnSpec.from_window_size((w - 1, 0), causal=True)  # flash_attn's form, errors naming window_size
 
 The public functions take flash_attn's `causal=` / `window_size=` and build the spec where they
 are called; everything below them (the ring's masks and steps, the backends) takes the spec. It
-is validated once, here, when it is made. `spec.window_size` gives the window back in
-flash_attn's form, for what must travel as plain ints (custom-op arguments, the cross-rank
-check). A window or documents become intervals (`Visibility`) only where a kernel needs them:
+is validated once, here, when it is made, and `spec.window` is always the pair `(left, right)`
+(or None): one form from there down. `spec.window_size` gives it as `(-1, -1)` when there is
+none, for what must travel as plain ints (custom-op arguments, the cross-rank check). A window
+or documents become intervals (`Visibility`) only where a kernel needs them:
 `spec.intervals_for(q, k)`.
 
 `softcap` is not a mask but a score transform; it rides on the spec because the spec is the one
@@ -52,15 +54,15 @@ class AttnSpec:
 
     Attributes:
         causal: query i sees key j only if j <= i (needs Nq == Nk: a diagonal block).
-        window: with causal, only the last `window` keys up to the diagonal; without, a pair
-            `(left, right)`: keys i − left ... i + right (kernels/masks.py); None: no window.
+        window: a pair `(left, right)`: keys i − left ... i + right (kernels/masks.py; with causal
+            `(left, 0)`); None: no window. Given as an int w with causal, it is stored as `(w - 1, 0)`.
         intervals: per-row key intervals (`Visibility`), replacing causal and window; Nq, Nk free.
         softcap: c > 0 caps the scaled scores to c·tanh(s/c) (Gemma 2's logit softcapping), before
             the mask; 0.0: none (flash_attn's `softcap=0.0`).
     """
 
     causal: bool = False
-    window: int | tuple[int, int] | None = None
+    window: tuple[int, int] | None = None
     intervals: Visibility | None = None
     softcap: float = 0.0
 
@@ -68,7 +70,7 @@ class AttnSpec:
         if not isinstance(self.causal, bool):
             raise TypeError(f"causal must be a bool, got {type(self.causal).__name__}")
         check_softcap(self.softcap)
-        check_window(self.window, self.causal)
+        object.__setattr__(self, "window", check_window(self.window, self.causal))  # frozen: its one form
         if self.intervals is not None:
             if self.causal or self.window is not None:
                 raise ValueError(
@@ -82,41 +84,25 @@ class AttnSpec:
 
     @classmethod
     def documents(cls, cu_seqlens: torch.Tensor, total: int, *, causal: bool = False,
-                  window: int | None = None) -> AttnSpec:
+                  window: tuple[int, int] | int | None = None) -> AttnSpec:
         """Packed documents (`cu_seqlens (n_docs + 1,)` over `total` tokens, batch 1): each token
         sees only its own document, causally and within `window` if asked."""
         return cls(intervals=varlen_visibility(cu_seqlens, total, causal=causal, window=window))
 
     @classmethod
     def from_window_size(cls, window_size, *, causal: bool) -> AttnSpec:
-        """flash_attn's `window_size=(left, right)` (-1: no limit on that side) with `causal`: with
-        causal `(w - 1, 0)` (or `(w - 1, -1)`) is `window=w` and `(-1, 0)` no window; without, the
-        pair itself. Raises TypeError/ValueError naming `window_size`."""
-        ws = window_size
-        if not (isinstance(ws, (tuple, list)) and len(ws) == 2
-                and all(isinstance(x, int) and not isinstance(x, bool) for x in ws)):  # fmt: skip
-            raise TypeError(f"window_size must be a pair of ints (left, right), got {ws!r}")
-        left, right = ws
-        if (left, right) == (-1, -1):
-            return cls(causal=causal)
-        if left < -1 or right < -1:
-            raise ValueError(f"window_size={tuple(ws)}: entries must be >= 0, or -1 for no limit")
-        if causal and right > 0:
-            raise ValueError(
-                f"window_size={tuple(ws)} with causal=True: a causal window has no keys to the right (right must "
-                "be 0 or -1); a two-sided window needs causal=False"
-            )
-        if not causal:  # two-sided: query i sees keys i - left ... i + right (kernels/masks.py)
-            return cls(window=(left, right))
-        return cls(causal=causal, window=None if left == -1 else left + 1)
+        """flash_attn's `window_size=(left, right)` (-1: no limit on that side) with `causal`: the spec
+        whose `window` is that pair (with causal `(w - 1, -1)` read as `(w - 1, 0)`, and `(-1, 0)` as
+        no window). Raises TypeError/ValueError naming `window_size`."""
+        if not isinstance(window_size, (tuple, list)):
+            raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
+        return cls(causal=causal, window=check_window(tuple(window_size), causal, "window_size"))
 
     @property
     def window_size(self) -> tuple[int, int]:
-        """The window in flash_attn's form `(left, right)` (`(-1, -1)`: none); `from_window_size`
+        """The window in flash_attn's form `(left, right)`, `(-1, -1)` for none; `from_window_size`
         gives the same spec back."""
-        if self.window is None:
-            return (-1, -1)
-        return self.window if isinstance(self.window, tuple) else (self.window - 1, 0)
+        return self.window if self.window is not None else (-1, -1)
 
     @property
     def kind(self) -> Kind:

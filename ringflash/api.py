@@ -13,6 +13,7 @@ of the sequence, cut by `ringflash.layout.shard` with the same `layout` (and pos
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from typing import NoReturn
 
 import torch
@@ -21,7 +22,7 @@ from torch import nn
 
 from ringflash import allgather_ops, kernels, ops
 from ringflash.hybrid import hybrid_attention
-from ringflash.inputs import autocast_inputs, check_local, flash_options, world_size
+from ringflash.inputs import FlashArgs, autocast_inputs, check_local, flash_options, world_size
 from ringflash.kernels.checks import resolve_scale
 from ringflash.layout import check_layout, check_scheme
 from ringflash.masks import RingMask, op_args, window_mask
@@ -109,7 +110,7 @@ def ring_flash_attn_func(
         layout: how the inputs were sharded, `"zigzag"` (balances causal work) or `"contiguous"`.
         backend: kernels, one of `kernels.BACKENDS`; None reads `RINGFLASH_KERNEL_BACKEND` (auto).
         check_ranks: first check that every rank's call agrees, raising on all of them if not.
-        window: causal sliding window, w keys counting the diagonal: `window_size=(w - 1, 0)`.
+        window: the old name of `window_size`, refused on every rank with a TypeError naming it.
         mask: a `RingMask` from `ring_mask` (packed documents and/or a window), built once per batch.
         transport: `"nccl"` or `"copy-engine"` (GPUs of one host); None reads `RINGFLASH_TRANSPORT`. The
             ring's only: with `scheme="allgather"` anything but None raises.
@@ -126,61 +127,94 @@ def ring_flash_attn_func(
     Returns:
         o: `(B, N_local, H, Dv)` in q's dtype, or `(o, lse, None)`. Gradients flow to q, k, v.
     """
-    options = dict(layout=layout, backend=backend, check_ranks=check_ranks, window=window, mask=mask,
-                   transport=transport, softcap=softcap)  # fmt: skip
+    options = CallOptions(scheme=scheme, layout=layout, backend=backend, transport=transport,
+                          heads_k_stride=heads_k_stride, softcap=softcap, check_ranks=check_ranks)  # fmt: skip
+    flash = FlashArgs(dropout_p, window_size, alibi_slopes, deterministic, return_attn_probs)
+    return _run(q, k, v, flash, softmax_scale, causal, group, head_group, options, mask, learnable_sink, window)
+
+
+@dataclass(frozen=True)
+class CallOptions:
+    """ringflash's own options of one attention call, beside flash_attn's arguments (`FlashArgs`):
+    made once where a call enters (`ring_flash_attn_func`; the module and ringflash.hf's
+    `RingContext` at construction; the varlen drop-ins) and handed to the scheme that runs it.
+    `check()` is their one check (each option a scheme cannot honour refused by name), run inside
+    the ring's and the hybrid's checks so that a refusal reaches every rank; the all-gather's
+    `allgather_ops.attend` still takes them as keywords and checks them with the same functions."""
+
+    scheme: str = "ring"
+    layout: str = "zigzag"
+    backend: str | None = None
+    transport: str | None = None
+    heads_k_stride: int = 1
+    softcap: float = 0.0
+    check_ranks: bool = True
+
+    def check(self) -> None:
+        """Raises TypeError/ValueError naming the option (the scheme's, softcap's; the layout's and
+        the backend's are `check_local`'s, which needs the inputs)."""
+        check_scheme(self.scheme)
+        allgather_ops.check_scheme_options(self.scheme, self.transport, self.heads_k_stride)
+        kernels.check_softcap(self.softcap)
+
+
+def _run(q, k, v, flash: FlashArgs, softmax_scale, causal, group, head_group, options: CallOptions, mask,
+         learnable_sink, window=None):  # fmt: skip
+    """One call, settled: `flash` and `options` as `CallOptions` says, `window` the old name of
+    `window_size` (refused where flash_attn's arguments are checked). Dispatches to the scheme,
+    alone or inside the head-parallel hybrid."""
     q, k, v = autocast_inputs(q, k, v)
-    if scheme != "ring":
-        return _allgather(q, k, v, (dropout_p, window_size, alibi_slopes, deterministic, return_attn_probs),
-                          softmax_scale, causal, group, scheme, head_group, heads_k_stride, options,
-                          learnable_sink)  # fmt: skip
+    if options.scheme != "ring":
+        return _allgather(q, k, v, flash, softmax_scale, causal, group, head_group, options, mask, learnable_sink,
+                          window)  # fmt: skip
     with kernels.device_guard(q):
-        if head_group is not None:  # all-to-all heads, then the ring over `group` on (B, u·n, H/u, D) blocks
-            spec = None
+        if head_group is None:
+            return _attend(q, k, v, flash, softmax_scale, causal, group, options, mask=mask, window=window,
+                           learnable_sink=learnable_sink)  # fmt: skip
+        # All-to-all heads, then the ring over `group` on (B, u·n, H/u, D) blocks.
+        spec = None
 
-            def settings():  # the hybrid runs it, inside its checks, before ring(): the spec made here serves both
-                nonlocal spec
-                fields, spec = _agreed(q, (dropout_p, window_size, alibi_slopes, deterministic, return_attn_probs),
-                                       causal, softmax_scale, window, mask, transport, backend, softcap,
-                                       learnable_sink, heads_k_stride)  # fmt: skip
-                return fields
+        def settings():  # the hybrid runs it, inside its checks, before ring(): the spec made here serves both
+            nonlocal spec
+            fields, spec = _agreed(q, flash, causal, softmax_scale, mask, options, learnable_sink, window)
+            return fields
 
-            o, lse = hybrid_attention(
-                q, k, v, head_group=head_group, group=group, layout=layout, check_ranks=check_ranks,
-                causal=causal if causal is not None else (mask.causal if isinstance(mask, RingMask) else False),
-                settings=settings,
-                ring=lambda q, k, v: _attend(
-                    q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, True, group,
-                    **options, learnable_sink=ops.sink_slice(learnable_sink, head_group, q.shape[2]), spec=spec,
-                )[:2],
-            )  # fmt: skip
-            return (o, lse, None) if return_attn_probs else o
-        return _attend(
-            q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs,
-            group, **options, learnable_sink=learnable_sink, heads_k_stride=heads_k_stride,
+        o, lse = hybrid_attention(
+            q, k, v, head_group=head_group, group=group, layout=options.layout, check_ranks=options.check_ranks,
+            causal=_causal(causal, mask), settings=settings,
+            ring=lambda q, k, v: _attend(
+                q, k, v, flash._replace(return_attn_probs=True), softmax_scale, causal, group, options, mask=mask,
+                window=window, learnable_sink=ops.sink_slice(learnable_sink, head_group, q.shape[2]), spec=spec,
+            )[:2],
         )  # fmt: skip
+        return (o, lse, None) if flash.return_attn_probs else o
 
 
-def _allgather(q, k, v, flash, softmax_scale, causal, group, scheme, head_group, heads_k_stride, options,
-               learnable_sink=None):  # fmt: skip
+def _causal(causal, mask) -> bool:
+    """`causal=None`: the mask's flag, else False."""
+    return causal if causal is not None else (mask.causal if isinstance(mask, RingMask) else False)
+
+
+def _allgather(q, k, v, flash, softmax_scale, causal, group, head_group, options: CallOptions, mask, learnable_sink,
+               window):  # fmt: skip
     """`scheme="allgather"` (ringflash/allgather_ops.py), alone or inside the head-parallel hybrid
     (`head_group`: all-to-all heads, then the all-gather over `group`, each head rank with its
     heads' slice of the sink); an unknown scheme raises on every rank."""
     try:
-        check_scheme(scheme)
+        check_scheme(options.scheme)
     except ValueError as e:
         comm = None if torch.compiler.is_compiling() else ring_comm(group)
-        _refuse(e, comm, options["check_ranks"], q, k, causal, options["layout"])
-    mask = options["mask"]
+        _refuse(e, comm, options.check_ranks, q, k, causal, options.layout)
     causal = getattr(mask, "causal", False) if causal is None else causal
+    kwargs = dict(layout=options.layout, backend=options.backend, check_ranks=options.check_ranks, window=window,
+                  mask=mask, transport=options.transport, softcap=options.softcap,
+                  heads_k_stride=options.heads_k_stride)  # fmt: skip
 
     def gather(q, k, v, sink):
-        return allgather_ops.attend(q, k, v, flash, softmax_scale, causal, group, heads_k_stride=heads_k_stride,
-                                    learnable_sink=sink, **options)  # fmt: skip
+        return allgather_ops.attend(q, k, v, flash, softmax_scale, causal, group, learnable_sink=sink, **kwargs)
 
     def settings():  # the hybrid's grid check: the all-gather's settings, its mask's digest
-        allgather_ops.check_scheme_options("allgather", options["transport"], heads_k_stride)
-        fields, _ = _agreed(q, flash, causal, softmax_scale, options["window"], None, "nccl", options["backend"],
-                            options["softcap"], learnable_sink)  # fmt: skip
+        fields, _ = _agreed(q, flash, causal, softmax_scale, None, options, learnable_sink, window)
         window_size = getattr(getattr(mask, "call", None), "window_size", fields["window_size"])
         return dict(fields, scheme="allgather", mask_key=getattr(mask, "fingerprint", 0), window_size=window_size)
 
@@ -189,46 +223,41 @@ def _allgather(q, k, v, flash, softmax_scale, causal, group, scheme, head_group,
             o, lse = gather(q, k, v, learnable_sink)
         else:
             o, lse = hybrid_attention(
-                q, k, v, head_group=head_group, group=group, layout=options["layout"],
-                check_ranks=options["check_ranks"], causal=causal, settings=settings,
+                q, k, v, head_group=head_group, group=group, layout=options.layout,
+                check_ranks=options.check_ranks, causal=causal, settings=settings,
                 ring=lambda q, k, v: gather(q, k, v, ops.sink_slice(learnable_sink, head_group, q.shape[2])),
             )  # fmt: skip
-    return (o, lse, None) if flash[-1] else o
+    return (o, lse, None) if flash.return_attn_probs else o
 
 
-def _attend(
-    q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs, group,
-    *, layout, backend, check_ranks, window, mask, transport, prepare=None, softcap=0.0, learnable_sink=None,
-    spec=None, heads_k_stride=1,
-):  # fmt: skip
-    """`ring_flash_attn_func`'s body. `prepare(spec, rank, world) -> (q, k, v, mask)` (`spec`: the
-    call's `AttnSpec`, causal and window), if given, turns the caller's inputs into the ring's
-    inside the checks, so that its errors too are refused on every rank (the varlen forms of
+def _attend(q, k, v, flash: FlashArgs, softmax_scale, causal, group, options: CallOptions, *, mask=None, window=None,
+            prepare=None, learnable_sink=None, spec=None):  # fmt: skip
+    """The ring's body. `prepare(spec, rank, world) -> (q, k, v, mask)` (`spec`: the call's
+    `AttnSpec`, causal and window), if given, turns the caller's inputs into the ring's inside
+    the checks, so that its errors too are refused on every rank (the varlen forms of
     ringflash/ring_flash_attn.py). `spec`: that spec, when the caller has already made it from
-    these arguments (the hybrid's grid check, `_agreed`). `heads_k_stride`: the caller's, refused
-    unless 1 (the all-gather's option)."""
+    these arguments (the hybrid's grid check, `_agreed`)."""
     # Traced, not run, under torch.compile: only the metadata checks happen here; the group is
     # checked (RingComm) and the ranks compared inside the op. Eager checks the group first.
     compiling = torch.compiler.is_compiling()
+    layout, check_ranks = options.layout, options.check_ranks
     try:
-        transport = resolve_transport(transport)
+        transport = resolve_transport(options.transport)
     except ValueError as e:  # told over the default transport, which the others' check waits on
         _refuse(e, None if compiling else ring_comm(group), check_ranks, q, k, causal, layout)
     comm = None if compiling else ring_comm(group, transport)
     world = world_size(group) if compiling else comm.world
-    if causal is None:
-        causal = mask.causal if isinstance(mask, RingMask) else False
+    causal = _causal(causal, mask)
     try:
-        allgather_ops.check_scheme_options("ring", None, heads_k_stride)
+        options.check()
         if spec is None:
-            spec = flash_options(dropout_p, window_size, alibi_slopes, deterministic, return_attn_probs, causal, window)
+            spec = flash_options(*flash, causal, window)
         if prepare is not None:
             q, k, v, mask = prepare(spec, 0 if comm is None else comm.rank, world)
             q, k, v = autocast_inputs(q, k, v)
-        scale, kern = check_local(q, k, v, causal, softmax_scale, layout, backend, world)
-        kernels.check_softcap(softcap)
+        scale, kern = check_local(q, k, v, causal, softmax_scale, layout, options.backend, world)
         ops.check_sink(learnable_sink, q)
-        if deterministic and not kern.deterministic:
+        if flash.deterministic and not kern.deterministic:
             raise ValueError(
                 f"deterministic=True: backend {kern.name!r} is not deterministic; use 'triton' (or 'auto')"
             )
@@ -236,12 +265,12 @@ def _attend(
         if mask is not None:
             _check_mask(mask, q, spec, layout, world, None if compiling else comm.rank)
         for step in [spec] if mask is None else [st.spec for st in mask.steps if st is not None]:
-            kern.check(q, k, v, step.with_softcap(softcap))
+            kern.check(q, k, v, step.with_softcap(options.softcap))
         if mask is None and spec.window is not None:
             if compiling:  # building a mask is host work Dynamo cannot trace (ringflash/masks.py)
                 raise ValueError(
-                    "window= without mask= cannot be traced by torch.compile: build the mask outside the "
-                    "compiled region, ringflash.ring_mask(None, seqlen=N_global, window=w, group=..., "
+                    "window_size= without mask= cannot be traced by torch.compile: build the mask outside the "
+                    "compiled region, ringflash.ring_mask(None, seqlen=N_global, window=window_size, group=..., "
                     "layout=..., device=q.device), and pass mask="
                 )
             rank = 0 if world == 1 else dist.get_rank(group)
@@ -265,29 +294,29 @@ def _attend(
         backend=kern.name,
         check_ranks=check_ranks,
         transport=transport,
-        softcap=float(softcap),
+        softcap=float(options.softcap),
         **mask_kwargs,
     )
-    return (o, lse, None) if return_attn_probs else o
+    return (o, lse, None) if flash.return_attn_probs else o
 
 
-def _agreed(q, flash: tuple, causal, softmax_scale, window, mask, transport, backend, softcap=0.0,
-            learnable_sink=None, heads_k_stride=1) -> tuple[dict, kernels.AttnSpec]:  # fmt: skip
-    """The ring's settings the hybrid's grid check compares (`agree.row`'s keywords), checked here,
-    before its all-to-all, and the call's `AttnSpec`; `flash`: `flash_options`' first five arguments."""
-    allgather_ops.check_scheme_options("ring", None, heads_k_stride)
-    causal = causal if causal is not None else (mask.causal if isinstance(mask, RingMask) else False)
+def _agreed(q, flash: FlashArgs, causal, softmax_scale, mask, options: CallOptions, learnable_sink=None,
+            window=None) -> tuple[dict, kernels.AttnSpec]:  # fmt: skip
+    """The scheme's settings the hybrid's grid check compares (`agree.row`'s keywords), checked
+    here, before its all-to-all, and the call's `AttnSpec`. The all-gather's transport is the
+    group's own collectives (nccl)."""
+    options.check()
+    causal = _causal(causal, mask)
     spec = flash_options(*flash, causal, window)
-    kernels.get_backend(backend, q.device)  # an unknown name raises here; the backend is not compared
-    kernels.check_softcap(softcap)
+    kernels.get_backend(options.backend, q.device)  # an unknown name raises here; the backend is not compared
     ops.check_sink(learnable_sink, q)
     fields = dict(
-        softcap=softcap,
+        softcap=options.softcap,
         learnable_sink=learnable_sink,
         window_size=(mask.spec if isinstance(mask, RingMask) else spec).window_size,
         softmax_scale=resolve_scale(softmax_scale, q.shape[-1]),
         mask_key=mask.fingerprint if isinstance(mask, RingMask) else 0,
-        transport=resolve_transport(transport),
+        transport=resolve_transport("nccl" if options.scheme == "allgather" else options.transport),
     )
     return fields, spec
 
@@ -345,10 +374,11 @@ class RingFlashAttention(nn.Module):
     q `(B, N_local, H, D)`, k `(B, N_local, Hkv, D)`, v `(B, N_local, Hkv, Dv)`; o `(B, N_local, H, Dv)` in
     q's dtype. Causal by default (language
     models). With no group and no torch.distributed it is plain single-device attention, so a
-    model can hold it unconditionally. `window`: a causal sliding window of w keys in every call
-    (flash_attn's `window_size=(w - 1, 0)`; see `ring_flash_attn_func`); `forward(..., mask=)`:
-    this batch's `RingMask` (packed documents), whose causal flag must be the module's and whose
-    window must be the module's if it has one.
+    model can hold it unconditionally. `window_size`: flash_attn's `(left, right)` in every call
+    (a causal sliding window of w keys is `(w - 1, 0)`; see `ring_flash_attn_func`); `window=`, its
+    old name, is refused naming it. `forward(..., mask=)`: this batch's `RingMask` (packed
+    documents), whose causal flag must be the module's and whose window must be the module's if it
+    has one.
     `transport`: as in `ring_flash_attn_func` (None: `RINGFLASH_TRANSPORT`, read at each call);
     `backend`: the kernels, as in `ring_flash_attn_func` (None: `RINGFLASH_KERNEL_BACKEND`).
     `head_group`: head parallelism around the ring over `group` (`ring_flash_attn_func`'s).
@@ -365,58 +395,40 @@ class RingFlashAttention(nn.Module):
         softmax_scale: float | None = None,
         backend: str | None = None,
         check_ranks: bool = True,
-        window: int | None = None,
+        window_size: tuple[int, int] = (-1, -1),
         transport: str | None = None,
         *,
         head_group: dist.ProcessGroup | None = None,
         scheme: str = "ring",
         heads_k_stride: int = 1,
         softcap: float = 0.0,
+        window: None = None,
     ):
         super().__init__()
         check_layout(layout)
-        check_scheme(scheme)
-        allgather_ops.check_scheme_options(scheme, transport, heads_k_stride)
-        kernels.check_softcap(softcap)
-        spec = kernels.AttnSpec(causal=causal, window=window)  # the window enters here, checked once
+        self.options = CallOptions(scheme=scheme, layout=layout, backend=backend, transport=transport,
+                                   heads_k_stride=heads_k_stride, softcap=softcap, check_ranks=check_ranks)  # fmt: skip
+        self.options.check()
+        kernels.refuse_window(window)
+        spec = kernels.AttnSpec.from_window_size(window_size, causal=causal)  # the window enters here, checked once
         if backend is not None:
             named = kernels.backend_named(backend)  # raises on an unknown name
             why = named and named.supports(spec.kind, None, None)
             if why:
                 raise ValueError(why)
-        self.softcap = softcap
-        self.group, self.layout, self.causal = group, layout, causal
-        self.softmax_scale, self.backend, self.check_ranks = softmax_scale, backend, check_ranks
-        self.window, self.window_size = window, spec.window_size
-        self.transport, self.head_group = transport, head_group
-        self.scheme, self.heads_k_stride = scheme, heads_k_stride
+        self.group, self.head_group, self.causal, self.softmax_scale = group, head_group, causal, softmax_scale
+        self.window_size = spec.window_size
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: RingMask | None = None, *,
                 learnable_sink: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-        return ring_flash_attn_func(
-            q,
-            k,
-            v,
-            causal=self.causal,
-            softmax_scale=self.softmax_scale,
-            group=self.group,
-            layout=self.layout,
-            backend=self.backend,
-            check_ranks=self.check_ranks,
-            window_size=self.window_size,
-            mask=mask,
-            transport=self.transport,
-            head_group=self.head_group,
-            scheme=self.scheme,
-            heads_k_stride=self.heads_k_stride,
-            softcap=self.softcap,
-            learnable_sink=learnable_sink,
-        )
+        flash = FlashArgs(window_size=self.window_size)
+        return _run(q, k, v, flash, self.softmax_scale, self.causal, self.group, self.head_group, self.options, mask,
+                    learnable_sink)  # fmt: skip
 
     def extra_repr(self) -> str:
-        window = f", window={self.window}" if self.window is not None else ""
-        transport = f", transport={self.transport!r}" if self.transport is not None else ""
-        scheme = f", scheme={self.scheme!r}" if self.scheme != "ring" else ""
-        cap = f", softcap={self.softcap}" if self.softcap else ""
-        return (f"layout={self.layout!r}, causal={self.causal}{window}, backend={self.backend!r}{transport}{scheme}"
-                f"{cap}")
+        o = self.options
+        window = f", window_size={self.window_size}" if self.window_size != (-1, -1) else ""
+        transport = f", transport={o.transport!r}" if o.transport is not None else ""
+        scheme = f", scheme={o.scheme!r}" if o.scheme != "ring" else ""
+        cap = f", softcap={o.softcap}" if o.softcap else ""
+        return f"layout={o.layout!r}, causal={self.causal}{window}, backend={o.backend!r}{transport}{scheme}{cap}"

@@ -16,7 +16,7 @@ GQA/MQA needs no `repeat_kv`. The layer's `scaling` is the softmax scale. Its sl
 is the layer's own: the `sliding_window` the model passes (Mistral, Qwen2/3), else
 `config.sliding_window` where `config.layer_types[layer_idx] == "sliding_attention"`; HF's
 window (key j visible from query i iff i − w < j <= i, masking_utils.sliding_window_overlay) is
-ringflash's `window=w` exactly. HF builds no mask for this implementation (the registered mask
+ringflash's `window_size=(w - 1, 0)` exactly. HF builds no mask for this implementation (the registered mask
 function returns None), so no dense (B, 1, N, N) mask is ever made: documents and padding come
 from `shard_batch`'s `RingMasks`, passed to the model as the keyword `ring_masks`. Logit
 softcapping (the `softcap` the layer passes: Gemma 2) and attention sinks (gpt-oss: the
@@ -60,12 +60,12 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("ringflash.hf needs transformers: pip install 'ringflash[hf]'") from e
 
-import ringflash
 from ringflash import agree
 from ringflash.allgather import GatherMask, gather_mask
-from ringflash.allgather_ops import check_scheme_options
+from ringflash.api import CallOptions, _run
+from ringflash.inputs import FlashArgs
 from ringflash.kernels import AttnSpec
-from ringflash.layout import check_layout, check_scheme, check_splittable, shard
+from ringflash.layout import check_layout, check_splittable, shard
 from ringflash.masks import RingMask, ring_mask
 
 __all__ = [
@@ -105,8 +105,7 @@ class RingContext:
 
     def __post_init__(self):
         check_layout(self.layout)
-        check_scheme(self.scheme)
-        check_scheme_options(self.scheme, self.transport, self.heads_k_stride)
+        self.options().check()
         if self.group is not None and not isinstance(self.group, dist.ProcessGroup):
             raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {type(self.group).__name__}")
 
@@ -115,10 +114,10 @@ class RingContext:
             return 0, 1
         return dist.get_rank(self.group), dist.get_world_size(self.group)
 
-    def ring_kwargs(self) -> dict:
-        extra = {k: v for k, v in (("backend", self.backend), ("transport", self.transport)) if v is not None}
-        return dict(group=self.group, layout=self.layout, scheme=self.scheme, heads_k_stride=self.heads_k_stride,
-                    **extra)  # fmt: skip
+    def options(self, softcap: float = 0.0) -> CallOptions:
+        """One call's options in this context (`softcap`: the layer's), as `ring_flash_attn_func` makes them."""
+        return CallOptions(scheme=self.scheme, layout=self.layout, backend=self.backend, transport=self.transport,
+                           heads_k_stride=self.heads_k_stride, softcap=softcap)  # fmt: skip
 
     def mask(self, doc_ids: torch.Tensor | None, **kwargs) -> RingMask | GatherMask:
         """The scheme's mask (`ring_mask` or `gather_mask`, both taking `kwargs`) over this group and layout."""
@@ -196,7 +195,7 @@ class RingMasks:
 
 def layer_spec(window: int | None) -> AttnSpec:
     """A decoder layer's attention as the kernels' spec: causal, within HF's sliding `window`
-    (key j visible from query i iff i − w < j <= i, ringflash's `window=w`) or none."""
+    (key j visible from query i iff i − w < j <= i, the spec's window `(w - 1, 0)`) or none."""
     return AttnSpec(causal=True, window=window)
 
 
@@ -464,12 +463,10 @@ def ring_attention_forward(
     # The layer's own score transforms, as it hands them to the built-in kernels: Gemma's softcap
     # (None: none) and gpt-oss's sinks (`s_aux`, in the model's dtype; the ring takes float32).
     sink = kwargs.get("s_aux")
-    extra = dict(softcap=float(kwargs.get("softcap") or 0.0), learnable_sink=None if sink is None else sink.float())
-    if mask is not None:
-        return ringflash.ring_flash_attn_func(q, k, v, causal=True, softmax_scale=scaling, mask=mask,
-                                              **ctx.ring_kwargs(), **extra), None  # fmt: skip
-    return ringflash.ring_flash_attn_func(q, k, v, causal=True, softmax_scale=scaling, window_size=spec.window_size,
-                                          **ctx.ring_kwargs(), **extra), None  # fmt: skip
+    options = ctx.options(softcap=float(kwargs.get("softcap") or 0.0))
+    flash = FlashArgs(window_size=spec.window_size if mask is None else (-1, -1))  # a mask holds its window
+    return _run(q, k, v, flash, scaling, True, ctx.group, None, options, mask,
+                None if sink is None else sink.float()), None  # fmt: skip
 
 
 def _announce(ctx: RingContext, q: torch.Tensor, k: torch.Tensor) -> None:

@@ -6,6 +6,8 @@ then makes every rank raise with it."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 
@@ -13,7 +15,18 @@ from ringflash import kernels
 from ringflash.kernels.checks import check_qkv, resolve_scale
 from ringflash.layout import check_layout, check_splittable
 
-__all__ = ["autocast_inputs", "check_local", "flash_options", "world_size"]
+__all__ = ["FlashArgs", "autocast_inputs", "check_local", "flash_options", "world_size"]
+
+
+class FlashArgs(NamedTuple):
+    """flash_attn's own arguments of one call, in its positional order (`flash_options(*args, causal)`
+    checks them and makes the call's `AttnSpec`)."""
+
+    dropout_p: float = 0.0
+    window_size: tuple[int, int] = (-1, -1)
+    alibi_slopes: torch.Tensor | None = None
+    deterministic: bool = False
+    return_attn_probs: bool = False
 
 
 def autocast_inputs(q, k, v) -> tuple:
@@ -53,10 +66,11 @@ def world_size(group) -> int:
     return dist.get_world_size(group)
 
 
-def flash_options(dropout_p, window_size, alibi_slopes, deterministic, return_attn_probs, causal, window):
+def flash_options(dropout_p, window_size, alibi_slopes, deterministic, return_attn_probs, causal, window=None):
     """flash_attn's arguments checked, and the call's mask as the kernels' `AttnSpec` (causal and
-    the window of `window_size`, or of ringflash's `window=`): where a window enters, converted
-    and validated once. What ringflash cannot do is refused by the argument's name, never ignored."""
+    the window of `window_size`): where a window enters, converted and validated once. What
+    ringflash cannot do is refused by the argument's name, never ignored; `window`, the old name of
+    `window_size`, by a TypeError naming its replacement."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
         # A bool here is usually a pre-0.x call, causal in 4th place: the order is flash_attn's now.
         raise TypeError(
@@ -70,13 +84,5 @@ def flash_options(dropout_p, window_size, alibi_slopes, deterministic, return_at
     for name, flag in (("deterministic", deterministic), ("return_attn_probs", return_attn_probs)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-    spec = kernels.AttnSpec.from_window_size(window_size, causal=causal)
-    if window is None:
-        return spec
-    if isinstance(spec.window, tuple):
-        raise ValueError(f"window={window} is a causal window: with causal=False give window_size=(left, right)")
-    if spec.window is not None and spec.window != window:
-        raise ValueError(
-            f"window={window} and window_size={tuple(window_size)} disagree: window=w is window_size=(w - 1, 0)"
-        )
-    return kernels.AttnSpec(causal=causal, window=window)
+    kernels.refuse_window(window)
+    return kernels.AttnSpec.from_window_size(window_size, causal=causal)

@@ -114,7 +114,7 @@ class RingMask:
         return self.spec.causal
 
     @property
-    def window(self) -> int | tuple[int, int] | None:
+    def window(self) -> tuple[int, int] | None:
         return self.spec.window
 
     @property
@@ -286,8 +286,9 @@ def ring_mask(
         layout: how the inputs are sharded (`"zigzag"`, `"contiguous"` or `"stripe"`); N_global
             must split.
         causal: key position <= query position (global order).
-        window: causal sliding window, w keys counting the diagonal (query i sees
-            i − w < j <= i); or with causal=False a pair `(left, right)`: i − left <= j <= i + right.
+        window: a pair `(left, right)`, flash_attn's `window_size`: query i sees i − left <= j <= i + right
+            (-1: no limit), with causal `(w − 1, 0)`: w keys counting the diagonal, which an int w also
+            means. `mask.window` is the pair.
         device: where the `Visibility` tensors live: q's device. Default: doc_ids' device (CPU
             when doc_ids is None).
     """
@@ -323,7 +324,7 @@ def _build(doc, n_global, rank, world, layout, spec: AttnSpec, device, per_docum
     causal, window = spec.causal, spec.window
     n_local = n_global // world
     # A window of the whole sequence sees the whole causal past (or all keys): no window.
-    window_eff = None if _covers(window, n_global) else window
+    window_eff = None if window is None or _covers(window, n_global, causal) else window
     n_docs, fp = _fingerprint(causal, window, layout, world, n_global, doc, per_document)
     if per_document:  # a rank's rows are whole-block granular: its pieces of many documents
         rows, n_chunks = functools.partial(_document_rows, doc[0], world, layout), (lambda j: 1)
@@ -374,11 +375,11 @@ def _build(doc, n_global, rank, world, layout, spec: AttnSpec, device, per_docum
     )  # fmt: skip
 
 
-def _covers(window, n_global: int) -> bool:
-    """The window lets every row see all it would see without one."""
-    if isinstance(window, tuple):
-        return all(x == -1 or x >= n_global - 1 for x in window)
-    return window is not None and window >= n_global
+def _covers(window: tuple[int, int] | None, n_global: int, causal: bool) -> bool:
+    """The window lets every row see all it would see without one (causal: its right side is the
+    diagonal's)."""
+    sides = window[:1] if causal else window
+    return all(x == -1 or x >= n_global - 1 for x in sides)
 
 
 def window_mask(n_local: int, spec: AttnSpec, rank: int, world: int, layout: str, device: torch.device) -> RingMask:

@@ -44,6 +44,7 @@ import itertools
 import torch
 
 from ringflash import allgather, allgather_ops, api
+from ringflash.inputs import FlashArgs
 from ringflash.kernels import device_guard
 from ringflash.masks import varlen_mask
 
@@ -196,7 +197,7 @@ def _llama3(
         return q[None], k[None], v[None], spec
 
     first = tensors[0]
-    flash = (dropout_p, window_size, alibi_slopes, deterministic, return_attn_probs)
+    flash = FlashArgs(dropout_p, window_size, alibi_slopes, deterministic, return_attn_probs)
     with device_guard(first):
         o, lse = allgather_ops.attend(
             first, None, None, flash, softmax_scale, causal, group, layout="contiguous", backend=None,
@@ -226,26 +227,9 @@ def _varlen(
 
     first = tensors[0]
     with device_guard(first):
-        out = api._attend(
-            first,
-            None,
-            None,
-            dropout_p,
-            softmax_scale,
-            causal,
-            window_size,
-            alibi_slopes,
-            deterministic,
-            return_attn_probs,
-            group,
-            layout=layout,
-            backend=None,
-            check_ranks=True,
-            window=None,
-            mask=None,
-            transport=None,
-            prepare=prepare,
-        )
+        flash = FlashArgs(dropout_p, window_size, alibi_slopes, deterministic, return_attn_probs)
+        out = api._attend(first, None, None, flash, softmax_scale, causal, group, api.CallOptions(layout=layout),
+                          prepare=prepare)  # fmt: skip
     if return_attn_probs:
         o, lse, _ = out
         return o[0], lse[0], None  # lse (H, total_local), flash_attn's varlen convention

@@ -42,7 +42,9 @@ def flops_per_token(model_cfg, n_matmul_params: int, seq_len: int, doc_ids: torc
     return 6.0 * n_matmul_params + 12.0 * model_cfg.n_layers * keys * model_cfg.dim
 
 
-def attended_keys(seq_len: int, window: int | None = None, doc_ids: torch.Tensor | None = None) -> float:
+def attended_keys(
+    seq_len: int, window: int | tuple[int, int] | None = None, doc_ids: torch.Tensor | None = None
+) -> float:
     """Keys a query sees on average over sequences of `seq_len` tokens.
 
     A causal document of n tokens counts n²/2 (query, key) pairs, FlashAttention's convention; with
@@ -50,7 +52,8 @@ def attended_keys(seq_len: int, window: int | None = None, doc_ids: torch.Tensor
     packed documents (non-decreasing ids along each row), each counted on its own; None: one
     document per sequence.
     """
-    check_window(window, causal=True)  # 0 is not "off": that is None
+    window = check_window(window, causal=True)  # 0 is not "off": that is None
+    window = None if window is None else window[0] + 1  # the pair (w - 1, 0) as w keys
     if doc_ids is None:
         lengths = torch.tensor([float(seq_len)], dtype=torch.float64)
         n_rows = 1

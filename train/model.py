@@ -97,7 +97,7 @@ class LocalCausalAttention(nn.Module):
         offset = i[:, None] - i[None, :]  # (N, N) query minus key position
         allowed = offset >= 0
         if self.window is not None:
-            allowed = allowed & (offset < self.window)
+            allowed = allowed & (offset <= self.window[0])  # the pair (w - 1, 0)
         if mask is not None:
             doc = mask.doc_ids.to(q.device)
             allowed = allowed & (doc[:, :, None] == doc[:, None, :])  # (B, N, N)

@@ -290,7 +290,7 @@ def parallelize(model: nn.Module, pc: ParallelContext, cfg: Config) -> nn.Module
             group=pc.ring_group,
             layout=cfg.parallel.layout,
             causal=True,
-            window=cfg.model.attn_spec.window,
+            window_size=cfg.model.attn_spec.window_size,
             transport=transport,
             backend=backend,
             head_group=pc.head_group,

@@ -227,7 +227,7 @@ def test_ring_refuses_what_cudnn_cannot_run_before_the_ring_starts(monkeypatch):
 
     monkeypatch.setattr(api.ops, "ring_attn_eager", started)
     with pytest.raises(ValueError, match="backend='cudnn' runs causal or full attention only"):
-        ring_flash_attn_func(q, k, v, causal=True, window=16, backend="cudnn")
+        ring_flash_attn_func(q, k, v, causal=True, window_size=(15, 0), backend="cudnn")
     with pytest.raises(TypeError, match="float16 or bfloat16"):
         ring_flash_attn_func(q.float(), k.float(), v.float(), causal=True, backend="cudnn")
     q60, k60, v60 = (t[..., :60] for t in (q, k, v))
@@ -237,4 +237,4 @@ def test_ring_refuses_what_cudnn_cannot_run_before_the_ring_starts(monkeypatch):
     with pytest.raises(ValueError, match="not deterministic"):
         ring_flash_attn_func(q, k, v, causal=True, backend="cudnn")
     with pytest.raises(ValueError, match="backend='cudnn' runs causal or full attention only"):
-        ringflash.RingFlashAttention(backend="cudnn", window=16)
+        ringflash.RingFlashAttention(backend="cudnn", window_size=(15, 0))

@@ -207,9 +207,9 @@ def test_falls_back_where_it_does_not_run():
     q, k, v, do = _inputs(1, 70, 70, 2, 1, 64, torch.float32, device="cpu", seed=1)
     assert "sm_90" in hopper_bwd_unsupported(q, k, v, AttnSpec(causal=True))
     assert "sm_90" in hopper_fwd_unsupported(q, k, v, AttnSpec(causal=True))
-    o, lse = attn_fwd(q, k, v, causal=True, window=20, backend="hopper")
-    got = attn_bwd(do, q, k, v, o, lse, causal=True, window=20, backend="hopper")
-    ref = attn_bwd(do, q, k, v, o, lse, causal=True, window=20, backend="triton")
+    o, lse = attn_fwd(q, k, v, causal=True, window_size=(19, 0), backend="hopper")
+    got = attn_bwd(do, q, k, v, o, lse, causal=True, window_size=(19, 0), backend="hopper")
+    ref = attn_bwd(do, q, k, v, o, lse, causal=True, window_size=(19, 0), backend="triton")
     assert all(torch.equal(a, b) for a, b in zip(got, ref))
     assert not get_backend("hopper", q.device).deterministic
     torch.use_deterministic_algorithms(True)

@@ -140,10 +140,10 @@ def test_varlen_builds_the_documents_once_per_boundaries_tensor():
     from ringflash.kernels.varlen import _documents
 
     q, k, v, do, cu = _packed((20, 7, 33), 2, 1, 32, torch.float32, seed=4)
-    first = _documents(cu, q.shape[0], True, None, None)
-    assert _documents(cu, q.shape[0], True, None, None) is first
-    assert _documents(cu, q.shape[0], False, None, None) is not first  # another mask, another spec
-    assert _documents(cu.clone(), q.shape[0], True, None, None) is not first
+    first = _documents(cu, q.shape[0], True, (-1, -1), None)
+    assert _documents(cu, q.shape[0], True, (-1, -1), None) is first
+    assert _documents(cu, q.shape[0], False, (-1, -1), None) is not first  # another mask, another spec
+    assert _documents(cu.clone(), q.shape[0], True, (-1, -1), None) is not first
     cu[1:3] = torch.tensor([5, 40], dtype=cu.dtype)  # new boundaries, same tensor
     o, lse = attn_varlen_fwd(q, k, v, cu, causal=True, backend="reference")
     grads = attn_varlen_bwd(do, q, k, v, o, lse, cu, causal=True, backend="reference")
@@ -156,10 +156,10 @@ def test_spec_is_the_whole_mask_and_refuses_causal_or_window_beside_it():
     q, k, v, do, cu = _packed((20, 7), 2, 1, 32, torch.float32, seed=4)
     spec = kernels.AttnSpec.documents(cu, q.shape[0], causal=True, window=5)
     o, lse = attn_varlen_fwd(q, k, v, cu, spec=spec, backend="reference")
-    o_built, lse_built = attn_varlen_fwd(q, k, v, cu, causal=True, window=5, backend="reference")
+    o_built, lse_built = attn_varlen_fwd(q, k, v, cu, causal=True, window_size=(4, 0), backend="reference")
     assert torch.equal(o, o_built) and torch.equal(lse, lse_built)
     grads = attn_varlen_bwd(do, q, k, v, o, lse, cu, spec=spec, backend="reference")
-    built = attn_varlen_bwd(do, q, k, v, o, lse, cu, causal=True, window=5, backend="reference")
+    built = attn_varlen_bwd(do, q, k, v, o, lse, cu, causal=True, window_size=(4, 0), backend="reference")
     assert all(torch.equal(a, b) for a, b in zip(grads, built))
     rest = (
         "beside spec=: the spec already holds the documents' mask; build it with "
@@ -167,22 +167,22 @@ def test_spec_is_the_whole_mask_and_refuses_causal_or_window_beside_it():
     )
     with pytest.raises(ValueError) as err:
         attn_varlen_fwd(q, k, v, cu, causal=True, spec=spec, backend="reference")
-    assert str(err.value) == f"causal=True, window=None {rest}"
+    assert str(err.value) == f"causal=True, window_size=(-1, -1) {rest}"
     with pytest.raises(ValueError) as err:
-        attn_varlen_bwd(do, q, k, v, o, lse, cu, window=5, spec=spec, backend="reference")
-    assert str(err.value) == f"causal=False, window=5 {rest}"
+        attn_varlen_bwd(do, q, k, v, o, lse, cu, window_size=(4, 0), spec=spec, backend="reference")
+    assert str(err.value) == f"causal=False, window_size=(4, 0) {rest}"
 
 
 def test_the_ops_refuse_causal_or_window_beside_intervals():
     q, k, v = (torch.randn(1, 8, 2, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
     vis = list(kernels.dense_visibility(8, window=2))
     o, lse = torch.ops.ringflash.attn_fwd(q, k, v, vis, backend="reference")
-    assert torch.equal(o, attn_fwd(q, k, v, causal=True, window=2, backend="reference")[0])
+    assert torch.equal(o, attn_fwd(q, k, v, causal=True, window_size=(1, 0), backend="reference")[0])
     said = (
         "intervals already say which keys each query sees: give them without causal or window (build them with "
         "kernels.visibility(..., causal=True, window=...))"
     )
-    for extra in (dict(causal=True), dict(causal=True, window=2)):
+    for extra in (dict(causal=True), dict(causal=True, window_size=[1, 0])):
         with pytest.raises(ValueError) as err:
             torch.ops.ringflash.attn_fwd(q, k, v, vis, backend="reference", **extra)
         assert str(err.value) == said
@@ -197,8 +197,8 @@ def test_the_ops_refuse_causal_or_window_beside_intervals():
 def test_varlen_window(window, dtype, backend):
     lens = (3, 90, 1, 57)
     q, k, v, do, cu = _packed(lens, 4, 1, 32, dtype, seed=window)
-    o, lse = attn_varlen_fwd(q, k, v, cu, causal=True, window=window, backend=backend)
-    dq, dk, dv = attn_varlen_bwd(do, q, k, v, o, lse, cu, causal=True, window=window, backend=backend)
+    o, lse = attn_varlen_fwd(q, k, v, cu, causal=True, window_size=(window - 1, 0), backend=backend)
+    dq, dk, dv = attn_varlen_bwd(do, q, k, v, o, lse, cu, causal=True, window_size=(window - 1, 0), backend=backend)
     pos = torch.arange(q.shape[0])
     doc = kernels.masks.cu_seqlens_to_doc_ids(cu, q.shape[0])
     truth = masked_f64(q[None], k[None], v[None], _mask(pos, pos, True, window, doc, doc)[None], do=do[None])
@@ -234,8 +234,8 @@ def test_window_batch_form(N, window, dtype, backend):
     g = torch.Generator().manual_seed(N)
     q, do = _randn(B, N, H, D, g=g, dtype=dtype), _randn(B, N, H, D, g=g, dtype=dtype)
     k, v = _randn(B, N, Hkv, D, g=g, dtype=dtype), _randn(B, N, Hkv, D, g=g, dtype=dtype)
-    o, lse = attn_fwd(q, k, v, causal=True, window=window, backend=backend)
-    grads = attn_bwd(do, q, k, v, o, lse, causal=True, window=window, backend=backend)
+    o, lse = attn_fwd(q, k, v, causal=True, window_size=(window - 1, 0), backend=backend)
+    grads = attn_bwd(do, q, k, v, o, lse, causal=True, window_size=(window - 1, 0), backend=backend)
     pos = torch.arange(N)
     truth = masked_f64(q, k, v, _mask(pos, pos, True, window)[None], do=do)
     _assert_close(dict(o=o, lse=lse, dq=grads[0], dk=grads[1], dv=grads[2]), truth, dtype)
@@ -404,10 +404,18 @@ def test_bad_mask_arguments_name_the_argument(backend):
     g = torch.Generator().manual_seed(0)
     q, k, v = (_randn(1, 8, 2, 32, g=g, dtype=torch.float32) for _ in range(3))
     vis = kernels.dense_visibility(8, window=2)
-    with pytest.raises(ValueError, match="window needs causal=True"):
-        attn_fwd(q, k, v, window=3, backend=backend)
-    with pytest.raises(ValueError, match="window must be a positive int"):
-        attn_fwd(q, k, v, causal=True, window=0, backend=backend)
+    with pytest.raises(TypeError) as err:  # the old name, pointed at the new one
+        attn_fwd(q, k, v, causal=True, window=3, backend=backend)
+    assert str(err.value) == (
+        "window=3 is now window_size=(left, right), flash_attn's form (-1: no limit): a causal window of w keys is "
+        "window_size=(w - 1, 0)"
+    )
+    with pytest.raises(ValueError, match=r"window_size=\(2, 1\) with causal=True: a causal window has no keys"):
+        attn_fwd(q, k, v, causal=True, window_size=(2, 1), backend=backend)
+    with pytest.raises(ValueError, match=r"window_size=\(-2, 0\): entries must be >= 0"):
+        attn_fwd(q, k, v, causal=True, window_size=(-2, 0), backend=backend)
+    with pytest.raises(TypeError, match="window_size must be a pair of ints"):
+        attn_fwd(q, k, v, causal=True, window_size=3, backend=backend)
     with pytest.raises(ValueError, match="intervals already say"):
         fwd_step(q, k, v, causal=True, visibility=vis, backend=backend)
     with pytest.raises(ValueError, match=r"visibility.kv_lo must have shape \(1, 5\)"):
@@ -483,8 +491,8 @@ def test_gpu_window(N, window, D, dtype):
     g = torch.Generator().manual_seed(13)
     q, do = _randn(B, N, H, D, g=g, dtype=dtype, device="cuda"), _randn(B, N, H, D, g=g, dtype=dtype, device="cuda")
     k, v = (_randn(B, N, Hkv, D, g=g, dtype=dtype, device="cuda") for _ in range(2))
-    o, lse = attn_fwd(q, k, v, causal=True, window=window)
-    dq, dk, dv = attn_bwd(do, q, k, v, o, lse, causal=True, window=window)
+    o, lse = attn_fwd(q, k, v, causal=True, window_size=(window - 1, 0))
+    dq, dk, dv = attn_bwd(do, q, k, v, o, lse, causal=True, window_size=(window - 1, 0))
     pos = torch.arange(N, device="cuda")
     truth = masked_f64(q, k, v, ((pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < window))[None], do=do)
     _assert_close(dict(o=o, lse=lse, dq=dq, dk=dk, dv=dv), truth, dtype)

@@ -47,6 +47,8 @@ def test_window_size_means_flash_attns_window(pair, causal):
 
 def test_causal_window_forms():
     assert AttnSpec.from_window_size((4, 0), causal=True) == AttnSpec(causal=True, window=5)
+    assert AttnSpec(causal=True, window=5).window == AttnSpec(causal=True, window=(4, -1)).window == (4, 0)
+    assert AttnSpec(causal=True, window=(-1, 0)).window is None and AttnSpec(window=(-1, -1)).window is None
     assert AttnSpec(causal=True, window=5).window_size == (4, 0)
     assert AttnSpec(window=(2, 3)).window_size == (2, 3)
     assert AttnSpec(causal=True).window_size == (-1, -1)

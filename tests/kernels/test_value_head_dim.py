@@ -60,8 +60,8 @@ def test_documents(dims, backend, device):
     doc = torch.repeat_interleave(torch.arange(3), torch.tensor(lens)).to(device)
     visible = (doc[:, None] == doc[None, :]) & band(T, T, 11, 0, causal=True).to(device)
     truth = attention(q[None], k[None], v[None], visible=visible, do=do[None])
-    o, lse = attn_varlen_fwd(q, k, v, cu, causal=True, window=12, backend=backend)
-    dq, dk, dv = attn_varlen_bwd(do, q, k, v, o, lse, cu, causal=True, window=12, backend=backend)
+    o, lse = attn_varlen_fwd(q, k, v, cu, causal=True, window_size=(11, 0), backend=backend)
+    dq, dk, dv = attn_varlen_bwd(do, q, k, v, o, lse, cu, causal=True, window_size=(11, 0), backend=backend)
     got = dict(o=o[None], dq=dq[None], dk=dk[None], dv=dv[None])
     assert_close(got, truth, truth, torch.float32)
 

@@ -52,7 +52,7 @@ def worker(rank, world, c):
         assert mask.spec.intervals is not None
         opts["mask"] = mask
     else:
-        opts["window"] = c["window"]
+        opts["window_size"] = (c["window"] - 1, 0) if c["window"] else (-1, -1)
     if c["module"]:
         core = ringflash.RingFlashAttention(causal=c["causal"], **{k: v for k, v in opts.items() if k != "mask"})
         o = core(ql, kl, vl, mask=opts.get("mask"), learnable_sink=param)
@@ -159,7 +159,8 @@ def _hybrid_worker(rank, world, u):
 
         ql, kl, vl = (sh(t).clone().requires_grad_() for t in (q, k, v))
         mask = None if doc is None else gather_mask(doc, group=ring_g, layout=layout, causal=causal)
-        opts = dict(group=ring_g, head_group=head_g, layout=layout, window=window, mask=mask, scheme="allgather",
+        opts = dict(group=ring_g, head_group=head_g, layout=layout, window_size=(window - 1, 0) if window else (-1, -1),
+                    mask=mask, scheme="allgather",
                     softcap=softcap, learnable_sink=sink)  # fmt: skip
         o, lse, _ = ring_flash_attn_func(ql, kl, vl, causal=causal, return_attn_probs=True, **opts)
         o.backward(sh(do))

@@ -50,11 +50,11 @@ def _kernel_opcheck_worker(rank, world, backend, device):
     torch.library.opcheck(torch.ops.ringflash.attn_bwd.default, (*args, []), opts)
     if backend != "cudnn":  # the ops carry every mask the eager functions take: a window, intervals
         vis = list(kernels.dense_visibility(12, window=5, device=q.device))
-        torch.library.opcheck(torch.ops.ringflash.attn_fwd.default, (q, k, v, []), dict(opts, window=5))
+        torch.library.opcheck(torch.ops.ringflash.attn_fwd.default, (q, k, v, []), dict(opts, window_size=[4, 0]))
         torch.library.opcheck(torch.ops.ringflash.attn_fwd.default, (q, k, v, vis), dict(opts, causal=False))
-        ow, _ = torch.ops.ringflash.attn_fwd(q, k, v, [], **dict(opts, window=5))
+        ow, _ = torch.ops.ringflash.attn_fwd(q, k, v, [], **dict(opts, window_size=[4, 0]))
         ov, _ = torch.ops.ringflash.attn_fwd(q, k, v, vis, **dict(opts, causal=False))
-        want = kernels.attn_fwd(q.detach(), k.detach(), v.detach(), causal=True, window=5, softmax_scale=0.3,
+        want = kernels.attn_fwd(q.detach(), k.detach(), v.detach(), causal=True, window_size=(4, 0), softmax_scale=0.3,
                                 backend=backend)[0]
         torch.testing.assert_close(ow, want, atol=0, rtol=0)
         torch.testing.assert_close(ov, want, atol=0, rtol=0)

@@ -65,7 +65,8 @@ def grid_worker(rank, world, u):
             mask = ring_mask(doc, group=ring_g, layout=c["layout"], causal=c["causal"], window=c["window"])
         o, lse, _ = ring_flash_attn_func(
             ql, kl, vl, causal=c["causal"], group=ring_g, head_group=head_g, layout=c["layout"], return_attn_probs=True,
-            backend="reference", window=None if mask is not None else c["window"], mask=mask,
+            backend="reference", mask=mask,
+            window_size=(c["window"] - 1, 0) if c["window"] and mask is None else (-1, -1),
         )  # fmt: skip
         o.backward(sh(do))
         tol = TOL[torch.float32]

@@ -114,3 +114,23 @@ def test_each_scheme_keeps_its_own_option():
     for kwargs in (dict(scheme="allgather", heads_k_stride=2), dict(scheme="ring", transport="nccl")):
         assert rel_err(RingFlashAttention(**kwargs)(q, k, v), truth) < TOL[torch.float32], kwargs
         assert rel_err(ring_flash_attn_func(q, k, v, causal=True, **kwargs), truth) < TOL[torch.float32], kwargs
+
+
+def test_the_module_settles_its_options_once():
+    # The module makes its CallOptions once, frozen, and each forward hands that object to the
+    # scheme: what it runs is what it was built with, and the same as the functional call.
+    import dataclasses
+
+    from ringflash.api import CallOptions
+
+    attn = RingFlashAttention(causal=True, scheme="allgather", heads_k_stride=2, softcap=3.0, window_size=(4, 0))
+    assert attn.options == CallOptions(scheme="allgather", layout="zigzag", heads_k_stride=2, softcap=3.0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        attn.options.softcap = 0.0
+    with pytest.raises(ValueError, match=r"^softcap must be >= 0 and finite \(0.0: none\), got -1.0$"):
+        CallOptions(softcap=-1.0).check()
+    q, k, v, _ = _inputs(0, 1)
+    want = ring_flash_attn_func(q, k, v, causal=True, window_size=(4, 0), scheme="allgather", heads_k_stride=2,
+                                softcap=3.0)  # fmt: skip
+    assert torch.equal(attn(q, k, v), want)
+    assert "scheme='allgather'" in repr(attn) and "window_size=(4, 0)" in repr(attn) and "softcap=3.0" in repr(attn)

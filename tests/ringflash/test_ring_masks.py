@@ -138,7 +138,7 @@ def mask_worker(rank, world, c):
 
     ql, kl, vl = (shard(t, 1, rank, world, L).detach().clone().requires_grad_() for t in (q, k, v))
     # `window=` alone builds (and caches) the same mask inside the call.
-    via = dict(causal=True, window=c["window"]) if c.get("via_window") else dict(mask=mask)
+    via = dict(causal=True, window_size=(c["window"] - 1, 0)) if c.get("via_window") else dict(mask=mask)
     o, lse, _ = ring_flash_attn_func(ql, kl, vl, layout=L, return_attn_probs=True, backend=c["backend"], **via)
     o.backward(shard(do, 1, rank, world, L))
     # The ring loop on the mask's steps, handed a counting backend: a skipped step launches nothing,
@@ -312,8 +312,8 @@ def test_call_disagreeing_with_the_mask():
         ring_flash_attn_func(q, q, q, causal=False, mask=m)
     with pytest.raises(ValueError, match="mask's local length is 8, the call's 4"):
         ring_flash_attn_func(q[:, :4], q[:, :4], q[:, :4], mask=m)
-    with pytest.raises(ValueError, match="mask's window is None, the call's 3"):
-        ring_flash_attn_func(q, q, q, mask=m, window=3)
+    with pytest.raises(ValueError, match=r"mask's window is None, the call's \(2, 0\)"):
+        ring_flash_attn_func(q, q, q, mask=m, window_size=(2, 0))
     with pytest.raises(ValueError, match="mask's batch size is 2, the call's 3"):
         m2 = ring_mask(torch.zeros(2, 8, dtype=torch.long))
         ring_flash_attn_func(torch.randn(3, 8, 2, 16), torch.randn(3, 8, 2, 16), torch.randn(3, 8, 2, 16), mask=m2)
@@ -329,14 +329,22 @@ def test_window_arguments_are_checked():
     if dist.is_initialized():
         pytest.skip("a process group is live in this process; this test needs none")
     q = torch.randn(2, 8, 2, 16)
-    with pytest.raises(ValueError, match="window must be a positive int"):
-        ring_flash_attn_func(q, q, q, causal=True, window=-1)
-    with pytest.raises(ValueError, match="window must be a positive int"):
-        ring_flash_attn_func(q, q, q, causal=True, window=True)
-    with pytest.raises(ValueError, match="window needs causal=True"):  # not a silently causal window
-        ring_flash_attn_func(q, q, q, causal=False, window=3)
-    with pytest.raises(ValueError, match="window needs causal=True"):
-        ringflash.RingFlashAttention(causal=False, window=3)
+    renamed = re.escape(
+        "window=3 is now window_size=(left, right), flash_attn's form (-1: no limit): a causal window of w keys is "
+        "window_size=(w - 1, 0)"
+    )
+    with pytest.raises(TypeError, match=renamed):  # the old name, pointed at the new one
+        ring_flash_attn_func(q, q, q, causal=True, window=3)
+    with pytest.raises(TypeError, match=renamed):
+        ringflash.RingFlashAttention(causal=True, window=3)
+    with pytest.raises(ValueError, match=r"window_size=\(-2, 0\): entries must be >= 0"):
+        ring_flash_attn_func(q, q, q, causal=True, window_size=(-2, 0))
+    with pytest.raises(TypeError, match="window_size must be a pair of ints"):
+        ring_flash_attn_func(q, q, q, causal=True, window_size=(True, 0))
+    with pytest.raises(ValueError, match=r"window_size=\(2, 1\) with causal=True: a causal window has no keys"):
+        ringflash.RingFlashAttention(causal=True, window_size=(2, 1))
+    with pytest.raises(TypeError, match=r"window_size must be a pair of ints \(left, right\), got 3"):
+        ringflash.RingFlashAttention(None, "zigzag", True, None, None, True, 3)  # the old positional window
 
 
 def _mismatch_worker(rank, world, what):
@@ -351,7 +359,7 @@ def _mismatch_worker(rank, world, what):
         kw["mask"] = ring_mask(doc)
         expect = "differ between the ranks of the group: the mask"
     elif what == "window":
-        kw["window"] = 4 if rank == 0 else 5
+        kw["window_size"] = (3, 0) if rank == 0 else (4, 0)
         expect = re.escape("window_size is (3, 0) on rank 0, (4, 0) on rank 1")
     elif what == "layout":
         kw["mask"] = ring_mask(doc, layout="contiguous" if rank == 1 else "zigzag")
@@ -359,7 +367,7 @@ def _mismatch_worker(rank, world, what):
     with pytest.raises(ValueError, match=expect) as err:
         ring_flash_attn_func(ql, kl, vl, causal=True, **kw)
     # Nothing left in flight: the group still runs a masked call.
-    ring_flash_attn_func(ql, kl, vl, causal=True, window=3)
+    ring_flash_attn_func(ql, kl, vl, causal=True, window_size=(2, 0))
     return str(err.value)
 
 

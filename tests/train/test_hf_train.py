@@ -173,6 +173,6 @@ def test_hf_flops_config_carries_the_window_as_a_spec(overrides, window):
     from ringflash.train.metrics import attended_keys, flops_per_token
 
     shape = build_hf_model(load_config(None, overrides)).flops_config
-    assert shape.attn_spec.window == window  # None when off, never 0
+    assert shape.attn_spec.window == (None if window is None else (window - 1, 0))  # None when off, never 0
     assert (shape.n_layers, shape.dim) == (2, 32)
     assert flops_per_token(shape, 0, 256) == pytest.approx(12 * 2 * 32 * attended_keys(256, window))

@@ -59,7 +59,8 @@ def _cp_vs_single(rank, world, cfg):
             ddp, micros, pc, cfg.parallel.layout, contextlib.nullcontext(), cfg.model.attn_spec.window
         )
         assert len(built) == len(micros)  # one mask per micro-batch, shared by every layer
-        assert all(kw["window"] == (cfg.model.window or None) and kw["group"] is pc.cp_group for kw in built)
+        window = (cfg.model.window - 1, 0) if cfg.model.window else None  # the pair: w keys counting the diagonal
+        assert all(kw["window"] == window and kw["group"] is pc.cp_group for kw in built)
 
         n_tokens = sum(int((m[1] != IGNORE).sum()) for m in micros)
         ref_sum = 0
