@@ -89,7 +89,7 @@ def evaluate_passkey(
     samples_per_bucket: int,
     batch_size: int,
     autocast: contextlib.AbstractContextManager,
-    window: int | None = None,
+    window: tuple[int, int] | None = None,
 ) -> list[float]:
     """Retrieval accuracy per depth bucket (the same list on every rank) of a passkey or recall task.
     `window`: the model's sliding window (`ModelConfig.attn_spec`, None: none), applied as in training."""

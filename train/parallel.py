@@ -456,15 +456,16 @@ def attention_mask(
     seq_len: int,
     pc: ParallelContext,
     layout: str,
-    window: int | None = None,
+    window: tuple[int, int] | None = None,
 ):
     """The ring's mask for one micro-batch (the all-gather's under `parallel.cp_scheme = allgather`),
     or None when there is nothing to mask beyond causality.
 
     `doc_ids (B, seq_len)` are the *global* (unsharded) document ids of the batch, as every cp rank
     holds them before `shard_batch`; None means one document per sequence. `window` is the
-    model's (`ModelConfig.attn_spec`, None: none). Built once per micro-batch and handed to every layer through the
-    model (`Transformer.forward(..., mask=)`), so no layer rebuilds it.
+    model's `(left, right)` (`ModelConfig.attn_spec`, None: none). Built once per micro-batch and
+    handed to every layer through the model (`Transformer.forward(..., mask=)`), so no layer
+    rebuilds it.
     """
     if doc_ids is None and window is None:
         return None  # plain causal: no mask, no overhead
