@@ -8,38 +8,13 @@ batch sharding that goes with it (needs the `hf` extra: `pip install 'ringflash[
     loss.backward()                                        # then all-reduce the grads (SUM) over cp
 
 The name is "ring_attention": `transformers` treats any implementation whose name contains
-"flash" as a flash-attention kernel to load (`is_flash_attention_requested`).
-
-What reaches attention. HF hands every layer `(B, H, N, D)` views; they become ringflash's
-`(B, N, H, D)` by a transpose (no copy: the kernels take any strides with a contiguous last dim).
-GQA/MQA needs no `repeat_kv`. The layer's `scaling` is the softmax scale. Its sliding window
-is the layer's own: the `sliding_window` the model passes (Mistral, Qwen2/3), else
-`config.sliding_window` where `config.layer_types[layer_idx] == "sliding_attention"`; HF's
-window (key j visible from query i iff i − w < j <= i, masking_utils.sliding_window_overlay) is
-ringflash's `window_size=(w - 1, 0)` exactly. HF builds no mask for this implementation (the registered mask
-function returns None), so no dense (B, 1, N, N) mask is ever made: documents and padding come
-from `shard_batch`'s `RingMasks`, passed to the model as the keyword `ring_masks`. Logit
-softcapping (the `softcap` the layer passes: Gemma 2) and attention sinks (gpt-oss: the
-layer's `s_aux`, its `sinks` parameter, as float32) go to the ring as `softcap=` and
-`learnable_sink=`. Refused by name: ALiBi, chunked attention, attention dropout in training,
-non-causal layers, a KV cache (decoding), flash-attention's varlen arguments (`cu_seq_lens_q`, ...),
-and any `attention_mask` but an all-ones one; and, by
-`shard_batch(config=)`, models whose layers bypass the AttentionInterface (Bloom, MPT).
-
-Which process group and scheme. `shard_batch` records the group, layout and scheme (the ring,
-or `scheme="allgather"`: K/V all-gathered in head chunks, ringflash/allgather.py) in its
-`RingMasks`, which every layer reads, so a call with `ring_masks=` needs nothing else (and
-activation checkpointing replays it in the backward, in another thread, unchanged). Without
-`ring_masks` the layers use the innermost active `context_parallel(group, layout=...,
-scheme=...)` (process-wide, one model per process), else the default group (or this process
-alone) with the zigzag layout and the ring.
-
-The loss. `shard_batch` shifts the labels on the *global* sequence (the label of a shard's last
-token is the next shard's first token, on another rank) and returns them as `shift_labels`
-(and `labels`), which HF's `ForCausalLMLoss` uses without shifting again, with
-`num_items_in_batch` = the labelled tokens of the whole global batch. `model(**shard).loss` is
-then this rank's sum of token losses over the global count: summed over the cp ranks (the
-gradients too) it is the single-device loss exactly.
+"flash" as a flash-attention kernel to load. HF's `(B, H, N, D)` views reach the kernels by a
+transpose (no copy); each layer's scale, sliding window, softcap (Gemma 2) and sinks (gpt-oss's
+`s_aux`) go to the ring; documents and padding come from `shard_batch`'s `RingMasks` (keyword
+`ring_masks`), never from a dense mask; what the ring cannot honour (ALiBi, dropout in training,
+a KV cache, varlen kwargs, a non-trivial `attention_mask`) is refused by name. `shard_batch`
+shifts the labels on the global sequence, so the cp ranks' summed losses and gradients are the
+single-device ones exactly. The reference: docs/api.md, "Hugging Face `transformers` models".
 """
 
 from __future__ import annotations
