@@ -26,15 +26,14 @@ from ringflash.plan import (
     choose_layout,
     cluster_of,
     feasible,
-    main,
     memory_bytes,
     model_version,
-    parser,
     plan,
     predict,
     recommend,
     step_kind,
 )
+from ringflash.plan_cli import main, parser
 from ringflash.plan_validation import validation_rows, validation_table
 
 plan_module = sys.modules["ringflash.plan"]
@@ -429,9 +428,9 @@ def test_planner_runs_without_the_repository(tmp_path):
     site = tmp_path / "site"
     _install_like_a_wheel(site)
     code = (
-        "import ringflash.plan as plan, sys; "
+        "import ringflash.plan as plan, ringflash.plan_cli as cli, sys; "
         f"assert plan.__file__.startswith({str(site)!r}), plan.__file__; "
-        "plan.main(sys.argv[1:])"
+        "cli.main(sys.argv[1:])"
     )
     env = {**os.environ, "PYTHONPATH": str(site)}
 
