@@ -123,16 +123,27 @@ def test_allgather_triton_kernels_interpreted():
 
 
 def test_allgather_equals_the_ring():
-    # Same inputs, both schemes: the same attention (to float32 rounding), every layout, with and
-    # without softcap and a sink.
+    # Same inputs, both schemes: the same attention and gradients (dq, dk, dv, the sink's) to float32
+    # rounding, every layout, GQA, causal or not, with a window, with and without softcap and a sink.
     def fn(rank, world):
         g = torch.Generator().manual_seed(1)
-        q, k, v = (torch.randn(1, 8, 4, 16, generator=g) for _ in range(3))
-        sink = torch.randn(4, generator=g)
-        for layout, features in itertools.product(ringflash.LAYOUTS, ({}, dict(softcap=SOFTCAP, learnable_sink=sink))):
-            ring = ring_flash_attn_func(q, k, v, causal=True, layout=layout, **features)
-            gathered = ring_flash_attn_func(q, k, v, causal=True, layout=layout, scheme="allgather", **features)
-            torch.testing.assert_close(gathered, ring, atol=1e-5, rtol=1e-5)
+        q, do = (torch.randn(1, 8, 4, 16, generator=g) for _ in range(2))
+        k, v = (torch.randn(1, 8, 2, 16, generator=g) for _ in range(2))
+        sink = torch.randn(4, generator=g) + 2.0
+        calls = [dict(causal=True), dict(causal=False), dict(causal=True, window=5)]
+        feats = ({}, dict(softcap=SOFTCAP), dict(softcap=SOFTCAP, learnable_sink=sink))
+        for layout, call, features in itertools.product(ringflash.LAYOUTS, calls, feats):
+            results = []
+            for scheme in ("ring", "allgather"):
+                x = [t.clone().requires_grad_() for t in (q, k, v)]
+                s = features.get("learnable_sink")
+                kw = dict(features, learnable_sink=None if s is None else s.clone().requires_grad_())
+                o = ring_flash_attn_func(*x, layout=layout, scheme=scheme, **call, **kw)
+                o.backward(do)
+                sg = kw["learnable_sink"]
+                results.append([o, *(t.grad for t in x)] + ([] if sg is None else [sg.grad]))
+            for got, want in zip(*results):
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
     run_ranks(fn, 3)
 
