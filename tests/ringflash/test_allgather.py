@@ -130,7 +130,7 @@ def test_allgather_equals_the_ring():
         q, do = (torch.randn(1, 8, 4, 16, generator=g) for _ in range(2))
         k, v = (torch.randn(1, 8, 2, 16, generator=g) for _ in range(2))
         sink = torch.randn(4, generator=g) + 2.0
-        calls = [dict(causal=True), dict(causal=False), dict(causal=True, window=5)]
+        calls = [dict(causal=True), dict(causal=False), dict(causal=True, window_size=(4, 0))]
         feats = ({}, dict(softcap=SOFTCAP), dict(softcap=SOFTCAP, learnable_sink=sink))
         for layout, call, features in itertools.product(ringflash.LAYOUTS, calls, feats):
             results = []
