@@ -38,16 +38,22 @@ def _ours_steps(backend, spec, q, k, v, do, fallback=True):
     # (B, H, N, D) inputs viewed as (B, N, H, D) with the same storage would be strided; give our
     # kernels their native contiguous layout instead, as SDPA gets its own.
     q, k, v, do = (t.transpose(1, 2).contiguous() for t in (q, k, v, do))
-    kern, ran = backend_named(backend), "triton fwd, triton bwd"
-    if backend == "hopper":
-        whys = {"fwd": hopper_fwd_unsupported(q, k, v, spec), "bwd": hopper_bwd_unsupported(q, k, v, spec)}
-        if whys["bwd"] is not None and not fallback:
-            raise RuntimeError(f"hopper backward: {whys['bwd']}")
-        ran = ", ".join(f"hopper {s}" if why is None else f"triton {s} (hopper {why})" for s, why in whys.items())
+    kern, ran = backend_named(backend), _kernels_ran(backend, spec, q, k, v, fallback)
     o, lse = kern.fwd_step(q, k, v, spec, None)
     fwd = lambda: kern.fwd_step(q, k, v, spec, None)
     bwd = lambda: kern.bwd_step(do, q, k, v, o, lse, spec, None)
     return fwd, bwd, ran
+
+
+def _kernels_ran(backend, spec, q, k, v, fallback=True) -> str:
+    """Which kernels `backend` runs forward and backward for `(B, N, H, D)` inputs under `spec`:
+    `hopper`'s own, or the Triton ones it hands a call to, with why (raises instead unless `fallback`)."""
+    if backend != "hopper":
+        return "triton fwd, triton bwd"
+    whys = {"fwd": hopper_fwd_unsupported(q, k, v, spec), "bwd": hopper_bwd_unsupported(q, k, v, spec)}
+    if whys["bwd"] is not None and not fallback:
+        raise RuntimeError(f"hopper backward: {whys['bwd']}")
+    return ", ".join(f"hopper {s}" if why is None else f"triton {s} (hopper {why})" for s, why in whys.items())
 
 
 def _ours(backend):
@@ -181,7 +187,8 @@ def masks(N: int, D: int, hidden: int, group: int, flex: bool, record_to: Path |
     could run instead in the same process: the uniform documents as a batch (Hopper, cuDNN through
     SDPA) and FlexAttention with the mask as a block mask. TFLOP/s count only the (query, key)
     pairs the mask keeps, so a kernel that skips the hidden blocks keeps its dense rate. `varlen`
-    rows time `attn_varlen_fwd` / `attn_varlen_bwd`, which rebuild the documents' intervals per call."""
+    rows time `attn_varlen_fwd` / `attn_varlen_bwd` as a user calls them, with cu_seqlens (the intervals
+    built from it on the first call and kept for that tensor)."""
 
     H = hidden // D
     if H % group:
@@ -235,7 +242,7 @@ def masks(N: int, D: int, hidden: int, group: int, flex: bool, record_to: Path |
            peers=list(dict.fromkeys(r[0] for r in rows if r[0] in ("sdpa-cudnn batch", "flex") and r[2] is not None)),
            notes="TFLOP/s over the (query, key) pairs the mask keeps; blocks it hides are skipped. Batch rows: "
            "the same uniform documents as a batch of sequences (causal where the documents are). varlen: "
-           "attn_varlen_fwd/bwd with cu_seqlens, the intervals rebuilt per call.",
+           "attn_varlen_fwd/bwd with cu_seqlens (intervals built on the first call, kept per cu_seqlens tensor).",
            directory=record_to)
 
 
@@ -244,10 +251,12 @@ def _varlen(q, k, v, do, cu, causal):
     from ringflash.kernels import attn_varlen_bwd, attn_varlen_fwd
 
     q, k, v, do = (t[0].transpose(0, 1).contiguous() for t in (q, k, v, do))
+    spec = AttnSpec.documents(cu, q.shape[0], causal=causal)
+    ran = _kernels_ran("hopper", spec, q[None], k[None], v[None]) + " (varlen entry)"
     o, lse = attn_varlen_fwd(q, k, v, cu, causal=causal, backend="hopper")
     fwd = lambda: attn_varlen_fwd(q, k, v, cu, causal=causal, backend="hopper")
     bwd = lambda: attn_varlen_bwd(do, q, k, v, o, lse, cu, causal=causal, backend="hopper")
-    return fwd, bwd, "hopper, intervals per call"
+    return fwd, bwd, ran
 
 
 def _mask_mod(vis):
