@@ -38,6 +38,7 @@ from ringflash.kernels.launch_utils import (
     bhnd_strides,
     block_d,
     dot_precision,
+    head_arg,
     kernel_inputs,
     num_sms,
     upcast_dots,
@@ -283,17 +284,24 @@ def _dq_inner(dq, q, do, lse2, delta, kv, rows, score, lo, hi, MASKED: tl.conste
 
 @triton.jit
 def _bwd_dq(
-    Q, K, V, DO, LSE, Delta, DQ, DQA,
-    stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
-    stride_dqb, stride_dqn, stride_dqh, stride_dqab, stride_dqan, stride_dqah,
-    KV_LO, KV_HI, stride_rqb,
-    H, Nq, Nk, qk_scale, cap, softmax_scale, n_sms,
+    q_arg, k_arg, v_arg, do_arg, stats, dq_arg, dqa_arg, ranges, H, Nq, Nk, score, softmax_scale, n_sms,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr,
     RANGES: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     SOFTCAP: tl.constexpr,
 ):
+    """Arguments by role, as the forward's: q_arg, k_arg, v_arg, do_arg, dq_arg and dqa_arg (the sum
+    dQ is added to, read where ACCUMULATE) are `head_arg`s; `stats = (LSE, Delta)`, the rows'
+    `(B, H, Nq)` contiguous statistics; `ranges = (KV_LO, KV_HI, their batch stride)`; `score =
+    (qk_scale, cap)`."""
+    Q, stride_qb, stride_qn, stride_qh = q_arg
+    K, stride_kb, stride_kn, stride_kh = k_arg
+    V, stride_vb, stride_vn, stride_vh = v_arg
+    DO, stride_dob, stride_don, stride_doh = do_arg
+    LSE, Delta = stats
+    DQ, stride_dqb, stride_dqn, stride_dqh = dq_arg
+    DQA, stride_dqab, stride_dqan, stride_dqah = dqa_arg
+    KV_LO, KV_HI, stride_rqb = ranges
     rank, off_bh = heaviest_first(n_sms)
     start_m = (tl.num_programs(0) - 1 - rank) * BLOCK_M  # last query blocks first: they see the most keys
     off_b = off_bh // H
@@ -318,7 +326,6 @@ def _bwd_dq(
 
     # What every stage shares, grouped once (`_dq_inner`, as the forward's `_fwd_inner`).
     kv = (k_base, v_base, stride_kn, stride_vn, off_b, off_hkv, Nk)
-    score = (qk_scale, cap)
     CFG: tl.constexpr = Settings(
         CAUSAL=CAUSAL, RANGES=RANGES, UPCAST=UPCAST, PRECISION=PRECISION, SOFTCAP=SOFTCAP, TMA=TMA,
         HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, GROUP=GROUP,
@@ -443,8 +450,9 @@ def triton_attn_bwd(
     if after_dkdv is not None:
         after_dkdv()
     srcs, tile, tma = kernel_inputs("dq", (q, k, v, do), tiles.get("dq"), max(BD, BDV))
+    ins = tuple(head_arg(src, t) for src, t in zip(srcs, (q, k, v, do)))
     launch("dq", _bwd_dq, lambda meta: (triton.cdiv(Nq, meta["BLOCK_M"]), B * H),
-           (*srcs, lse, delta, dq, dqa, *strides_in, *bhnd_strides(dq), *bhnd_strides(dqa), *kv_ranges,
-            H, Nq, Nk, *score_args(scale, spec.softcap), scale, num_sms(q.device)),
+           (*ins, (lse, delta), head_arg(dq), head_arg(dqa), kv_ranges, H, Nq, Nk, score_args(scale, spec.softcap),
+            scale, num_sms(q.device)),
            dict(common, ACCUMULATE=sums is not None, TMA=tma), tile)
     return dq, dk, dv

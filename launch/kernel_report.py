@@ -62,8 +62,10 @@ def constexprs(kernel: str, head_dim: int, causal: bool, group: int, tile: Tile,
 # The kernels' grouped arguments (tuples, built by `launch_utils.head_arg` and the like), by the
 # names their members are typed by below.
 GROUPS = {
-    **{f"{t.lower()}_arg": (t, "stride", "stride", "stride") for t in ("Q", "K", "V", "DO", "O", "OA", "LSE")},
+    **{f"{t.lower()}_arg": (t, "stride", "stride", "stride")
+       for t in ("Q", "K", "V", "DO", "O", "OA", "LSE", "DQ", "DQA")},
     "ranges": ("KV_LO", "KV_HI", "stride"),
+    "stats": ("LSE", "Delta"),
     "score": ("qk_scale", "cap"),
 }
 
