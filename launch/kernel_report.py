@@ -63,8 +63,10 @@ def constexprs(kernel: str, head_dim: int, causal: bool, group: int, tile: Tile,
 # names their members are typed by below.
 GROUPS = {
     **{f"{t.lower()}_arg": (t, "stride", "stride", "stride")
-       for t in ("Q", "K", "V", "DO", "O", "OA", "LSE", "DQ", "DQA")},
+       for t in ("Q", "K", "V", "DO", "O", "OA", "LSE", "DQ", "DQA", "DK", "DV", "DKA", "DVA")},
     "ranges": ("KV_LO", "KV_HI", "stride"),
+    "kv_ranges": ("KV_LO", "KV_HI", "stride"),
+    "q_ranges": ("Q_LO", "Q_HI", "stride"),
     "stats": ("LSE", "Delta"),
     "score": ("qk_scale", "cap"),
 }
