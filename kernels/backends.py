@@ -8,11 +8,12 @@
 - `reference`: the same contract in plain PyTorch (kernels/reference.py): the CPU path.
 - `cudnn`: NVIDIA's cuDNN attention through PyTorch (kernels/cudnn.py): CUDA, fp16/bf16, full or
   causal only. Never chosen by `auto`.
-- `hopper`: on an H100/H200 (fp16/bf16, head dim 64 or 128, one head dim for q·k and v, no
-  softcap), the forward is a warp-specialised Gluon kernel (kernels/hopper_fwd.py) and the
-  backward one Gluon kernel adding dQ atomically (kernels/hopper_bwd.py), for every mask: full,
-  causal, windows and per-row intervals (documents, a ring's steps, the all-gather). Faster, and
-  dQ not bit-reproducible. Both serve a ring's steps (float32 partials, merges, running sums).
+- `hopper`: on an H100/H200 (fp16/bf16, head dim 64 or 128, one head dim for q·k and v; softcap
+  with tanh on the MUFU, as FlashAttention's), the forward is a warp-specialised Gluon kernel
+  (kernels/hopper_fwd.py) and the backward one Gluon kernel adding dQ atomically
+  (kernels/hopper_bwd.py), for every mask: full, causal, windows and per-row intervals (documents,
+  a ring's steps, the all-gather). Faster, and dQ not bit-reproducible. Both serve a ring's steps
+  (float32 partials, merges, running sums).
   What they cannot run, and backwards under `torch.use_deterministic_algorithms(True)`, runs the
   Triton kernels, with one warning per reason naming both; strict (`get_backend(..., strict=True)`
   or `RINGFLASH_STRICT_BACKEND=1`) raises instead. Never chosen by `auto`.
@@ -76,8 +77,7 @@ class Backend:
         What is not known yet (a config checked before any tensor exists) may be None."""
         return None
 
-    def kernels_for(self, dtype: torch.dtype | None, head_dim: int | None, head_dim_v: int | None = None,
-                    softcap: float = 0.0) -> str:
+    def kernels_for(self, dtype: torch.dtype | None, head_dim: int | None, head_dim_v: int | None = None) -> str:
         """The name of the kernels that run such a call on a GPU this backend suits: its own, or
         those it hands the call to (`hopper`: `triton`). The planner predicts at their rates."""
         return self.name
@@ -128,10 +128,10 @@ class _Hopper(_Triton):
         self.strict = strict
         self._warned: set[tuple[str, str]] = set()  # (direction, reason) pairs warned of
 
-    def kernels_for(self, dtype, head_dim, head_dim_v=None, softcap=0.0):
+    def kernels_for(self, dtype, head_dim, head_dim_v=None):
         from ringflash.kernels.hopper import unsupported_case
 
-        return "triton" if unsupported_case(dtype, head_dim, head_dim_v, softcap) else self.name
+        return "triton" if unsupported_case(dtype, head_dim, head_dim_v) else self.name
 
     def handed_on(self, direction: str, why: str | None) -> bool:
         """True if the Triton kernels run this call's `direction` ("forward", "backward") because the

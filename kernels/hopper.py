@@ -21,7 +21,7 @@ from ringflash.kernels.launch_utils import _row_strides
 from ringflash.kernels.spec import AttnSpec
 
 __all__ = ["HEAD_DIMS", "TensorDescriptor", "interval_bounds", "ranges_args", "rows_descriptor", "slot_barriers",
-           "smem_layout", "thread_barrier", "tma_load", "tma_reduce_add", "tma_store", "unsupported",
+           "smem_layout", "tanh", "thread_barrier", "tma_load", "tma_reduce_add", "tma_store", "unsupported",
            "unsupported_case"]
 
 HEAD_DIMS = (64, 128)
@@ -56,6 +56,14 @@ def slot_barriers(STAGES: gl.constexpr, RELEASES: gl.constexpr):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=RELEASES)
     return ready, empty
+
+
+@gluon.jit
+def tanh(x):
+    """tanh on the MUFU: `tanh.approx.f32`, one instruction where the exact formula (kernels/
+    triton_fwd.py's `tanh`) takes an exp2 and a division, as FlashAttention's softcap does. Its
+    absolute error, under 2^-10.7, is below a bf16 score's rounding."""
+    return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -99,18 +107,15 @@ def ranges_args(spec: AttnSpec, q: torch.Tensor, k: torch.Tensor) -> tuple:
     return (*vis, batch_stride(vis.kv_lo), batch_stride(vis.q_lo)), True
 
 
-def unsupported_case(dtype: torch.dtype | None, head_dim: int | None, head_dim_v: int | None = None,
-                     softcap: float = 0.0) -> str | None:
-    """None if the Hopper kernels run this dtype, head dims and score transform on an sm_90 GPU,
-    else why not; what is not known yet (a config checked before its tensors exist) may be None."""
+def unsupported_case(dtype: torch.dtype | None, head_dim: int | None, head_dim_v: int | None = None) -> str | None:
+    """None if the Hopper kernels run this dtype and head dims on an sm_90 GPU, else why not; what
+    is not known yet (a config checked before its tensors exist) may be None."""
     if dtype is not None and dtype not in (torch.float16, torch.bfloat16):
         return f"needs fp16 or bf16 inputs, got {dtype}"
     if head_dim is not None and head_dim not in HEAD_DIMS:
         return f"needs a head dim in {HEAD_DIMS}, got {head_dim}"
     if head_dim_v is not None and head_dim is not None and head_dim_v != head_dim:
         return f"needs v.shape[3] == q.shape[3] (one head dim), got {head_dim_v} and {head_dim}"
-    if softcap:
-        return "runs no softcap"
     return None
 
 
@@ -118,7 +123,7 @@ def unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpe
     """None if the Hopper kernels run attention of q over k, v under `spec`, else why not."""
     if not q.is_cuda or _capability(q.device) != (9, 0):
         return "needs an sm_90 GPU (H100, H200): wgmma and TMA"
-    why = unsupported_case(q.dtype, q.shape[-1], v.shape[-1], spec.softcap)
+    why = unsupported_case(q.dtype, q.shape[-1], v.shape[-1])
     if why is not None:
         return why
     if spec.causal and q.shape[1] != k.shape[1]:

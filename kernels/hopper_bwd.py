@@ -52,19 +52,23 @@ from ringflash.kernels.hopper import (
     rows_descriptor,
     slot_barriers,
     smem_layout,
+    tanh,
     thread_barrier,
     tma_load,
     tma_reduce_add,
     unsupported,
 )
-from ringflash.kernels.launch_utils import LOG2E, _descriptor_fits, bhnd_strides, num_sms
+from ringflash.kernels.launch_utils import _descriptor_fits, bhnd_strides, num_sms
 from ringflash.kernels.spec import AttnSpec
 from ringflash.kernels.tiles import heaviest_first
+from ringflash.kernels.triton_fwd import score_args
 
 __all__ = ["hopper_attn_bwd", "hopper_bwd_unsupported"]
 
 BLOCK_N, STAGES, NUM_WARPS = 128, 2, 8  # a third slot gains nothing at D128 and costs 18% with D64's tiles
-BLOCK_M = {64: 128, 128: 64}  # query rows a tile, by head dim (D64: 128 is 4-9% faster than 64)
+# Query rows a tile, by head dim and softcap (D64: 128 is 4-9% faster than 64, but with a softcap
+# its Sᵀ tiles and the cap's derivative exceed the registers and spill, where 64 does not).
+BLOCK_M = {(64, False): 128, (64, True): 64, (128, False): 64, (128, True): 64}
 # dQ's float32 buffer, swizzled in spans of this many bytes, by head dim. A thread's dQ fragment is
 # rows of two floats, and 128-byte spans put rows r and r ^ 1 on the same banks: every store conflicts
 # two ways. 32-byte spans don't (each TMA reduce-add then moves 8 columns): +2-4% at D64, but -4% at
@@ -94,14 +98,17 @@ def _loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_ring, do_ri
 
 @gluon.jit
 def _consumer(q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem, ds_smem, dq_smem, dq_desc, kv_bar, ready, empty,
-              b, hkv, start_n, q_blocks, ranges, Nq, Nk, GROUP, qk_scale, softmax_scale,
-              CAUSAL: gl.constexpr, RANGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              D: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
+              b, hkv, start_n, q_blocks, ranges, Nq, Nk, GROUP, score, softmax_scale,
+              CAUSAL: gl.constexpr, RANGES: gl.constexpr, SOFTCAP: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
     """The key block's dK, dV over the query tiles `q_blocks = (lo, n_m, u_lo, u_hi)` (n_m tiles of
     BLOCK_M rows from lo, for each query head of the group; those in [u_lo, u_hi) see every key of
     the block), dQ's partial sums added as they go. `ranges`: the query rows' key intervals
     (RANGES): as the key rows' query intervals `(Q_LO, Q_HI)` (kernels/masks.py), the same mask by
-    their definition, and a key block's are read once where query rows' would be read every tile."""
+    their definition, and a key block's are read once where query rows' would be read every tile.
+    `score = (qk_scale, cap)` (`triton_fwd.score_args`); SOFTCAP: scores cap·tanh(s·qk_scale), and
+    dS through the cap's derivative 1 − tanh²."""
+    qk_scale, cap = score
     dtype: gl.constexpr = q_ring.dtype
     # Sᵀ tiles (keys × queries) and dK, dV (keys × D): each warpgroup owns 64 keys
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
@@ -143,7 +150,12 @@ def _consumer(q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem, ds_smem, dq
         # lse and delta read where they are used: a thread holds a quarter of the tile's columns of each
         lse = lse_ring.index(slot).reshape([BLOCK_M]).load(row_layout)
         lse2 = gl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634  # no key seen: P = 0
-        p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
+        if SOFTCAP:  # the cap's derivative kept as fp16 (exact to 2^-11 on [0, 1]): a float32 tile more spills
+            t_t = tanh(s_t * qk_scale)
+            dcap = (1.0 - t_t * t_t).to(gl.float16)
+            p_t = gl.exp2(cap * t_t - gl.expand_dims(lse2, 0))
+        else:
+            p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
         edge = (start_m + BLOCK_M > Nq) | (start_n + BLOCK_N > Nk) | (start_m < u_lo) | (start_m + BLOCK_M > u_hi)
         if CAUSAL:
             edge = edge | (start_m < start_n + BLOCK_N)
@@ -160,7 +172,10 @@ def _consumer(q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem, ds_smem, dq
         dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do, dv, is_async=True)
         dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))
         delta = delta_ring.index(slot).reshape([BLOCK_M]).load(row_layout)
-        ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
+        ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
+        if SOFTCAP:  # dS through the cap: d(c·tanh(x/c))/dx = 1 − tanh²
+            ds_t = ds_t * dcap.to(gl.float32)
+        ds_t = ds_t.to(dtype)
         dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q, dk, is_async=True)
         ds_smem.store(ds_t)
         fence_async_shared()
@@ -183,9 +198,10 @@ def _consumer(q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem, ds_smem, dq
 def _hopper_bwd(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, DK, DV, DKA, DVA,
                 stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
                 stride_dkab, stride_dkan, stride_dkah, stride_dvab, stride_dvan, stride_dvah,
-                Q_LO, Q_HI, stride_rkb, H, GROUP, Nq, Nk, qk_scale, softmax_scale, n_sms,
-                CAUSAL: gl.constexpr, RANGES: gl.constexpr, ACCUMULATE: gl.constexpr, BLOCK_M: gl.constexpr,
-                BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+                Q_LO, Q_HI, stride_rkb, H, GROUP, Nq, Nk, qk_scale, cap, softmax_scale, n_sms,
+                CAUSAL: gl.constexpr, RANGES: gl.constexpr, SOFTCAP: gl.constexpr, ACCUMULATE: gl.constexpr,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                num_warps: gl.constexpr):
     # The causal loop's longest key blocks (the first) start first, swept over heads: one K/V head at
     # a time would leave the last head's longest programs to run alone at the end.
     pid_n, bh = heaviest_first(n_sms)
@@ -218,8 +234,8 @@ def _hopper_bwd(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, 
     ready, empty = slot_barriers(STAGES, 1)  # the consumers are one partition
     dk, dv = gl.warp_specialize(
         [(_consumer, (q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem, ds_smem, dq_smem, dq_desc, kv_bar,
-                      ready, empty, b, hkv, start_n, q_blocks, ranges, Nq, Nk, GROUP, qk_scale, softmax_scale,
-                      CAUSAL, RANGES, BLOCK_M, BLOCK_N, D, STAGES, num_warps)),
+                      ready, empty, b, hkv, start_n, q_blocks, ranges, Nq, Nk, GROUP, (qk_scale, cap),
+                      softmax_scale, CAUSAL, RANGES, SOFTCAP, BLOCK_M, BLOCK_N, D, STAGES, num_warps)),
          (_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_ring, do_ring, lse_ring, delta_ring,
                     k_smem, v_smem, kv_bar, ready, empty, b, hkv, start_n, q_blocks, H, GROUP, BLOCK_M, D, STAGES))],
         worker_num_warps=[1], worker_num_regs=[24])
@@ -305,7 +321,7 @@ def hopper_attn_bwd(
     dq, dk, dv = out
     sums = out if accumulate else acc
     q, k, v, do = (t if _descriptor_fits(t) else t.contiguous() for t in (q, k, v, do))
-    block_m = BLOCK_M[D]
+    block_m = BLOCK_M[D, bool(spec.softcap)]
     lse_desc, delta_desc = _stats(lse, row_deltas(o, do), block_m)
     in_place = dq.dtype == torch.float32 and dq.is_contiguous() and dq.data_ptr() % 16 == 0
     if in_place:
@@ -327,9 +343,9 @@ def hopper_attn_bwd(
         rows_descriptor(v, BLOCK_N), rows_descriptor(dq_sum, block_m, DQ_SWIZZLE[D]),
         lse_desc, delta_desc, dk_k, dv_k, dka, dva,
         *bhnd_strides(dk_k), *bhnd_strides(dv_k), *bhnd_strides(dka), *bhnd_strides(dva),
-        q_lo, q_hi, stride_rkb, H, H // Hkv, Nq, Nk, scale * LOG2E, scale, num_sms(q.device),
-        CAUSAL=spec.causal, RANGES=use_ranges, ACCUMULATE=sums is not None and not late, BLOCK_M=block_m,
-        BLOCK_N=BLOCK_N, D=D, STAGES=STAGES, num_warps=NUM_WARPS,
+        q_lo, q_hi, stride_rkb, H, H // Hkv, Nq, Nk, *score_args(scale, spec.softcap), scale, num_sms(q.device),
+        CAUSAL=spec.causal, RANGES=use_ranges, SOFTCAP=bool(spec.softcap), ACCUMULATE=sums is not None and not late,
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, D=D, STAGES=STAGES, num_warps=NUM_WARPS,
     )
     if acc_ready is not None:
         acc_ready()

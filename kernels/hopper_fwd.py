@@ -43,14 +43,15 @@ from ringflash.kernels.hopper import (
     ranges_args,
     rows_descriptor,
     slot_barriers,
+    tanh,
     tma_load,
     tma_store,
     unsupported,
 )
-from ringflash.kernels.launch_utils import LOG2E, _descriptor_fits, bhnd_strides, num_sms
+from ringflash.kernels.launch_utils import _descriptor_fits, bhnd_strides, num_sms
 from ringflash.kernels.spec import AttnSpec
 from ringflash.kernels.tiles import heaviest_first
-from ringflash.kernels.triton_fwd import merge_weights
+from ringflash.kernels.triton_fwd import merge_weights, score_args
 
 __all__ = ["hopper_attn_fwd", "hopper_fwd_unsupported"]
 
@@ -77,13 +78,19 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty,
 
 
 @gluon.jit
-def _softmax(s, m_i, l_i, qk_scale, rows, cols, Nk, MASK: gl.constexpr, CAUSAL: gl.constexpr,
-             RANGES: gl.constexpr):
+def _softmax(s, m_i, l_i, score, rows, cols, Nk, MASK: gl.constexpr, CAUSAL: gl.constexpr,
+             RANGES: gl.constexpr, SOFTCAP: gl.constexpr):
     """One key block's online-softmax update, the math of kernels/triton_fwd.py's `_fwd_inner`, with
     the row max taken before scaling (qk_scale > 0) so that the scale folds into exp2's argument:
     one FFMA an element instead of a multiply and an FFMA (not in the Triton kernel, whose loop
-    ptxas then schedules worse). `rows`: the rows' indices and, RANGES, their key intervals
-    `(rows, kv_lo, kv_hi)` (kernels/masks.py), which replace the causal and ragged-end tests."""
+    ptxas then schedules worse). `score = (qk_scale, cap)` (`triton_fwd.score_args`); SOFTCAP: the
+    scores are cap·tanh(s·qk_scale), before the mask as flash_attn, and need no further scale.
+    `rows`: the rows' indices and, RANGES, their key intervals `(rows, kv_lo, kv_hi)`
+    (kernels/masks.py), which replace the causal and ragged-end tests."""
+    qk_scale, cap = score
+    if SOFTCAP:
+        s = cap * tanh(s * qk_scale)
+        qk_scale = 1.0
     if MASK:
         idx, kv_lo, kv_hi = rows
         if RANGES:
@@ -112,15 +119,16 @@ def _pv(acc, p, alpha, v_tile, o_layout: gl.constexpr, p_layout: gl.constexpr):
 
 
 @gluon.jit
-def _step(q, k_smem, v_smem, ready, empty, s, acc, l_i, m_i, j, rows, cols0, Nk, qk_scale, s_zero,
-          MASK: gl.constexpr, CAUSAL: gl.constexpr, RANGES: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-          STAGES: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+def _step(q, k_smem, v_smem, ready, empty, s, acc, l_i, m_i, j, rows, cols0, Nk, score, s_zero,
+          MASK: gl.constexpr, CAUSAL: gl.constexpr, RANGES: gl.constexpr, SOFTCAP: gl.constexpr,
+          BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, o_layout: gl.constexpr,
+          p_layout: gl.constexpr):
     """Key block j (its S given) folded in, S of block j + 1 computed meanwhile, j's slot released."""
     nxt = j + 1
     mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1)
     s_next = warpgroup_mma(q, k_smem.index(nxt % STAGES).reshape([BLOCK_N, D]).permute((1, 0)), s_zero,
                            use_acc=False, is_async=True)
-    p, alpha, l_i, m_i = _softmax(s, m_i, l_i, qk_scale, rows, j * BLOCK_N + cols0, Nk, MASK, CAUSAL, RANGES)
+    p, alpha, l_i, m_i = _softmax(s, m_i, l_i, score, rows, j * BLOCK_N + cols0, Nk, MASK, CAUSAL, RANGES, SOFTCAP)
     acc = _pv(acc, p, alpha, v_smem.index(j % STAGES).reshape([BLOCK_N, D]), o_layout, p_layout)
     acc, s = warpgroup_mma_wait(0, deps=(acc, s_next))
     # Done with the slot. Gluon lowers a partition's arrive as a barrier over all its warps plus one
@@ -131,9 +139,10 @@ def _step(q, k_smem, v_smem, ready, empty, s, acc, l_i, m_i, j, rows, cols0, Nk,
 
 
 @gluon.jit
-def _attend(q_smem, k_smem, v_smem, q_bar, ready, empty, first, blocks, ranges, Nq, Nk, qk_scale,
-            CAUSAL: gl.constexpr, RANGES: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-            STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, OVERLAP: gl.constexpr = True):
+def _attend(q_smem, k_smem, v_smem, q_bar, ready, empty, first, blocks, ranges, Nq, Nk, score,
+            CAUSAL: gl.constexpr, RANGES: gl.constexpr, SOFTCAP: gl.constexpr, ROWS: gl.constexpr,
+            BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
+            OVERLAP: gl.constexpr = True):
     """Query rows [first, first + ROWS) of `q_smem` against the K/V ring's key blocks: the unnormalised
     `acc`, the rows' `l_i`, `m_i` (log2 domain) and indices, each slot released after use. P·V from
     registers. `blocks = (kv_start, n_blocks, plain_lo, plain_hi)`: the ring's block i holds keys
@@ -171,9 +180,9 @@ def _attend(q_smem, k_smem, v_smem, q_bar, ready, empty, first, blocks, ranges, 
             s = warpgroup_mma_wait(0, deps=(s, ))
             cols = j * BLOCK_N + cols0
             if (j >= plain_lo) & (j < plain_hi):
-                p, alpha, l_i, m_i = _softmax(s, m_i, l_i, qk_scale, rows, cols, Nk, False, CAUSAL, RANGES)
+                p, alpha, l_i, m_i = _softmax(s, m_i, l_i, score, rows, cols, Nk, False, CAUSAL, RANGES, SOFTCAP)
             else:
-                p, alpha, l_i, m_i = _softmax(s, m_i, l_i, qk_scale, rows, cols, Nk, True, CAUSAL, RANGES)
+                p, alpha, l_i, m_i = _softmax(s, m_i, l_i, score, rows, cols, Nk, True, CAUSAL, RANGES, SOFTCAP)
             acc = _pv(acc, p, alpha, v_smem.index(j % STAGES).reshape([BLOCK_N, D]), o_layout, p_layout)
             acc = warpgroup_mma_wait(0, deps=(acc, ))
             mbarrier.arrive(empty.index(j % STAGES))
@@ -183,16 +192,17 @@ def _attend(q_smem, k_smem, v_smem, q_bar, ready, empty, first, blocks, ranges, 
                           is_async=True)
         s = warpgroup_mma_wait(0, deps=(s, ))
         for j in range(0, plain_lo):  # where the rows' intervals begin (RANGES only)
-            s, acc, l_i, m_i = _step(q, k_smem, v_smem, ready, empty, s, acc, l_i, m_i, j, rows, cols0, Nk, qk_scale,
-                                     s_zero, True, CAUSAL, RANGES, BLOCK_N, D, STAGES, o_layout, p_layout)
+            s, acc, l_i, m_i = _step(q, k_smem, v_smem, ready, empty, s, acc, l_i, m_i, j, rows, cols0, Nk, score,
+                                     s_zero, True, CAUSAL, RANGES, SOFTCAP, BLOCK_N, D, STAGES, o_layout, p_layout)
         for j in range(plain_lo, plain_hi):
-            s, acc, l_i, m_i = _step(q, k_smem, v_smem, ready, empty, s, acc, l_i, m_i, j, rows, cols0, Nk, qk_scale,
-                                     s_zero, False, CAUSAL, RANGES, BLOCK_N, D, STAGES, o_layout, p_layout)
+            s, acc, l_i, m_i = _step(q, k_smem, v_smem, ready, empty, s, acc, l_i, m_i, j, rows, cols0, Nk, score,
+                                     s_zero, False, CAUSAL, RANGES, SOFTCAP, BLOCK_N, D, STAGES, o_layout, p_layout)
         for j in range(plain_hi, n_blocks - 1):  # the masked blocks before the last, if any
-            s, acc, l_i, m_i = _step(q, k_smem, v_smem, ready, empty, s, acc, l_i, m_i, j, rows, cols0, Nk, qk_scale,
-                                     s_zero, True, CAUSAL, RANGES, BLOCK_N, D, STAGES, o_layout, p_layout)
+            s, acc, l_i, m_i = _step(q, k_smem, v_smem, ready, empty, s, acc, l_i, m_i, j, rows, cols0, Nk, score,
+                                     s_zero, True, CAUSAL, RANGES, SOFTCAP, BLOCK_N, D, STAGES, o_layout, p_layout)
         last = n_blocks - 1
-        p, alpha, l_i, m_i = _softmax(s, m_i, l_i, qk_scale, rows, last * BLOCK_N + cols0, Nk, True, CAUSAL, RANGES)
+        p, alpha, l_i, m_i = _softmax(s, m_i, l_i, score, rows, last * BLOCK_N + cols0, Nk, True, CAUSAL,
+                                      RANGES, SOFTCAP)
         acc = _pv(acc, p, alpha, v_smem.index(last % STAGES).reshape([BLOCK_N, D]), o_layout, p_layout)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
     return acc, l_i, m_i, idx
@@ -238,13 +248,13 @@ def _finish(acc, l_i, m_i, rows, q_smem, o_desc, O, OA, LSE, o_strides, oa_strid
 
 @gluon.jit
 def _consumer(q_smem, o_desc, out, k_smem, v_smem, q_bar, ready, empty, b, h, first, blocks, ranges, Nq, Nk,
-              qk_scale, CAUSAL: gl.constexpr, RANGES: gl.constexpr, TMA_OUT: gl.constexpr, MERGE: gl.constexpr,
-              WG_ROWS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+              score, CAUSAL: gl.constexpr, RANGES: gl.constexpr, SOFTCAP: gl.constexpr, TMA_OUT: gl.constexpr,
+              MERGE: gl.constexpr, WG_ROWS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
               OVERLAP: gl.constexpr):
     """One warpgroup's partition: its 64 rows attended and written out (`out`: `_finish`'s O, OA, LSE
     and their strides)."""
     acc, l_i, m_i, rows = _attend(q_smem, k_smem, v_smem, q_bar, ready, empty, first, blocks, ranges, Nq, Nk,
-                                  qk_scale, CAUSAL, RANGES, WG_ROWS, BLOCK_N, D, STAGES, 4, OVERLAP)
+                                  score, CAUSAL, RANGES, SOFTCAP, WG_ROWS, BLOCK_N, D, STAGES, 4, OVERLAP)
     O, OA, LSE, o_strides, oa_strides, lse_strides = out
     _finish(acc, l_i, m_i, rows, q_smem, o_desc, O, OA, LSE, o_strides, oa_strides, lse_strides, b, h, first, Nq,
             TMA_OUT, MERGE, WG_ROWS, D, 4)
@@ -253,9 +263,9 @@ def _consumer(q_smem, o_desc, out, k_smem, v_smem, q_bar, ready, empty, b, h, fi
 @gluon.jit
 def _hopper_fwd(q_desc, k_desc, v_desc, o_desc, O, OA, LSE, stride_ob, stride_on, stride_oh,
                 stride_oab, stride_oan, stride_oah, stride_lb, stride_lh, stride_ln, KV_LO, KV_HI, stride_rb,
-                H, GROUP, Nq, Nk, qk_scale, n_sms,
-                CAUSAL: gl.constexpr, RANGES: gl.constexpr, TMA_OUT: gl.constexpr, MERGE: gl.constexpr,
-                WGS: gl.constexpr, WG_ROWS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                H, GROUP, Nq, Nk, qk_scale, cap, n_sms,
+                CAUSAL: gl.constexpr, RANGES: gl.constexpr, SOFTCAP: gl.constexpr, TMA_OUT: gl.constexpr,
+                MERGE: gl.constexpr, WGS: gl.constexpr, WG_ROWS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                 STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, OVERLAP: gl.constexpr, ROWS_P2: gl.constexpr,
                 num_warps: gl.constexpr):
     rank, bh = heaviest_first(n_sms)  # causal: the longest row blocks start first, swept over heads
@@ -293,14 +303,15 @@ def _hopper_fwd(q_desc, k_desc, v_desc, o_desc, O, OA, LSE, stride_ob, stride_on
     oa_strides = (stride_oab, stride_oan, stride_oah)
     lse_strides = (stride_lb, stride_lh, stride_ln)
     out = (O, OA, LSE, o_strides, oa_strides, lse_strides)
+    score = (qk_scale, cap)
     # Gluon takes the partitions as a literal list: one per consumer warpgroup count.
     if WGS == 2:
         gl.warp_specialize(
             [(_consumer, (q_smem.index(0), o_desc, out, k_smem, v_smem, q_bar, ready, empty, b, h, start_m,
-                          blocks, ranges, Nq, Nk, qk_scale, CAUSAL, RANGES, TMA_OUT, MERGE, WG_ROWS, BLOCK_N, D,
+                          blocks, ranges, Nq, Nk, score, CAUSAL, RANGES, SOFTCAP, TMA_OUT, MERGE, WG_ROWS, BLOCK_N, D,
                           STAGES, OVERLAP)),
              (_consumer, (q_smem.index(1), o_desc, out, k_smem, v_smem, q_bar, ready, empty, b, h,
-                          start_m + WG_ROWS, blocks, ranges, Nq, Nk, qk_scale, CAUSAL, RANGES, TMA_OUT, MERGE,
+                          start_m + WG_ROWS, blocks, ranges, Nq, Nk, score, CAUSAL, RANGES, SOFTCAP, TMA_OUT, MERGE,
                           WG_ROWS, BLOCK_N, D, STAGES, OVERLAP)),
              (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, b, h, kv_col, start_m,
                         kv_start, n_blocks, WGS, WG_ROWS, BLOCK_N, STAGES, D))],
@@ -308,13 +319,13 @@ def _hopper_fwd(q_desc, k_desc, v_desc, o_desc, O, OA, LSE, stride_ob, stride_on
     else:
         gl.warp_specialize(
             [(_consumer, (q_smem.index(0), o_desc, out, k_smem, v_smem, q_bar, ready, empty, b, h, start_m,
-                          blocks, ranges, Nq, Nk, qk_scale, CAUSAL, RANGES, TMA_OUT, MERGE, WG_ROWS, BLOCK_N, D,
+                          blocks, ranges, Nq, Nk, score, CAUSAL, RANGES, SOFTCAP, TMA_OUT, MERGE, WG_ROWS, BLOCK_N, D,
                           STAGES, OVERLAP)),
              (_consumer, (q_smem.index(1), o_desc, out, k_smem, v_smem, q_bar, ready, empty, b, h,
-                          start_m + WG_ROWS, blocks, ranges, Nq, Nk, qk_scale, CAUSAL, RANGES, TMA_OUT, MERGE,
+                          start_m + WG_ROWS, blocks, ranges, Nq, Nk, score, CAUSAL, RANGES, SOFTCAP, TMA_OUT, MERGE,
                           WG_ROWS, BLOCK_N, D, STAGES, OVERLAP)),
              (_consumer, (q_smem.index(2), o_desc, out, k_smem, v_smem, q_bar, ready, empty, b, h,
-                          start_m + 2 * WG_ROWS, blocks, ranges, Nq, Nk, qk_scale, CAUSAL, RANGES, TMA_OUT, MERGE,
+                          start_m + 2 * WG_ROWS, blocks, ranges, Nq, Nk, score, CAUSAL, RANGES, SOFTCAP, TMA_OUT, MERGE,
                           WG_ROWS, BLOCK_N, D, STAGES, OVERLAP)),
              (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, b, h, kv_col, start_m,
                         kv_start, n_blocks, WGS, WG_ROWS, BLOCK_N, STAGES, D))],
@@ -351,9 +362,9 @@ def hopper_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Att
     _hopper_fwd[(triton.cdiv(Nq, wgs * WG_ROWS), B * H)](
         rows_descriptor(q, WG_ROWS), rows_descriptor(k, BLOCK_N), rows_descriptor(v, BLOCK_N),
         rows_descriptor(o if tma_out else q, WG_ROWS), o, o_acc, lse, *bhnd_strides(o), *bhnd_strides(o_acc),
-        *lse.stride(), kv_lo, kv_hi, stride_rb, H, H // Hkv, Nq, Nk, scale * LOG2E, num_sms(q.device),
-        CAUSAL=spec.causal, RANGES=ranges, TMA_OUT=tma_out, MERGE=acc is not None, WGS=wgs, WG_ROWS=WG_ROWS,
-        BLOCK_N=BLOCK_N, D=D, STAGES=STAGES, CONSUMER_REGS=regs, OVERLAP=overlap,
-        ROWS_P2=triton.next_power_of_2(wgs * WG_ROWS), num_warps=4,
+        *lse.stride(), kv_lo, kv_hi, stride_rb, H, H // Hkv, Nq, Nk, *score_args(scale, spec.softcap),
+        num_sms(q.device), CAUSAL=spec.causal, RANGES=ranges, SOFTCAP=bool(spec.softcap), TMA_OUT=tma_out,
+        MERGE=acc is not None, WGS=wgs, WG_ROWS=WG_ROWS, BLOCK_N=BLOCK_N, D=D, STAGES=STAGES, CONSUMER_REGS=regs,
+        OVERLAP=overlap, ROWS_P2=triton.next_power_of_2(wgs * WG_ROWS), num_warps=4,
     )
     return o, lse

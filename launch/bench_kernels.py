@@ -3,7 +3,7 @@
     python launch/bench_kernels.py                      # the full table, appended to benchmarks/kernels.jsonl
     python launch/bench_kernels.py --seqlens 4096 --head-dims 128 --no-flex   # quicker
     python launch/bench_kernels.py --masks              # packed documents and sliding windows
-    python launch/bench_kernels.py --features           # what softcap, MLA head dims and a two-sided window cost
+    python launch/bench_kernels.py --features           # what softcap, sinks, MLA head dims and a window cost
     python launch/bench_kernels.py --group 8 --tokens 16384 --seqlens 16384 --head-dims 64   # a 1B Llama's GQA
     python launch/benchmarks_md.py                      # then: BENCHMARKS.md and docs/bench_kernels.png
 
@@ -54,6 +54,24 @@ def _kernels_ran(backend, spec, q, k, v, fallback=True) -> str:
     if whys["bwd"] is not None and not fallback:
         raise RuntimeError(f"hopper backward: {whys['bwd']}")
     return ", ".join(f"hopper {s}" if why is None else f"triton {s} (hopper {why})" for s, why in whys.items())
+
+
+def _through_op(backend, sink):
+    """`ring_flash_attn_func` on one GPU, the path a model calls, with a learnable sink `(H,)` (a
+    logit per head, near the rows' lse so that it matters) or without, on `(B, H, N, D)` inputs."""
+    from ringflash import ring_flash_attn_func
+
+    def make(q, k, v, do, causal):
+        q, k, v, do = (t.transpose(1, 2).contiguous() for t in (q, k, v, do))
+        leaves = [t.requires_grad_() for t in (q, k, v)]
+        s = torch.nn.Parameter(torch.randn(q.shape[2], device=q.device) + 3.0) if sink else None
+        leaves += [s] if sink else []
+        fwd = lambda: ring_flash_attn_func(q, k, v, causal=causal, backend=backend, learnable_sink=s)
+        o = fwd()
+        bwd = lambda: torch.autograd.grad(o, leaves, do, retain_graph=True)
+        return fwd, bwd, f"{_kernels_ran(backend, AttnSpec(causal=causal), q, k, v)}, through ring_flash_attn_func"
+
+    return make
 
 
 def _ours(backend):
@@ -127,7 +145,7 @@ def main() -> None:
     ap.add_argument("--masks", action="store_true",
                     help="instead: packed documents and sliding windows against dense causal (ours only)")
     ap.add_argument("--features", action="store_true",
-                    help="instead: each feature's cost (softcap, MLA head dims, two-sided window) against "
+                    help="instead: each feature's cost (softcap, sinks, MLA head dims, two-sided window) against "
                          "plain causal and SDPA/Flex, at N = the last of --seqlens, D = the last of --head-dims")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -288,7 +306,8 @@ def _first_sdpa(*names):
 
 def features(N: int, D: int, tokens: int, hidden: int, group: int, record_to: Path | None) -> None:
     """The speed cost of each feature at one shape, bf16, B = tokens/N, H = hidden/D: plain
-    causal, logit softcapping, DeepSeek's MLA head dims (q/k 1.5·D, v D: 192 and 128 at D = 128) and a
+    causal, logit softcapping, learnable sinks (beside plain causal through the same functional op),
+    DeepSeek's MLA head dims (q/k 1.5·D, v D: 192 and 128 at D = 128) and a
     two-sided window, each by our Triton and Hopper backends (which kernels ran: Hopper's fall back to
     Triton's where they do not apply), SDPA (cuDNN; n/a where it has no such feature) and FlexAttention."""
     B, H, w, c = tokens // N, hidden // D, WINDOW, SOFTCAP
@@ -316,6 +335,10 @@ def features(N: int, D: int, tokens: int, hidden: int, group: int, record_to: Pa
             no_sdpa.format("softcap"),
             flex(score_mod=lambda s, b, h, qi, ki: c * torch.tanh(s / c)),
         ),
+        ("plain causal, through the op", AttnSpec(causal=True), (D, D), causal_pairs, "n/a: the row above",
+         "n/a: the row above"),
+        ("learnable sinks, through the op", AttnSpec(causal=True), (D, D), causal_pairs,
+         "n/a: SDPA has no learnable sink", "n/a: a sink is no score_mod"),
         (
             f"MLA q/k {D * 3 // 2}, v {D}, causal",
             AttnSpec(causal=True),
@@ -344,6 +367,9 @@ def features(N: int, D: int, tokens: int, hidden: int, group: int, record_to: Pa
             "sdpa": sdpa,
             "flex": flex_make,
         }
+        if feature.endswith("through the op"):  # the functional op, as a model calls it: a sink joins there
+            sink = feature.startswith("learnable sinks")
+            impls["ringflash"], impls["ringflash-hopper"] = _through_op("triton", sink), _through_op("hopper", sink)
         for name, make in impls.items():
             if isinstance(make, str):
                 rows.append((name, feature, None, None, None, None, make))
@@ -368,7 +394,8 @@ def features(N: int, D: int, tokens: int, hidden: int, group: int, record_to: Pa
         notes=f"FLOPs in FlashAttention's convention: forward 2·B·H·pairs·(Dqk + Dv), pairs N²/2 when causal "
         f"(halved, as for 4·B·H·N²·D where Dqk = Dv = D), the (query, key) pairs kept for the window; "
         f"backward 2.5× forward. Softcap c = {c:g} (Gemma 2's attention logits): scores s -> c·tanh(s/c), "
-        f"Flex through score_mod. MLA: DeepSeek's training shape, q/k {D * 3 // 2}, v {D}, H·Dv = {hidden}. "
+        f"Flex through score_mod. Sinks: a logit per head, through ring_flash_attn_func beside plain causal "
+        f"through it. MLA: DeepSeek's training shape, q/k {D * 3 // 2}, v {D}, H·Dv = {hidden}. "
         f"Window: keys i - {w} ... i + {w}, Flex through a block mask. ms: median of one call.",
         directory=record_to,
     )

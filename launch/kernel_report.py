@@ -131,11 +131,12 @@ def ptxas_report(kernel: str, head_dim: int, causal: bool, group: int, tile: Til
     return ptxas_info(compiled)
 
 
-def hopper_report(kernel: str, head_dim: int, causal: bool, ranges: bool = False) -> dict:
+def hopper_report(kernel: str, head_dim: int, causal: bool, ranges: bool = False, softcap: bool = False) -> dict:
     """`ptxas_report` for a Gluon kernel (kernels/hopper_fwd.py, kernels/hopper_bwd.py): one tile
     each, so none to choose; GQA's group is a runtime argument there. `hopper_fwd_step` is the
     forward as a ring's later steps compile it: merged into a float32 accumulator, pointer stores.
-    `ranges`: the per-row key intervals' variant (documents, windows, the all-gather)."""
+    `ranges`: the per-row key intervals' variant (documents, windows, the all-gather); `softcap`:
+    the logit-softcapping variant."""
     from triton.experimental.gluon._runtime import GluonASTSource  # Gluon's ASTSource: no public name yet
 
     def desc(dtype: str, block: list[int], swizzle: int | None = None) -> str:
@@ -147,18 +148,18 @@ def hopper_report(kernel: str, head_dim: int, causal: bool, ranges: bool = False
         fn, num_warps = hopper_fwd._hopper_fwd, 4
         q_block, kv_block = [1, hopper_fwd.WG_ROWS, head_dim], [1, hopper_fwd.BLOCK_N, head_dim]
         wgs, regs, overlap = hopper_fwd.WARPGROUPS[head_dim]
-        consts = dict(CAUSAL=causal and not ranges, RANGES=ranges, TMA_OUT=not step, MERGE=step, WGS=wgs,
-                      WG_ROWS=hopper_fwd.WG_ROWS, BLOCK_N=hopper_fwd.BLOCK_N, D=head_dim, STAGES=hopper_fwd.STAGES,
-                      CONSUMER_REGS=regs, OVERLAP=overlap, ROWS_P2=triton.next_power_of_2(wgs * hopper_fwd.WG_ROWS),
-                      num_warps=num_warps)
+        consts = dict(CAUSAL=causal and not ranges, RANGES=ranges, SOFTCAP=softcap, TMA_OUT=not step, MERGE=step,
+                      WGS=wgs, WG_ROWS=hopper_fwd.WG_ROWS, BLOCK_N=hopper_fwd.BLOCK_N, D=head_dim,
+                      STAGES=hopper_fwd.STAGES, CONSUMER_REGS=regs, OVERLAP=overlap,
+                      ROWS_P2=triton.next_power_of_2(wgs * hopper_fwd.WG_ROWS), num_warps=num_warps)
         sig = dict(q_desc=desc("bf16", q_block), k_desc=desc("bf16", kv_block), v_desc=desc("bf16", kv_block),
                    o_desc=desc("bf16", q_block), O="*fp32" if step else "*bf16", OA="*fp32", LSE="*fp32")
     else:
         hb = hopper_bwd
         fn, num_warps = hb._hopper_bwd, hb.NUM_WARPS
-        block_m = hb.BLOCK_M[head_dim]
+        block_m = hb.BLOCK_M[head_dim, softcap]
         q_block, kv_block = [1, block_m, head_dim], [1, hb.BLOCK_N, head_dim]
-        consts = dict(CAUSAL=causal and not ranges, RANGES=ranges, ACCUMULATE=False, BLOCK_M=block_m,
+        consts = dict(CAUSAL=causal and not ranges, RANGES=ranges, SOFTCAP=softcap, ACCUMULATE=False, BLOCK_M=block_m,
                       BLOCK_N=hb.BLOCK_N, D=head_dim, STAGES=hb.STAGES, num_warps=num_warps)
         sig = dict(q_desc=desc("bf16", q_block), do_desc=desc("bf16", q_block), k_desc=desc("bf16", kv_block),
                    v_desc=desc("bf16", kv_block), dq_desc=desc("fp32", q_block, hb.DQ_SWIZZLE[head_dim]),
@@ -170,7 +171,7 @@ def hopper_report(kernel: str, head_dim: int, causal: bool, ranges: bool = False
         elif name in ("KV_LO", "KV_HI", "Q_LO", "Q_HI"):
             sig[name] = "*i32"
         elif name not in sig:
-            sig[name] = "fp32" if name in ("qk_scale", "softmax_scale") else "i32"
+            sig[name] = "fp32" if name in ("qk_scale", "cap", "softmax_scale") else "i32"
     compiled = triton.compile(GluonASTSource(fn, sig, consts), target=SM90, options={"num_warps": num_warps})
     return ptxas_info(compiled)
 
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--group", type=int, default=1, help="query heads per K/V head (GQA)")
     ap.add_argument("--queries", type=int, default=16384, help="query rows, for the GQA tile rule")
     ap.add_argument("--tiles", type=parse_tile, nargs="+", default=None, help="instead of the tuned tiles")
-    ap.add_argument("--softcap", action="store_true", help="the Triton kernels' logit-softcapping variant")
+    ap.add_argument("--softcap", action="store_true", help="the kernels' logit-softcapping variant")
     ap.add_argument("--ranges", action="store_true",
                     help="the Gluon kernels' per-row key intervals variant (documents, windows, the all-gather)")
     args = ap.parse_args(argv)
@@ -222,14 +223,14 @@ def main(argv: list[str] | None = None) -> None:
                     tiles = [(wgs * hopper_fwd.WG_ROWS, hopper_fwd.BLOCK_N, 4 * wgs + 1, hopper_fwd.STAGES)]
                 elif kernel == "hopper_bwd":
                     hb = hopper_bwd
-                    tiles = [(hb.BLOCK_N, hb.BLOCK_M[head_dim], hb.NUM_WARPS + 1, hb.STAGES)]
+                    tiles = [(hb.BLOCK_N, hb.BLOCK_M[head_dim, args.softcap], hb.NUM_WARPS + 1, hb.STAGES)]
                 else:
                     bd = max(block_d(head_dim), block_d(args.dv or head_dim))
                     tiles = args.tiles or [tile_for(kernel, bd, descriptors=True, group=args.group,
                                                     queries=args.queries)]
                 for tile in tiles:
                     if kernel in hopper:
-                        r = hopper_report(kernel, head_dim, causal, args.ranges)
+                        r = hopper_report(kernel, head_dim, causal, args.ranges, args.softcap)
                     else:
                         r = ptxas_report(kernel, head_dim, causal, args.group, tile, args.softcap, args.dv)
                     print(f"| {kernel} | {head_dim} | {'yes' if causal else 'no'} | {args.group} | {tile} | "

@@ -250,8 +250,9 @@ class _RefusesIntervals(Backend):
 
 def test_kernels_that_run_are_the_backends_where_it_supports_the_call():
     assert kernels_that_run("hopper", "causal") == ("hopper", None)
-    capped = ("triton", "softcap=30: the hopper kernels run no softcap")
-    assert kernels_that_run("hopper", "causal", softcap=30.0) == capped
+    assert kernels_that_run("hopper", "causal", softcap=30.0) == ("hopper", None)  # the Gluon kernels cap scores
+    capped = ("triton", "softcap=30: the cudnn kernels run no softcap")
+    assert kernels_that_run("cudnn", "causal", softcap=30.0) == capped
     assert kernels_that_run("cudnn", "intervals")[0] == "triton"  # cuDNN runs full and causal only
     assert kernels_that_run("auto", "causal") == kernels_that_run("reference", "intervals") == ("triton", None)
     refused = ("triton", "runs full or causal attention, not intervals")
@@ -264,15 +265,14 @@ def test_kernels_that_run_are_the_backends_where_it_supports_the_call():
 
 
 def test_hopper_calls_its_kernels_do_not_run_are_predicted_at_tritons_rates():
-    # MHA at 8k tokens per GPU on 4 GPUs, the ring alone: plain causal runs the Gluon kernels; a
-    # softcap, or documents on a backend that runs no intervals, runs the Triton kernels.
+    # MHA at 8k tokens per GPU on 4 GPUs, the ring alone: plain causal and a softcap run the Gluon
+    # kernels; documents on a backend that runs no intervals, the Triton kernels.
     m, c, seqlen = Model(16, 16, 128), cluster_of(4, 8), 4 * 8192
     triton, _ = choose_layout(m, seqlen, c, backend="triton", u=1)
     hopper, why = choose_layout(m, seqlen, c, backend="hopper", u=1)
     assert hopper.kernels == "hopper" and hopper.time_s < 0.9 * triton.time_s and "kernels' rates" not in why
     capped, why = choose_layout(m, seqlen, c, backend="hopper", u=1, softcap=30.0)
-    assert (capped.kernels, capped.time_s) == ("triton", triton.time_s)
-    assert why.endswith("; at the triton kernels' rates, which run it (softcap=30: the hopper kernels run no softcap)")
+    assert (capped.kernels, capped.time_s) == ("hopper", hopper.time_s) and "kernels' rates" not in why
     docs, why = choose_layout(m, seqlen, c, backend=_RefusesIntervals(), u=1, kind="intervals")
     assert (docs.kernels, docs.time_s) == ("triton", triton.time_s) and why.endswith("not intervals)")
     assert choose_layout(m, seqlen, c, backend=_RefusesIntervals(), u=1)[0].time_s == hopper.time_s
@@ -284,9 +284,10 @@ def test_hopper_calls_its_kernels_do_not_run_are_predicted_at_tritons_rates():
         assert got.kernels == kernels, (kind, head_dim)
 
 
-def test_cp_heads_auto_predicts_a_softcapped_hf_model_on_hopper_at_tritons_rates():
+def test_cp_heads_auto_predicts_a_softcapped_hf_model_at_the_rates_of_the_kernels_that_run():
     # Gemma 2 caps its scores (attn_logit_softcapping = 50): on the hopper backend its attention runs
-    # the Triton kernels, and the training loop's choice is predicted, and says it is, at their rates.
+    # the Gluon kernels and is predicted at their rates; cuDNN runs neither its cap nor its windows,
+    # so there the Triton kernels run it, and the choice is predicted, and says it is, at their rates.
     pytest.importorskip("transformers", reason="needs the hf extra: pip install 'ringflash[hf]'")
     from ringflash.train.config import load_config
     from ringflash.train.parallel import choose_cp_layout
@@ -298,9 +299,11 @@ def test_cp_heads_auto_predicts_a_softcapped_hf_model_on_hopper_at_tritons_rates
            "--parallel.cp_scheme=auto"]  # fmt: skip
     _, _, triton = choose_cp_layout(load_config(None, run), 8, "H100")
     _, _, hopper = choose_cp_layout(load_config(None, [*run, "--parallel.kernel_backend=hopper"]), 8, "H100")
+    _, _, cudnn = choose_cp_layout(load_config(None, [*run, "--parallel.kernel_backend=cudnn"]), 8, "H100")
     ms = re.compile(r"is the fastest within 8 GiB of attention buffers \((\d+\.\d+) ms per layer")
-    assert ms.search(hopper)[1] == ms.search(triton)[1]
-    assert "; at the triton kernels' rates, which run it (softcap=50: the hopper kernels run no softcap)" in hopper
+    assert ms.search(cudnn)[1] == ms.search(triton)[1] and float(ms.search(hopper)[1]) < float(ms.search(triton)[1])
+    assert "kernels' rates" not in hopper
+    assert "; at the triton kernels' rates, which run it (backend='cudnn' runs causal or full attention only" in cudnn
 
 
 def test_choice_where_nothing_fits_the_memory_is_the_least():

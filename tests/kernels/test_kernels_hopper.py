@@ -238,10 +238,10 @@ def test_what_it_does_not_run_is_named():
     assert "head dim in (64, 128), got 96" in hopper_bwd_unsupported(q, k, v, AttnSpec(causal=True))
     assert "float32" in hopper_bwd_unsupported(q.float(), k.float(), v.float(), AttnSpec(causal=True))
     q, k, v, do = _inputs(1, 128, 128, 2, 2, 64, torch.bfloat16)
-    assert "no softcap" in hopper_bwd_unsupported(q, k, v, AttnSpec(causal=True, softcap=30.0))
-    o, lse = attn_fwd(q, k, v, causal=True, softcap=30.0)
-    with pytest.raises(ValueError, match="hopper backward: runs no softcap"):
-        hopper_attn_bwd(do, q, k, v, o, lse, AttnSpec(causal=True, softcap=30.0))
+    assert hopper_bwd_unsupported(q, k, v, AttnSpec(causal=True, softcap=30.0)) is None
+    o, lse = attn_fwd(q, k, v, causal=True)
+    with pytest.raises(ValueError, match=r"hopper backward: needs v.shape\[3\] == q.shape\[3\]"):
+        hopper_attn_bwd(do[..., :32], q, k, v[..., :32], o[..., :32], lse, AttnSpec(causal=True))
 
 
 def test_hands_on_with_one_warning_per_reason_or_raises_when_strict(monkeypatch):
@@ -278,8 +278,7 @@ def test_hands_on_with_one_warning_per_reason_or_raises_when_strict(monkeypatch)
 def test_planner_names_the_kernels_that_run():
     hopper = get_backend("hopper", torch.device("cpu"))
     assert hopper.kernels_for(torch.bfloat16, 128) == "hopper"
-    assert hopper.kernels_for(torch.bfloat16, 128, 128, softcap=0.0) == "hopper"
-    assert hopper.kernels_for(torch.bfloat16, 128, softcap=50.0) == "triton"
+    assert hopper.kernels_for(torch.bfloat16, 128, 128) == "hopper"
     assert hopper.kernels_for(torch.bfloat16, 192, 128) == "triton"
     assert hopper.kernels_for(torch.float32, 64) == "triton"
     assert hopper.kernels_for(None, None) == "hopper"  # not known yet: the kernels it asks for

@@ -1,5 +1,6 @@
 """`backend="hopper"` with per-row key intervals: sliding windows (causal and two-sided), packed
-documents, a ring step's rectangle with rows that see nothing, per-batch documents. The Gluon
+documents, a ring step's rectangle with rows that see nothing, per-batch documents; and logit
+softcapping over the dense masks and the intervals. The Gluon
 kernels are called directly (a fallback to the Triton kernels cannot pass for them) and compared
 against float64 over the mask the intervals describe, no further from it than the Triton kernels.
 """
@@ -13,7 +14,7 @@ from ringflash.kernels import AttnSpec, get_backend, visibility
 from ringflash.kernels.hopper_bwd import hopper_attn_bwd, hopper_bwd_unsupported
 from ringflash.kernels.hopper_fwd import hopper_attn_fwd, hopper_fwd_unsupported
 from tests.truth import TOL, rel_err
-from tests.truth_features import attention
+from tests.truth_features import assert_close, attention
 
 sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                           reason="the Hopper kernels need an sm_90 GPU")
@@ -114,3 +115,41 @@ def test_interval_steps_merge_like_one_call():
     err, base = rel_err(o, truth["o"]), rel_err(o_all, truth["o"])
     assert err < TOL[dtype] and err <= 1.25 * base + 1e-5, f"merged o: {err:.2e} against one call's {base:.2e}"
     assert (lse - lse_all).abs().max() < 1e-4
+
+
+SOFTCAP_CASES = {
+    "causal": lambda: (AttnSpec(causal=True), 1000, 1000),
+    "full, ragged": lambda: (AttnSpec(), 777, 777),
+    "causal window 300, ragged": CASES["causal window 300, ragged"],
+    "documents causal": CASES["documents causal"],
+}
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("dims", [(4, 2, 64), (2, 2, 128)], ids=["gqa-d64", "mha-d128"])
+@pytest.mark.parametrize("case", SOFTCAP_CASES)
+def test_softcap_matches_float64(case, dims, dtype):
+    # Gemma 2's cap on the Gluon kernels, tanh on the MUFU: flash_attn's criterion against a naive
+    # same-dtype implementation. Scores of a few times the cap, so that it bends them.
+    spec, Nq, Nk = SOFTCAP_CASES[case]()
+    cap = 5.0
+    spec = spec.with_softcap(cap)
+    (H, Hkv, D), B = dims, 1 if case.startswith("documents") else 2
+    g = torch.Generator().manual_seed(5)
+    mk = lambda *s, a=1.0: (a * torch.randn(*s, generator=g)).to("cuda", dtype)
+    q, k, v, do = mk(B, Nq, H, D, a=2.0), mk(B, Nk, Hkv, D, a=2.0), mk(B, Nk, Hkv, D), mk(B, Nq, H, D)
+    visible = _visible(spec, q, k) if spec.intervals_for(q, k) is not None else None
+    if visible is None and spec.causal:
+        visible = torch.ones(Nq, Nk, dtype=torch.bool, device="cuda").tril()
+    truth = attention(q, k, v, visible=visible, softcap=cap, do=do)
+    naive = attention(q, k, v, visible=visible, softcap=cap, do=do, dtype=dtype)
+    assert hopper_fwd_unsupported(q, k, v, spec) is None and hopper_bwd_unsupported(q, k, v, spec) is None
+    o, lse = hopper_attn_fwd(q, k, v, spec)
+    dq, dk, dv = hopper_attn_bwd(do, q, k, v, o, lse, spec)
+    got = {name: t.cpu() for name, t in dict(o=o, dq=dq, dk=dk, dv=dv).items()}
+    assert_close(got, {n: t.cpu() for n, t in truth.items()}, {n: t.cpu() for n, t in naive.items()}, dtype)
+    assert (lse.double() - truth["lse"].to(lse.device)).abs().max() < 1e-2
+    uncapped, _ = hopper_attn_fwd(q, k, v, spec.with_softcap(0.0))
+    assert (uncapped - o).abs().max() > 1e-2  # the cap bends these scores: a kernel ignoring it fails above

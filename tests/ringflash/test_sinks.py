@@ -18,7 +18,7 @@ from tests.truth_features import assert_close, attention, band
 def _inputs(c):
     """Global q, k, v, do `(B, W·n, heads, D)` and a sink `(H,)` near the rows' lse, so it matters."""
     g = torch.Generator().manual_seed(c.get("seed", 0))
-    B, N, H, Hkv, D = 2, c["world"] * c["n"], 4, 2, 16
+    B, N, H, Hkv, D = 2, c["world"] * c["n"], 4, 2, c.get("D", 16)
     mk = lambda *s, a=1.0: (a * torch.randn(*s, generator=g)).to(c["dtype"])
     q, k, v, do = mk(B, N, H, D, a=2.0), mk(B, N, Hkv, D, a=2.0), mk(B, N, Hkv, D), mk(B, N, H, D)
     sink = (torch.randn(H, generator=g) + 3.0) if c["sink"] else None
@@ -27,15 +27,18 @@ def _inputs(c):
 
 def features_worker(rank, world, c):
     q, k, v, do, sink = _inputs(c)
+    dev = torch.device(c.get("device", "cpu"))
+    if dev.type == "cuda":
+        torch.cuda.set_device(0)  # every rank shares the one GPU (gloo stages through host memory)
     N, L = q.shape[1], "zigzag"
     visible = band(N, N, causal=True) if c["causal"] else None
     kw = dict(visible=visible, softcap=c["softcap"], sink=sink, do=do)
     truth, naive = attention(q, k, v, **kw), attention(q, k, v, **kw, dtype=c["dtype"])
-    ql, kl, vl = (shard(t, 1, rank, world, L).detach().clone().requires_grad_() for t in (q, k, v))
-    param = None if sink is None else torch.nn.Parameter(sink.clone())
+    ql, kl, vl = (shard(t, 1, rank, world, L).to(dev).requires_grad_() for t in (q, k, v))
+    param = None if sink is None else torch.nn.Parameter(sink.to(dev))
     o = ring_flash_attn_func(ql, kl, vl, causal=c["causal"], layout=L, backend=c["backend"], softcap=c["softcap"],
                              learnable_sink=param)  # fmt: skip
-    o.backward(shard(do, 1, rank, world, L))
+    o.backward(shard(do, 1, rank, world, L).to(dev))
     got = {"o": o, "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}
     local = {key: shard(truth[key], 1, rank, world, L) for key in got}
     local_naive = {key: shard(naive[key], 1, rank, world, L) for key in got}
@@ -46,12 +49,13 @@ def features_worker(rank, world, c):
             dist.all_reduce(param.grad)
         got["dsink"], local["dsink"], local_naive["dsink"] = param.grad, truth["dsink"], naive["dsink"]
         keys.append("dsink")
+    got = {key: t.cpu() for key, t in got.items()}
     assert_close(got, local, local_naive, c["dtype"], keys)
     return float((got["o"].double() - local["o"]).abs().max())
 
 
-def _case(world, causal=True, softcap=0.0, sink=False, dtype=torch.float32, backend="reference", n=8):
-    return dict(world=world, causal=causal, softcap=softcap, sink=sink, dtype=dtype, backend=backend, n=n)
+def _case(world, causal=True, softcap=0.0, sink=False, dtype=torch.float32, backend="reference", n=8, **gpu):
+    return dict(world=world, causal=causal, softcap=softcap, sink=sink, dtype=dtype, backend=backend, n=n, **gpu)
 
 
 CASES = [
@@ -81,6 +85,25 @@ def test_softcap_and_sink_triton_interpreted(case):
     if not interpreting():
         pytest.skip("covered by the gpu tests")
     run_ranks(features_worker, case["world"], (case,))
+
+
+HOPPER_CASES = [  # the Gluon kernels on every step (strict: handing a step on to Triton raises)
+    _case(2, causal, softcap, sink, dtype, "hopper", n=300, D=D, device="cuda")
+    for causal, softcap, sink, dtype, D in (
+        (True, 5.0, True, torch.bfloat16, 128),
+        (False, 5.0, False, torch.float16, 64),
+        (True, 0.0, True, torch.float16, 64),
+    )
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the Hopper kernels need an sm_90 GPU")
+@pytest.mark.parametrize("case", HOPPER_CASES, ids=_id)
+def test_softcap_and_sink_on_the_gluon_kernels(case, monkeypatch):
+    monkeypatch.setenv("RINGFLASH_STRICT_BACKEND", "1")
+    run_ranks(features_worker, case["world"], (case,), timeout_s=120)
 
 
 def _rounded_once_worker(rank, world):
