@@ -46,12 +46,6 @@ def bhnd_strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def head_arg(src, t: torch.Tensor | None = None) -> tuple:
-    """A kernel's argument for one `(B, N, H, D)` tensor: `(src, batch, row, head strides)`, where
-    `src` is the tensor or a descriptor of `t` (the tensor the strides are read from)."""
-    return (src, *bhnd_strides(src if t is None else t))
-
-
 def tma_ok(*ts: torch.Tensor) -> bool:
     """Whether the kernels may load these `(B, N, H, D)` tensors through tensor descriptors.
 

@@ -38,7 +38,6 @@ from ringflash.kernels.launch_utils import (
     bhnd_strides,
     block_d,
     dot_precision,
-    head_arg,
     kernel_inputs,
     num_sms,
     upcast_dots,
@@ -208,28 +207,18 @@ def _dkdv_block(start_n, off_b, off_hkv, ins, grads, ranges, sizes, score, softm
 
 @triton.jit
 def _bwd_dkdv(
-    q_arg, k_arg, v_arg, do_arg, stats, dk_arg, dv_arg, dka_arg, dva_arg, kv_ranges, q_ranges, Hkv, Nq, Nk, score,
-    softmax_scale, n_sms,
+    Q, K, V, DO, LSE, Delta, DK, DV, DKA, DVA,
+    stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
+    stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+    stride_dkab, stride_dkan, stride_dkah, stride_dvab, stride_dvan, stride_dvah,
+    KV_LO, KV_HI, Q_LO, Q_HI, stride_rqb, stride_rkb,
+    Hkv, Nq, Nk, qk_scale, cap, softmax_scale, n_sms,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr,
     RANGES: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, TMA: tl.constexpr,
     PAIRED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
-    """Arguments by role, as `_bwd_dq`'s: `head_arg`s for the inputs, the gradients and the sums
-    they are added to (dka_arg, dva_arg: read where ACCUMULATE); `stats = (LSE, Delta)`;
-    `kv_ranges = (KV_LO, KV_HI, batch stride)` per query row, `q_ranges = (Q_LO, Q_HI, batch
-    stride)` per key row (RANGES); `score = (qk_scale, cap)`."""
-    Q, stride_qb, stride_qn, stride_qh = q_arg
-    K, stride_kb, stride_kn, stride_kh = k_arg
-    V, stride_vb, stride_vn, stride_vh = v_arg
-    DO, stride_dob, stride_don, stride_doh = do_arg
-    LSE, Delta = stats
-    DK, stride_dkb, stride_dkn, stride_dkh = dk_arg
-    DV, stride_dvb, stride_dvn, stride_dvh = dv_arg
-    DKA, stride_dkab, stride_dkan, stride_dkah = dka_arg
-    DVA, stride_dvab, stride_dvan, stride_dvah = dva_arg
-    KV_LO, KV_HI, stride_rqb = kv_ranges
-    Q_LO, Q_HI, stride_rkb = q_ranges
     # PAIRED (causal): program i takes key blocks i and n-1-i, which together see n+1 query
     # blocks' worth of rows: every program is equally long and the grid ends without a tail.
     # (Each block's gradients are computed as unpaired, so they are bit-identical.)
@@ -246,6 +235,7 @@ def _bwd_dkdv(
              stride_dkab, stride_dkan, stride_dkah, stride_dvab, stride_dvan, stride_dvah)
     ranges = (KV_LO, KV_HI, Q_LO, Q_HI, stride_rqb, stride_rkb)
     sizes = (Hkv, Nq, Nk)
+    score = (qk_scale, cap)
     CFG: tl.constexpr = Settings(
         CAUSAL=CAUSAL, RANGES=RANGES, UPCAST=UPCAST, PRECISION=PRECISION, SOFTCAP=SOFTCAP, TMA=TMA,
         HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, GROUP=GROUP,
@@ -293,24 +283,17 @@ def _dq_inner(dq, q, do, lse2, delta, kv, rows, score, lo, hi, MASKED: tl.conste
 
 @triton.jit
 def _bwd_dq(
-    q_arg, k_arg, v_arg, do_arg, stats, dq_arg, dqa_arg, ranges, H, Nq, Nk, score, softmax_scale, n_sms,
+    Q, K, V, DO, LSE, Delta, DQ, DQA,
+    stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
+    stride_dqb, stride_dqn, stride_dqh, stride_dqab, stride_dqan, stride_dqah,
+    KV_LO, KV_HI, stride_rqb,
+    H, Nq, Nk, qk_scale, cap, softmax_scale, n_sms,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr,
     RANGES: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     SOFTCAP: tl.constexpr,
 ):
-    """Arguments by role, as the forward's: q_arg, k_arg, v_arg, do_arg, dq_arg and dqa_arg (the sum
-    dQ is added to, read where ACCUMULATE) are `head_arg`s; `stats = (LSE, Delta)`, the rows'
-    `(B, H, Nq)` contiguous statistics; `ranges = (KV_LO, KV_HI, their batch stride)`; `score =
-    (qk_scale, cap)`."""
-    Q, stride_qb, stride_qn, stride_qh = q_arg
-    K, stride_kb, stride_kn, stride_kh = k_arg
-    V, stride_vb, stride_vn, stride_vh = v_arg
-    DO, stride_dob, stride_don, stride_doh = do_arg
-    LSE, Delta = stats
-    DQ, stride_dqb, stride_dqn, stride_dqh = dq_arg
-    DQA, stride_dqab, stride_dqan, stride_dqah = dqa_arg
-    KV_LO, KV_HI, stride_rqb = ranges
     rank, off_bh = heaviest_first(n_sms)
     start_m = (tl.num_programs(0) - 1 - rank) * BLOCK_M  # last query blocks first: they see the most keys
     off_b = off_bh // H
@@ -335,6 +318,7 @@ def _bwd_dq(
 
     # What every stage shares, grouped once (`_dq_inner`, as the forward's `_fwd_inner`).
     kv = (k_base, v_base, stride_kn, stride_vn, off_b, off_hkv, Nk)
+    score = (qk_scale, cap)
     CFG: tl.constexpr = Settings(
         CAUSAL=CAUSAL, RANGES=RANGES, UPCAST=UPCAST, PRECISION=PRECISION, SOFTCAP=SOFTCAP, TMA=TMA,
         HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, GROUP=GROUP,
@@ -446,23 +430,21 @@ def triton_attn_bwd(
     else:
         kv_ranges = (vis.kv_lo, vis.kv_hi, batch_stride(vis.kv_lo))
         q_ranges = (vis.q_lo, vis.q_hi, batch_stride(vis.q_lo))
-
-    def head_args(srcs: tuple) -> tuple:  # q, k, v and do's, each its tensor or descriptor
-        return tuple(head_arg(src, t) for src, t in zip(srcs, (q, k, v, do)))
-
+    strides_in = (*bhnd_strides(q), *bhnd_strides(k), *bhnd_strides(v), *bhnd_strides(do))
     tiles = tiles or {}
     dqa, dka, dva = sums or out  # placeholders, never read, without sums
     srcs, tile, tma = kernel_inputs("dkdv", (q, k, v, do), tiles.get("dkdv"), max(BD, BDV))
     paired = pairs_dkdv(common["CAUSAL"], H // Hkv, max(BD, BDV))
     launch("dkdv", _bwd_dkdv, lambda meta: (triton.cdiv(triton.cdiv(Nk, meta["BLOCK_N"]), 1 + paired), B * Hkv),
-           (*head_args(srcs), (lse, delta), head_arg(dk), head_arg(dv), head_arg(dka), head_arg(dva), kv_ranges,
-            q_ranges, Hkv, Nq, Nk, score_args(scale, spec.softcap), scale, num_sms(q.device)),
+           (*srcs, lse, delta, dk, dv, dka, dva, *strides_in, *bhnd_strides(dk), *bhnd_strides(dv),
+            *bhnd_strides(dka), *bhnd_strides(dva), *kv_ranges[:2], *q_ranges[:2], kv_ranges[2], q_ranges[2],
+            Hkv, Nq, Nk, *score_args(scale, spec.softcap), scale, num_sms(q.device)),
            dict(common, ACCUMULATE=sums is not None, TMA=tma, PAIRED=paired), tile)
     if after_dkdv is not None:
         after_dkdv()
     srcs, tile, tma = kernel_inputs("dq", (q, k, v, do), tiles.get("dq"), max(BD, BDV))
     launch("dq", _bwd_dq, lambda meta: (triton.cdiv(Nq, meta["BLOCK_M"]), B * H),
-           (*head_args(srcs), (lse, delta), head_arg(dq), head_arg(dqa), kv_ranges, H, Nq, Nk,
-            score_args(scale, spec.softcap), scale, num_sms(q.device)),
+           (*srcs, lse, delta, dq, dqa, *strides_in, *bhnd_strides(dq), *bhnd_strides(dqa), *kv_ranges,
+            H, Nq, Nk, *score_args(scale, spec.softcap), scale, num_sms(q.device)),
            dict(common, ACCUMULATE=sums is not None, TMA=tma), tile)
     return dq, dk, dv

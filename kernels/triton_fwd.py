@@ -38,9 +38,9 @@ import triton.language as tl
 from ringflash.kernels.checks import check_qkv, resolve_fwd_outputs, resolve_scale
 from ringflash.kernels.launch_utils import (
     LOG2E,
+    bhnd_strides,
     block_d,
     dot_precision,
-    head_arg,
     kernel_inputs,
     num_sms,
     upcast_dots,
@@ -192,24 +192,20 @@ def _merge_into(o_blk, lse_blk, o_ptrs, lse_ptrs, offs_m, offs_d, Nq,
 
 @triton.jit
 def _attn_fwd_kernel(
-    q_arg, k_arg, v_arg, o_arg, lse_arg, oa_arg, ranges, H, Nq, Nk, score, n_sms,
+    Q, K, V, O, LSE, OA,
+    stride_qb, stride_qn, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_ob, stride_on, stride_oh,
+    stride_oab, stride_oan, stride_oah,
+    stride_lb, stride_lh, stride_ln,
+    KV_LO, KV_HI, stride_rb,
+    H, Nq, Nk, qk_scale, cap, n_sms,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr,
     RANGES: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, MERGE: tl.constexpr, TMA: tl.constexpr,
     SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
-    """Arguments by role (`triton_attn_fwd` builds them): q_arg, k_arg, v_arg, o_arg (where o goes)
-    and oa_arg (the running accumulator, read where MERGE) are `head_arg`s, (tensor or descriptor,
-    batch, row and head strides); `lse_arg = (LSE, batch, head, row strides)`; `ranges = (KV_LO,
-    KV_HI, their batch stride)` (RANGES, `ranges_arg`); `score = (qk_scale, cap)` (`score_args`).
-    The sizes stay single arguments: the autotuner keys on Nq and Nk by name."""
-    Q, stride_qb, stride_qn, stride_qh = q_arg
-    K, stride_kb, stride_kn, stride_kh = k_arg
-    V, stride_vb, stride_vn, stride_vh = v_arg
-    O, stride_ob, stride_on, stride_oh = o_arg
-    OA, stride_oab, stride_oan, stride_oah = oa_arg
-    LSE, stride_lb, stride_lh, stride_ln = lse_arg
-    KV_LO, KV_HI, stride_rb = ranges
     # Last query blocks first: under a causal mask they see the most keys.
     rank, off_bh = heaviest_first(n_sms)
     start_m = tl.num_programs(0) - 1 - rank
@@ -234,6 +230,7 @@ def _attn_fwd_kernel(
 
     # What every stage shares, grouped once (`_fwd_inner`).
     kv = (k_src, v_src, stride_kn, stride_vn, off_b, off_hkv, Nk)
+    score = (qk_scale, cap)
     CFG: tl.constexpr = Settings(
         CAUSAL=CAUSAL, RANGES=RANGES, UPCAST=UPCAST, PRECISION=PRECISION, SOFTCAP=SOFTCAP, TMA=TMA,
         HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, GROUP=GROUP,
@@ -315,9 +312,9 @@ def triton_attn_fwd(
     BD, BDV = block_d(D), block_d(v.shape[3])
     srcs, tile, tma = kernel_inputs("fwd", (q, k, v), tile, max(BD, BDV))
     o_acc = o if acc is None else acc[0]  # never read without acc
-    q_src, k_src, v_src = srcs
-    args = (head_arg(q_src, q), head_arg(k_src, k), head_arg(v_src, v), head_arg(o), (lse, *lse.stride()),
-            head_arg(o_acc), ranges_arg(vis, q), H, Nq, Nk, score_args(scale, spec.softcap), num_sms(q.device))
+    args = (*srcs, o, lse, o_acc, *bhnd_strides(q), *bhnd_strides(k), *bhnd_strides(v), *bhnd_strides(o),
+            *bhnd_strides(o_acc),
+            *lse.stride(), *_ranges_args(vis, q), H, Nq, Nk, *score_args(scale, spec.softcap), num_sms(q.device))
     consts = dict(HEAD_DIM=D, HEAD_DIM_V=v.shape[3], GROUP=H // Hkv, CAUSAL=spec.causal and vis is None,
                   RANGES=vis is not None, UPCAST=upcast_dots(q.dtype), PRECISION=dot_precision(q.dtype),
                   MERGE=acc is not None, TMA=tma, BLOCK_D=BD, BLOCK_DV=BDV, SOFTCAP=bool(spec.softcap))
@@ -325,8 +322,8 @@ def triton_attn_fwd(
     return o, lse
 
 
-def ranges_arg(vis: Visibility | None, q: torch.Tensor) -> tuple:
-    """A kernel's `(KV_LO, KV_HI, batch stride)` argument; placeholders, never read, without a Visibility."""
+def _ranges_args(vis: Visibility | None, q: torch.Tensor) -> tuple:
+    """(KV_LO, KV_HI, batch stride) kernel arguments; placeholders, never read, without a Visibility."""
     if vis is None:
         return q, q, 0
     return vis.kv_lo, vis.kv_hi, batch_stride(vis.kv_lo)

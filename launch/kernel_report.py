@@ -59,52 +59,32 @@ def constexprs(kernel: str, head_dim: int, causal: bool, group: int, tile: Tile,
     return {k: v for k, v in consts.items() if k in wanted}
 
 
-# The kernels' grouped arguments (tuples, built by `launch_utils.head_arg` and the like), by the
-# names their members are typed by below.
-GROUPS = {
-    **{f"{t.lower()}_arg": (t, "stride", "stride", "stride")
-       for t in ("Q", "K", "V", "DO", "O", "OA", "LSE", "DQ", "DQA", "DK", "DV", "DKA", "DVA")},
-    "ranges": ("KV_LO", "KV_HI", "stride"),
-    "kv_ranges": ("KV_LO", "KV_HI", "stride"),
-    "q_ranges": ("Q_LO", "Q_HI", "stride"),
-    "stats": ("LSE", "Delta"),
-    "score": ("qk_scale", "cap"),
-}
-
-
 def signature(kernel: str, consts: dict) -> tuple[dict, dict]:
-    """Argument types by the kernels' naming, and the divisibility a 16k launch would specialise on
-    (keyed by the argument's path: `(i,)`, or `(i, j)` for a grouped argument's member)."""
+    """Argument types by the kernels' naming, and the divisibility a 16k launch would specialise on."""
     fn = JIT_FNS[kernel]
     q_rows, kv_rows = (consts["BLOCK_M"], consts["BLOCK_N"])
     rows = {"Q": q_rows, "DO": q_rows, "K": kv_rows, "V": kv_rows}
     dims = {"Q": consts["HEAD_DIM"], "K": consts["HEAD_DIM"], "V": consts["HEAD_DIM_V"], "DO": consts["HEAD_DIM_V"]}
-
-    def arg_type(name: str, path: tuple) -> str:
-        if name in DESCRIPTORS and consts["TMA"]:
-            return f"tensordesc<bf16[1,{rows[name]},{dims[name]}]>"
-        if name in ("LSE", "Delta", "OA"):
-            ty = "*fp32"
-        elif name in ("KV_LO", "KV_HI", "Q_LO", "Q_HI"):
-            ty = "*i32"
-        elif name in ("qk_scale", "softmax_scale", "cap"):
-            ty = "fp32"
-        elif name.startswith("stride") or name in ("H", "Hkv", "Nq", "Nk", "n_sms"):
-            ty = "i32"
-        else:  # outputs and the tensors they are added to
-            ty = "*bf16"
-        if name != "n_sms" and ty != "fp32":
-            attrs[path] = [["tt.divisibility", 16]]
-        return ty
-
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in consts:
             sig[name] = "constexpr"
-        elif name in GROUPS:
-            sig[name] = tuple(arg_type(member, (i, j)) for j, member in enumerate(GROUPS[name]))
-        else:
-            sig[name] = arg_type(name, (i,))
+            continue
+        if name in DESCRIPTORS and consts["TMA"]:
+            sig[name] = f"tensordesc<bf16[1,{rows[name]},{dims[name]}]>"
+            continue
+        if name in ("LSE", "Delta", "OA"):
+            sig[name] = "*fp32"
+        elif name in ("KV_LO", "KV_HI", "Q_LO", "Q_HI"):
+            sig[name] = "*i32"
+        elif name in ("qk_scale", "softmax_scale", "cap"):
+            sig[name] = "fp32"
+        elif name.startswith("stride") or name in ("H", "Hkv", "Nq", "Nk", "n_sms"):
+            sig[name] = "i32"
+        else:  # outputs and the tensors they are added to
+            sig[name] = "*bf16"
+        if name != "n_sms" and sig[name] != "fp32":
+            attrs[(i,)] = [["tt.divisibility", 16]]
     return sig, attrs
 
 
