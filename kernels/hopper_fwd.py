@@ -84,13 +84,13 @@ def _softmax(s, m_i, l_i, score, rows, cols, Nk, MASK: gl.constexpr, CAUSAL: gl.
     the row max taken before scaling (qk_scale > 0) so that the scale folds into exp2's argument:
     one FFMA an element instead of a multiply and an FFMA (not in the Triton kernel, whose loop
     ptxas then schedules worse). `score = (qk_scale, cap)` (`triton_fwd.score_args`); SOFTCAP: the
-    scores are cap·tanh(s·qk_scale), before the mask as flash_attn, and need no further scale.
-    `rows`: the rows' indices and, RANGES, their key intervals `(rows, kv_lo, kv_hi)`
-    (kernels/masks.py), which replace the causal and ragged-end tests."""
+    scores are cap·tanh(s·qk_scale), before the mask as flash_attn, with cap folded into exp2's
+    argument as the scale is otherwise. `rows`: the rows' indices and, RANGES, their key intervals
+    `(rows, kv_lo, kv_hi)` (kernels/masks.py), which replace the causal and ragged-end tests."""
     qk_scale, cap = score
     if SOFTCAP:
-        s = cap * tanh(s * qk_scale)
-        qk_scale = 1.0
+        s = tanh(s * qk_scale)
+        qk_scale = cap
     if MASK:
         idx, kv_lo, kv_hi = rows
         if RANGES:

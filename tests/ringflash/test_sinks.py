@@ -39,17 +39,17 @@ def features_worker(rank, world, c):
     o = ring_flash_attn_func(ql, kl, vl, causal=c["causal"], layout=L, backend=c["backend"], softcap=c["softcap"],
                              learnable_sink=param)  # fmt: skip
     o.backward(shard(do, 1, rank, world, L).to(dev))
-    got = {"o": o, "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}
+    got = {key: t.cpu() for key, t in dict(o=o, dq=ql.grad, dk=kl.grad, dv=vl.grad).items()}
     local = {key: shard(truth[key], 1, rank, world, L) for key in got}
     local_naive = {key: shard(naive[key], 1, rank, world, L) for key in got}
     keys = ["o", "dq", "dk", "dv"]
     if param is not None:
         # Each rank's gradient covers its own rows: reduced over the group, as a trainer reduces it.
+        got["dsink"] = param.grad.cpu()
         if world > 1:
-            dist.all_reduce(param.grad)
-        got["dsink"], local["dsink"], local_naive["dsink"] = param.grad, truth["dsink"], naive["dsink"]
+            dist.all_reduce(got["dsink"])
+        local["dsink"], local_naive["dsink"] = truth["dsink"], naive["dsink"]
         keys.append("dsink")
-    got = {key: t.cpu() for key, t in got.items()}
     assert_close(got, local, local_naive, c["dtype"], keys)
     return float((got["o"].double() - local["o"]).abs().max())
 
@@ -103,7 +103,8 @@ HOPPER_CASES = [  # the Gluon kernels on every step (strict: handing a step on t
 @pytest.mark.parametrize("case", HOPPER_CASES, ids=_id)
 def test_softcap_and_sink_on_the_gluon_kernels(case, monkeypatch):
     monkeypatch.setenv("RINGFLASH_STRICT_BACKEND", "1")
-    run_ranks(features_worker, case["world"], (case,), timeout_s=120)
+    # spawn, not fork: conftest has already asked CUDA whether it is available.
+    run_ranks(features_worker, case["world"], (case,), start_method="spawn", timeout_s=120)
 
 
 def _rounded_once_worker(rank, world):
