@@ -24,12 +24,12 @@ from torch import Tensor
 
 from ringflash import agree, ops
 from ringflash.allgather import GatherMask, allgather_backward, allgather_forward, gather_spec
-from ringflash.inputs import autocast_inputs, check_local, flash_options, world_size
-from ringflash.kernels import FULL, AttnSpec, Visibility, check_softcap, device_guard, get_backend
+from ringflash.inputs import CallOptions, FlashArgs, autocast_inputs, check_local, flash_options, world_size
+from ringflash.kernels import FULL, AttnSpec, Visibility, device_guard, get_backend
 from ringflash.kernels.checks import resolve_scale
-from ringflash.transport import resolve_transport, ring_comm
+from ringflash.transport import ring_comm
 
-__all__ = ["allgather_attn", "allgather_attn_bwd", "attend", "check_scheme_options", "check_stride"]
+__all__ = ["allgather_attn", "allgather_attn_bwd", "attend"]
 
 
 def _spec(vis: list[Tensor], comm, q, causal, layout, window_size, softcap) -> AttnSpec:
@@ -144,79 +144,51 @@ class _EagerAllGather(torch.autograd.Function):
 # ---- the call (ring_flash_attn_func(..., scheme="allgather")) --------------------------------
 
 
-def check_stride(heads_k_stride) -> int:
-    if isinstance(heads_k_stride, bool) or not isinstance(heads_k_stride, int) or heads_k_stride < 1:
-        raise ValueError(f"heads_k_stride must be a positive int (K/V heads per gather), got {heads_k_stride!r}")
-    return heads_k_stride
-
-
-def check_scheme_options(scheme: str, transport: str | None, heads_k_stride) -> None:
-    """Each option checked, and one that `scheme` (a known scheme) cannot honour refused by name,
-    never ignored: `heads_k_stride` (K/V heads per gather) is the all-gather's, which the ring
-    has no use for; `transport` (how blocks travel between ring neighbours) is the ring's, and the
-    all-gather moves K/V by the group's own collectives."""
-    check_stride(heads_k_stride)
-    if transport is not None:
-        resolve_transport(transport)  # an unknown name: the ring's message
-    if scheme == "ring" and heads_k_stride != 1:
-        raise ValueError(
-            f"heads_k_stride={heads_k_stride}: scheme='ring' passes whole K/V blocks and cannot use it; it sets "
-            "scheme='allgather''s K/V heads per gather (leave it at 1 for the ring)"
-        )
-    if scheme == "allgather" and transport is not None:
-        raise ValueError(
-            f"transport={transport!r}: scheme='allgather' gathers K/V with the group's collectives and cannot use "
-            "it; it sets how scheme='ring' passes blocks between neighbours (leave it None for the all-gather)"
-        )
-
-
-def attend(q, k, v, flash: tuple, softmax_scale, causal, group, *, layout, backend, check_ranks, window, mask,
-           heads_k_stride, prepare=None, softcap=0.0, learnable_sink=None, transport=None):  # fmt: skip
-    """`ring_flash_attn_func`'s body for `scheme="allgather"`: returns `(o, lse)`. `flash`: its
-    `(dropout_p, window_size, alibi_slopes, deterministic, return_attn_probs)`; `softcap`,
-    `learnable_sink`: its own; `transport`: its own, refused unless None (`check_scheme_options`).
-    `prepare(call, rank, world) -> (q, k, v, spec)` (`call`: the call's `AttnSpec`, causal and
-    window), if given, makes the inputs and the
-    mask inside the checks (the llama3 varlen forms of ringflash/ring_flash_attn.py), so that its
-    errors too raise on every rank; eager only."""
+def attend(q, k, v, flash: FlashArgs, softmax_scale, causal, group, options: CallOptions, *, window, mask,
+           prepare=None, learnable_sink=None):  # fmt: skip
+    """`ring_flash_attn_func`'s body for `scheme="allgather"`: returns `(o, lse)`. `flash`, `options`
+    and `learnable_sink`: its own, settled where the call entered. `prepare(call, rank, world) ->
+    (q, k, v, spec)` (`call`: the call's `AttnSpec`, causal and window), if given, makes the inputs
+    and the mask inside the checks (the llama3 varlen forms of ringflash/ring_flash_attn.py), so
+    that its errors too raise on every rank; eager only."""
     # Traced, not run, under torch.compile: metadata checks here, the group's and the ranks' in the op.
     compiling = torch.compiler.is_compiling()
     comm = None if compiling else ring_comm(group, "nccl")
     world = world_size(group) if compiling else comm.world
     spec = None
     try:
-        check_scheme_options("allgather", transport, heads_k_stride)
+        options.check()
         call = flash_options(*flash, causal, window)
         if prepare is not None:
             if compiling:
                 raise ValueError("the llama3 varlen functions build their mask on the host: call them eagerly")
             q, k, v, spec = prepare(call, comm.rank, world)
             q, k, v = autocast_inputs(q, k, v)  # as ring_flash_attn_func does for its own inputs
-        _, kern = check_local(q, k, v, causal, softmax_scale, layout, backend, world)
-        check_softcap(softcap)
+        _, kern = check_local(q, k, v, causal, softmax_scale, options.layout, options.backend, world)
         ops.check_sink(learnable_sink, q)
-        if flash[3] and not kern.deterministic:
+        if flash.deterministic and not kern.deterministic:
             raise ValueError(f"deterministic=True: backend {kern.name!r} is not deterministic; use 'triton' or 'auto'")
         if mask is not None:
-            _check_gather_mask(mask, q, call, layout, world, None if compiling else comm.rank)
+            _check_gather_mask(mask, q, call, options.layout, world, None if compiling else comm.rank)
             spec, call = mask.spec, mask.call
         dense = spec is FULL if spec is not None else call.kind == "full"
         why = kern.supports("full" if dense else "intervals", q.dtype, q.shape[-1], q.device)
         if why:
             raise ValueError(why)
-        kern.check(q, k, v, (FULL if spec is None else spec).with_softcap(softcap))  # head dims, dtypes, softcap
+        kern.check(q, k, v, (FULL if spec is None else spec).with_softcap(options.softcap))  # head dims, dtypes
         error = None
     except (TypeError, ValueError) as e:
         error = e
     if error is not None:
-        if comm is not None and check_ranks:
-            agree.announce(agree.check_comm(group), "ring attention", world, q=q, k=k, causal=causal, layout=layout)
+        if comm is not None and options.check_ranks:
+            agree.announce(agree.check_comm(group), "ring attention", world, q=q, k=k, causal=causal,
+                           layout=options.layout)
         raise error
     vis = [] if spec is None or spec.intervals is None else list(spec.intervals)
-    kwargs = dict(causal=causal, softmax_scale=resolve_scale(softmax_scale, q.shape[-1]), layout=layout,
-                  group_name=ops.group_name(group), backend=kern.name, heads_k_stride=heads_k_stride,
-                  check_ranks=check_ranks, window_size=list(call.window_size),
-                  mask_key=0 if mask is None else mask.fingerprint, softcap=float(softcap))  # fmt: skip
+    kwargs = dict(causal=causal, softmax_scale=resolve_scale(softmax_scale, q.shape[-1]), layout=options.layout,
+                  group_name=ops.group_name(group), backend=kern.name, heads_k_stride=options.heads_k_stride,
+                  check_ranks=options.check_ranks, window_size=list(call.window_size),
+                  mask_key=0 if mask is None else mask.fingerprint, softcap=float(options.softcap))  # fmt: skip
     if compiling:
         return allgather_attn(q, k, v, vis, learnable_sink, **kwargs)
     return _EagerAllGather.apply(q, k, v, learnable_sink, kwargs, *vis)

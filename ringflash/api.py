@@ -13,7 +13,6 @@ of the sequence, cut by `ringflash.layout.shard` with the same `layout` (and pos
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
 from typing import NoReturn
 
 import torch
@@ -22,7 +21,7 @@ from torch import nn
 
 from ringflash import allgather_ops, kernels, ops
 from ringflash.hybrid import hybrid_attention
-from ringflash.inputs import FlashArgs, autocast_inputs, check_local, flash_options, world_size
+from ringflash.inputs import CallOptions, FlashArgs, autocast_inputs, check_local, flash_options, world_size
 from ringflash.kernels.checks import resolve_scale
 from ringflash.layout import check_layout, check_scheme
 from ringflash.masks import RingMask, op_args, window_mask
@@ -133,31 +132,6 @@ def ring_flash_attn_func(
     return _run(q, k, v, flash, softmax_scale, causal, group, head_group, options, mask, learnable_sink, window)
 
 
-@dataclass(frozen=True)
-class CallOptions:
-    """ringflash's own options of one attention call, beside flash_attn's arguments (`FlashArgs`):
-    made once where a call enters (`ring_flash_attn_func`; the module and ringflash.hf's
-    `RingContext` at construction; the varlen drop-ins) and handed to the scheme that runs it.
-    `check()` is their one check (each option a scheme cannot honour refused by name), run inside
-    the ring's and the hybrid's checks so that a refusal reaches every rank; the all-gather's
-    `allgather_ops.attend` still takes them as keywords and checks them with the same functions."""
-
-    scheme: str = "ring"
-    layout: str = "zigzag"
-    backend: str | None = None
-    transport: str | None = None
-    heads_k_stride: int = 1
-    softcap: float = 0.0
-    check_ranks: bool = True
-
-    def check(self) -> None:
-        """Raises TypeError/ValueError naming the option (the scheme's, softcap's; the layout's and
-        the backend's are `check_local`'s, which needs the inputs)."""
-        check_scheme(self.scheme)
-        allgather_ops.check_scheme_options(self.scheme, self.transport, self.heads_k_stride)
-        kernels.check_softcap(self.softcap)
-
-
 def _run(q, k, v, flash: FlashArgs, softmax_scale, causal, group, head_group, options: CallOptions, mask,
          learnable_sink, window=None):  # fmt: skip
     """One call, settled: `flash` and `options` as `CallOptions` says, `window` the old name of
@@ -206,12 +180,10 @@ def _allgather(q, k, v, flash, softmax_scale, causal, group, head_group, options
         comm = None if torch.compiler.is_compiling() else ring_comm(group)
         _refuse(e, comm, options.check_ranks, q, k, causal, options.layout)
     causal = getattr(mask, "causal", False) if causal is None else causal
-    kwargs = dict(layout=options.layout, backend=options.backend, check_ranks=options.check_ranks, window=window,
-                  mask=mask, transport=options.transport, softcap=options.softcap,
-                  heads_k_stride=options.heads_k_stride)  # fmt: skip
 
     def gather(q, k, v, sink):
-        return allgather_ops.attend(q, k, v, flash, softmax_scale, causal, group, learnable_sink=sink, **kwargs)
+        return allgather_ops.attend(q, k, v, flash, softmax_scale, causal, group, options, window=window, mask=mask,
+                                    learnable_sink=sink)  # fmt: skip
 
     def settings():  # the hybrid's grid check: the all-gather's settings, its mask's digest
         fields, _ = _agreed(q, flash, causal, softmax_scale, None, options, learnable_sink, window)

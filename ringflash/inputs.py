@@ -1,11 +1,12 @@
-"""The checks of one attention call's own inputs that every scheme (ring, all-gather) starts with:
-q/k/v in autocast's dtype, flash_attn's arguments, q/k/v against the layout and world size, and the
-kernels that will run.
+"""One attention call's own inputs and the checks every scheme (ring, all-gather) starts with:
+flash_attn's arguments (`FlashArgs`) and ringflash's options (`CallOptions`), q/k/v in autocast's
+dtype, q/k/v against the layout and world size, and the kernels that will run.
 The checks raise TypeError/ValueError naming the argument; the cross-rank check (ringflash/agree.py)
 then makes every rank raise with it."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -13,9 +14,10 @@ import torch.distributed as dist
 
 from ringflash import kernels
 from ringflash.kernels.checks import check_qkv, resolve_scale
-from ringflash.layout import check_layout, check_splittable
+from ringflash.layout import check_layout, check_scheme, check_splittable
+from ringflash.transport import resolve_transport
 
-__all__ = ["FlashArgs", "autocast_inputs", "check_local", "flash_options", "world_size"]
+__all__ = ["CallOptions", "FlashArgs", "autocast_inputs", "check_local", "flash_options", "world_size"]
 
 
 class FlashArgs(NamedTuple):
@@ -27,6 +29,49 @@ class FlashArgs(NamedTuple):
     alibi_slopes: torch.Tensor | None = None
     deterministic: bool = False
     return_attn_probs: bool = False
+
+
+@dataclass(frozen=True)
+class CallOptions:
+    """ringflash's own options of one attention call, beside flash_attn's arguments (`FlashArgs`):
+    made once where a call enters (`ring_flash_attn_func`; the module and ringflash.hf's
+    `RingContext` at construction; the varlen drop-ins) and handed to the scheme that runs it (the
+    ring's `api._attend`, the all-gather's `allgather_ops.attend`, either inside the hybrid).
+    `check()` is their one check, run inside each scheme's checks so that a refusal reaches every
+    rank."""
+
+    scheme: str = "ring"
+    layout: str = "zigzag"
+    backend: str | None = None
+    transport: str | None = None
+    heads_k_stride: int = 1
+    softcap: float = 0.0
+    check_ranks: bool = True
+
+    def check(self) -> None:
+        """Raises TypeError/ValueError naming the option; an option the scheme cannot honour is
+        refused, never ignored: `heads_k_stride` (K/V heads per gather) is the all-gather's, which
+        the ring has no use for; `transport` (how blocks travel between ring neighbours) is the
+        ring's, and the all-gather moves K/V by the group's own collectives. The layout's and the
+        backend's checks are `check_local`'s, which needs the inputs."""
+        check_scheme(self.scheme)
+        s = self.heads_k_stride
+        if isinstance(s, bool) or not isinstance(s, int) or s < 1:
+            raise ValueError(f"heads_k_stride must be a positive int (K/V heads per gather), got {s!r}")
+        if self.transport is not None:
+            resolve_transport(self.transport)  # an unknown name: the ring's message
+        if self.scheme == "ring" and self.heads_k_stride != 1:
+            raise ValueError(
+                f"heads_k_stride={self.heads_k_stride}: scheme='ring' passes whole K/V blocks and cannot use it; it "
+                "sets scheme='allgather''s K/V heads per gather (leave it at 1 for the ring)"
+            )
+        if self.scheme == "allgather" and self.transport is not None:
+            raise ValueError(
+                f"transport={self.transport!r}: scheme='allgather' gathers K/V with the group's collectives and "
+                "cannot use it; it sets how scheme='ring' passes blocks between neighbours (leave it None for the "
+                "all-gather)"
+            )
+        kernels.check_softcap(self.softcap)
 
 
 def autocast_inputs(q, k, v) -> tuple:

@@ -199,10 +199,9 @@ def _llama3(
     first = tensors[0]
     flash = FlashArgs(dropout_p, window_size, alibi_slopes, deterministic, return_attn_probs)
     with device_guard(first):
-        o, lse = allgather_ops.attend(
-            first, None, None, flash, softmax_scale, causal, group, layout="contiguous", backend=None,
-            check_ranks=True, window=None, mask=None, heads_k_stride=heads_k_stride, prepare=prepare,
-        )  # fmt: skip
+        options = api.CallOptions(scheme="allgather", layout="contiguous", heads_k_stride=heads_k_stride)
+        o, lse = allgather_ops.attend(first, None, None, flash, softmax_scale, causal, group, options, window=None,
+                                      mask=None, prepare=prepare)  # fmt: skip
     return (o[0], lse[0], None) if return_attn_probs else o[0]
 
 
