@@ -289,19 +289,6 @@ def is_heldout(rel: str, fraction: float) -> bool:
     return h < fraction * 2**64
 
 
-def stream_order(rels: list[str]) -> list[str]:
-    """The order in which a part's documents are concatenated: by a keyed hash of each relative path.
-
-    In sorted order a directory's files (a package's tests, the codec tables of `encodings/`) lie
-    next to each other, so a long window falls within one directory and the training loss swings
-    with it from step to step; hashed, neighbours come from unrelated directories and each window
-    mixes several. The key of a file is a function of its path alone, salted apart from
-    `is_heldout`'s hash: the same order on every machine, whichever other files exist, and the
-    same relative order whichever side of the split a file lands on.
-    """
-    return sorted(rels, key=lambda r: (hashlib.blake2b(r.encode(), digest_size=8, person=b"stream-order").digest(), r))
-
-
 def _text_tokens(root: Path, rels: list[str], eod: int | None = None) -> np.ndarray:
     """Bytes of the files `rels` under `root`, concatenated in that order.
 
@@ -381,8 +368,7 @@ def corpora(cfg: DataConfig) -> tuple[Corpus, Corpus | None]:
 
         def corpus(part: list[str], what: str) -> Corpus:
             n_bytes = sum((root / r).stat().st_size for r in part)
-            tokens = _text_tokens(root, stream_order(part), eod)
-            return Corpus(tokens, len(part), n_bytes, f"{what} {root} ({len(part)} files)")
+            return Corpus(_text_tokens(root, part, eod), len(part), n_bytes, f"{what} {root} ({len(part)} files)")
 
         if not f:
             return corpus(kept, "text"), None

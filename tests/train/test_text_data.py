@@ -3,7 +3,6 @@ held-out bits per byte, and the configs that train on the standard library."""
 
 from __future__ import annotations
 
-import itertools
 import math
 import random
 import sysconfig
@@ -23,7 +22,6 @@ from ringflash.train.data import (
     corpora,
     document_files,
     is_heldout,
-    stream_order,
 )
 from ringflash.train.heldout import bits_per_byte
 from tests.dist_utils import REPO, run_ranks
@@ -68,37 +66,13 @@ def test_document_list_is_sorted_relative_paths_and_split_by_path_hash(tmp_path)
     assert abs(sum(is_heldout(r, 0.1) for r in names) / len(names) - 0.1) < 0.02
 
 
-def test_corpora_hold_each_file_once_in_stream_order(tmp_path):
+def test_corpora_hold_each_file_once_in_order(tmp_path):
     files = write_tree(tmp_path)
     train, held = corpora(text_cfg(tmp_path))
     for corpus, side in ((train, False), (held, True)):
-        part = [r for r in stream_order(list(files)) if is_heldout(r, 0.25) == side]
+        part = [r for r in sorted(files) if is_heldout(r, 0.25) == side]
         assert corpus.tokens.tobytes() == b"".join(files[r] + b"\0" for r in part)
         assert (corpus.files, corpus.bytes) == (len(part), sum(len(files[r]) for r in part))
-
-
-def test_stream_mixes_directories_and_depends_on_each_path_alone(tmp_path):
-    # Six directories of eight files each, every file's content naming its directory.
-    for d in range(6):
-        for i in range(8):
-            (tmp_path / f"pkg{d}" / "sub").mkdir(parents=True, exist_ok=True)
-            (tmp_path / f"pkg{d}" / "sub" / f"m{i}.txt").write_bytes(f"{d}".encode() * (10 + i))
-    train, _ = corpora(text_cfg(tmp_path, heldout=0.0))
-    dirs = [int(chr(doc[0])) for doc in train.tokens.tobytes().split(b"\0")[:-1]]
-    assert sorted(dirs) == [d for d in range(6) for _ in range(8)]
-    # Not grouped by directory: the stream changes directory far more often than the listing's 5 times.
-    assert sum(a != b for a, b in itertools.pairwise(dirs)) >= 25
-    assert len(set(dirs[:12])) >= 4  # the first dozen documents already span most directories
-    # The same on every call, and whatever order the listing comes in.
-    rels = document_files(tmp_path, "**/*.txt")
-    order = stream_order(rels)
-    assert stream_order(rels[::-1]) == order == stream_order(random.Random(1).sample(rels, len(rels)))
-    assert corpora(text_cfg(tmp_path, heldout=0.0))[0].tokens.tobytes() == train.tokens.tobytes()
-    # A file added or removed moves no other file: the others keep their relative order, so the
-    # held-out and training parts are each the whole order restricted to their files.
-    more = stream_order([*rels[1:], "pkg9/new.txt", "a.txt"])
-    assert [r for r in more if r in rels] == [r for r in order if r != rels[0]]
-    assert [r for r in order if is_heldout(r, 0.25)] == stream_order([r for r in rels if is_heldout(r, 0.25)])
 
 
 def test_file_boundaries_become_the_mask(tmp_path):
@@ -107,7 +81,7 @@ def test_file_boundaries_become_the_mask(tmp_path):
     source, heldout = build_source(cfg, 256), build_heldout(cfg, 256)
     for windows in (source, heldout):
         # The file of every position of the corpus, from the files' own lengths.
-        lengths = [len(files[r]) + 1 for r in stream_order(list(files)) if is_heldout(r, 0.25) == (windows is heldout)]
+        lengths = [len(files[r]) + 1 for r in sorted(files) if is_heldout(r, 0.25) == (windows is heldout)]
         file_of = np.repeat(np.arange(len(lengths)), lengths)
         for start in windows.spread(6) + [random.Random(i).randrange(len(windows.tokens) - 256) for i in range(6)]:
             x, y, doc = windows.window(start)
@@ -134,8 +108,7 @@ def test_ring_mask_holds_the_file_boundaries(tmp_path):
     cfg = tiny_config(None, "--parallel.cp=2", "--data.kind=text", f"--data.path={tmp_path}", "--data.files=**/*.txt",
                       "--data.pack_documents=true", "--data.seq_len=512")  # fmt: skip
     _, _, doc = build_source(cfg.data, 256).window(0)  # the corpus's first 512 bytes: whole files, then a part
-    lengths = [len(files[r]) + 1 for r in stream_order(list(files))]
-    file_ids = torch.from_numpy(np.repeat(np.arange(len(files)), lengths)[:512])
+    file_ids = torch.from_numpy(np.repeat(np.arange(len(files)), [len(files[r]) + 1 for r in sorted(files)])[:512])
     # The mask's fingerprint hashes the document starts (cu_seqlens) of every row: equal fingerprints,
     # equal boundaries, so each rank's ring mask cuts the sequence exactly at the file boundaries.
     for from_source, from_files in run_ranks(_ring_masks, 2, args=(cfg, doc.unsqueeze(0), file_ids.unsqueeze(0))):
