@@ -23,7 +23,7 @@ from ringflash import allgather_ops, kernels, ops
 from ringflash.hybrid import hybrid_attention
 from ringflash.inputs import CallOptions, FlashArgs, autocast_inputs, check_local, flash_options, world_size
 from ringflash.kernels.checks import resolve_scale
-from ringflash.layout import check_layout, check_scheme
+from ringflash.layout import check_layout
 from ringflash.masks import RingMask, op_args, window_mask
 from ringflash.transport import resolve_transport, ring_comm
 
@@ -173,12 +173,8 @@ def _allgather(q, k, v, flash, softmax_scale, causal, group, head_group, options
                window):  # fmt: skip
     """`scheme="allgather"` (ringflash/allgather_ops.py), alone or inside the head-parallel hybrid
     (`head_group`: all-to-all heads, then the all-gather over `group`, each head rank with its
-    heads' slice of the sink); an unknown scheme raises on every rank."""
-    try:
-        check_scheme(options.scheme)
-    except ValueError as e:
-        comm = None if torch.compiler.is_compiling() else ring_comm(group)
-        _refuse(e, comm, options.check_ranks, q, k, causal, options.layout)
+    heads' slice of the sink); an unknown scheme raises on every rank, in `CallOptions.check`
+    (the all-gather's checks, or the hybrid's before them)."""
     causal = getattr(mask, "causal", False) if causal is None else causal
 
     def gather(q, k, v, sink):
