@@ -69,6 +69,7 @@ class Backend:
 
     name: str
     deterministic = True  # the same inputs give bit-identical results on every run
+    softcap = True  # runs `AttnSpec.softcap` (`check` refuses it where not)
 
     def supports(self, kind: str | None, dtype: torch.dtype | None, head_dim: int | None,
                  device: torch.device | None = None) -> str | None:
@@ -224,6 +225,7 @@ class _Reference(_Unfused):
 class _Cudnn(_Unfused):
     name = "cudnn"
     deterministic = False
+    softcap = False
 
     def supports(self, kind, dtype, head_dim, device=None):
         from ringflash.kernels.cudnn import cudnn_limits

@@ -44,8 +44,8 @@ def kernels_that_run(backend, kind: str = "causal", *, dtype_bytes: int = 2, hea
         return own, None
     dtype = {2: torch.bfloat16, 4: torch.float32}.get(dtype_bytes)
     why = b.supports(kind, dtype, head_dim)
-    # `supports` takes no softcap: cuDNN caps no scores; the Gluon and Triton kernels do.
-    if why is None and softcap and own == "cudnn":
+    # `supports` takes no softcap: the backend says whether its kernels cap scores.
+    if why is None and softcap and not b.softcap:
         why = f"softcap={softcap:g}: the {own} kernels run no softcap"
     # A backend that runs every call but hands some to the Triton kernels (hopper) says which.
     if why is None and b.kernels_for(dtype, head_dim) != b.name:
