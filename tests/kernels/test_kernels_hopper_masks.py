@@ -14,7 +14,7 @@ from ringflash.kernels import AttnSpec, get_backend, visibility
 from ringflash.kernels.hopper_bwd import hopper_attn_bwd, hopper_bwd_unsupported
 from ringflash.kernels.hopper_fwd import hopper_attn_fwd, hopper_fwd_unsupported
 from tests.truth import TOL, rel_err
-from tests.truth_features import assert_close, attention
+from tests.truth_features import assert_close, attention, band
 
 sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                           reason="the Hopper kernels need an sm_90 GPU")
@@ -140,9 +140,8 @@ def test_softcap_matches_float64(case, dims, dtype):
     g = torch.Generator().manual_seed(5)
     mk = lambda *s, a=1.0: (a * torch.randn(*s, generator=g)).to("cuda", dtype)
     q, k, v, do = mk(B, Nq, H, D, a=2.0), mk(B, Nk, Hkv, D, a=2.0), mk(B, Nk, Hkv, D), mk(B, Nq, H, D)
-    visible = _visible(spec, q, k) if spec.intervals_for(q, k) is not None else None
-    if visible is None and spec.causal:
-        visible = torch.ones(Nq, Nk, dtype=torch.bool, device="cuda").tril()
+    dense = spec.intervals_for(q, k) is None
+    visible = band(Nq, Nk, causal=spec.causal).cuda() if dense else _visible(spec, q, k)
     truth = attention(q, k, v, visible=visible, softcap=cap, do=do)
     naive = attention(q, k, v, visible=visible, softcap=cap, do=do, dtype=dtype)
     assert hopper_fwd_unsupported(q, k, v, spec) is None and hopper_bwd_unsupported(q, k, v, spec) is None
