@@ -124,12 +124,14 @@ def acceptance_overrides(config: str | Path, steps: int) -> list[str]:
     """What makes CONFIG's loss judgeable in `steps` steps, beside the config's own settings:
     - the loss on every token (`data.passkey_loss = all`; text and token files have no other):
       the passkey digits alone are a handful of tokens a step, whose loss is mostly noise;
-    - its schedule compressed into the run: the peak is the lr the config's own schedule reaches
-      by step 10 (the learning-rate bound's quantity, so within what trains at its width), reached
-      within the first third of the run instead of a warm-up of hundreds of steps the run never
-      leaves.
+    - the config's own first ten steps: the lr rises as the config's warm-up makes it rise, to
+      what it reaches by step 10 (the learning-rate bound's quantity, so within what trains at its
+      width), and holds there instead of climbing through a warm-up of hundreds of steps the run
+      never leaves. A steeper ramp to the same peak is not the config's: at 2.5 times its slope,
+      configs/gpu2_text.toml's loss spiked above a uniform guess (docs/RELIABILITY.md).
     """
-    from ringflash.train.config import early_lr, load_config
+    from ringflash.train.config import load_config
+    from ringflash.train.lr_bound import EARLY_STEPS, early_lr
 
     if steps < MIN_STEPS:
         raise ValueError(f"steps must be at least {MIN_STEPS} to judge a loss curve, got {steps}")
@@ -139,7 +141,7 @@ def acceptance_overrides(config: str | Path, steps: int) -> list[str]:
         out.append("--data.passkey_loss=all")
     elif cfg.data.kind == "recall":
         raise ValueError(f"{config}: data.kind = recall takes its loss on the answer only, which the rule cannot judge")
-    warmup = min(cfg.train.warmup_steps, max(1, steps // 3))
+    warmup = min(cfg.train.warmup_steps, EARLY_STEPS)
     out += [f"--train.lr={early_lr(cfg.train):.6g}", f"--train.warmup_steps={warmup}"]
     return out
 

@@ -25,7 +25,7 @@
 #            passing the rule below.
 #            Both curves: $LOGDIR/training.jsonl (append it to benchmarks/training.jsonl).
 # Every training step trains on a loss the rule can judge (launch/acceptance.py overrides): the loss
-# on every token, at the lr the config's schedule reaches by step 10, warmed up within the run.
+# on every token, at the lr of the config's own first ten steps (its warm-up's slope), held after them.
 # It passes if it exits 0, its loss falls by more than its step-to-step noise (the first half's
 # mean minus the last half's, against the median |step-to-step change|) and no step returns above
 # the first step's loss (launch/acceptance.py judge). Records: $LOGDIR/acceptance.jsonl, one line per

@@ -11,6 +11,7 @@ from ringflash.train.config_schema import ConfigError, TrainConfig
 # early update size lr(step 10)·(largest fan-in)·layers sat at 0.28-3.7 in the runs whose loss fell
 # from the first steps and at 14 in the ~7B whose loss rose; EARLY_UPDATE_RUNS names their record.
 EARLY_UPDATE_BOUND = 8.0
+EARLY_STEPS = 10  # the "first steps" the bound and early_lr speak of
 EARLY_UPDATE_RUNS = (
     "runs whose loss fell sat at 0.28-3.7, a ~7B whose loss rose 7 -> 40 at 14: benchmarks/training.jsonl, "
     '"The learning-rate bound\'s runs"'
@@ -18,8 +19,8 @@ EARLY_UPDATE_RUNS = (
 
 
 def early_lr(t: TrainConfig) -> float:
-    """The learning rate the schedule reaches by step 10: the peak, or 10/warmup_steps of it."""
-    return t.lr * min(1.0, 10 / t.warmup_steps) if t.warmup_steps else t.lr
+    """The learning rate the schedule reaches by step EARLY_STEPS: the peak, or EARLY_STEPS/warmup_steps of it."""
+    return t.lr * min(1.0, EARLY_STEPS / t.warmup_steps) if t.warmup_steps else t.lr
 
 
 def early_update_warning(t: TrainConfig, max_fan_in: int, n_layers: int) -> str | None:

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ringflash.train.config import early_update_warning, load_config
+from ringflash.train.config import early_lr, early_update_warning, load_config
 from ringflash.train.hf_model import build_model
-from ringflash.train.trainer import fan_in_and_depth
+from ringflash.train.trainer import fan_in_and_depth, lr_lambda
 from tests.dist_utils import REPO, launch_script
 
 acceptance = launch_script("acceptance")
@@ -103,11 +103,17 @@ def test_summary_of_a_log():
 def test_every_acceptance_config_trains_on_a_judgeable_loss(path):
     if "hf" in path.stem:
         pytest.importorskip("transformers", reason="model.kind = hf needs transformers (pip install '.[hf]')")
-    steps = 6  # gpu_acceptance.sh's default STEPS
+    steps = 12  # gpu_acceptance.sh's default STEPS
     overrides = acceptance.acceptance_overrides(path, steps)
     cfg = load_config(path, overrides)
     assert cfg.data.kind in ("text", "bin") or cfg.data.passkey_loss == "all"  # every token
-    assert cfg.train.warmup_steps <= steps // 3  # the run leaves its warm-up
+    # The config's own first ten steps' lr, and no higher after them.
+    own = load_config(path)
+    cfg.train.steps = steps  # gpu_acceptance.sh's --train.steps, which other settings follow there
+    ours, theirs = lr_lambda(cfg), lr_lambda(own)
+    lrs = [cfg.train.lr * ours(s) for s in range(steps)]
+    assert lrs[:10] == pytest.approx([own.train.lr * theirs(s) for s in range(10)], rel=1e-5)
+    assert max(lrs) == pytest.approx(early_lr(own.train), rel=1e-5)
     with torch.device("meta"):
         shape = fan_in_and_depth(build_model(cfg), cfg)
     assert early_update_warning(cfg.train, *shape) is None  # at a peak that trains at its width
