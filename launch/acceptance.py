@@ -39,6 +39,11 @@ STEP_LINE = re.compile(
 )
 
 
+# The trainer's held-out line (train/heldout.py), text and bin data with `data.heldout` > 0.
+HELDOUT_LINE = re.compile(r"step +(\d+) \| held-out ([\d.]+|nan|inf) (?:bpb|bits/token)")
+HELDOUT_SAMPLES = 2  # held-out sequences scored after every step of an acceptance run
+
+
 class Verdict(NamedTuple):
     passed: bool
     reason: str
@@ -102,17 +107,30 @@ def logged_steps(log: str) -> list[tuple[str, ...]]:
     return STEP_LINE.findall(log)
 
 
+def heldout_curve(log: str) -> list[float]:
+    """The held-out scores of `log`, one per evaluation (step 0 first), the last of a step that was
+    scored twice (at the end as well as every `eval_every`)."""
+    return list({int(step): float(bits) for step, bits in HELDOUT_LINE.findall(log)}.values())
+
+
 def summary(log: str, exit_code: int) -> dict:
     """A training step of the acceptance run: every loss, `judge`'s verdict, and the last logged
-    step's throughput (steady state, past the first step's compile and autotune)."""
+    step's throughput (steady state, past the first step's compile and autotune). A run that scored
+    held-out data after every step is judged on that curve: the same sequences each time, where a
+    training batch of other text (another language, a table of escapes) can score above the first
+    one after two steps that learnt only the first batches' bytes."""
     steps = logged_steps(log)
     losses = [float(s[1]) for s in steps]
-    verdict = judge(losses)
+    heldout = heldout_curve(log)
+    judged = heldout if len(heldout) > len(losses) else losses
+    verdict = judge(judged)
     if exit_code != 0:
         status = f"FAIL (exit {exit_code}; {verdict.reason})"
     else:
         status = "PASS" if verdict.passed else f"FAIL ({verdict.reason})"
     out: dict = {"losses": losses, "status_line": status, "judged": verdict.reason}
+    if judged is heldout:
+        out |= {"held-out": heldout, "judged": f"held-out {verdict.reason}"}
     if steps:
         last = steps[-1]
         out.update({"tok/s": int(last[2].replace(",", "")), "model TFLOP/s per GPU": float(last[3]),
@@ -124,6 +142,9 @@ def acceptance_overrides(config: str | Path, steps: int) -> list[str]:
     """What makes CONFIG's loss judgeable in `steps` steps, beside the config's own settings:
     - the loss on every token (`data.passkey_loss = all`; text and token files have no other):
       the passkey digits alone are a handful of tokens a step, whose loss is mostly noise;
+    - text and token files with held-out data scored after every step on HELDOUT_SAMPLES fixed
+      sequences, the curve `summary` judges; no other evaluation (passkey accuracy is slow and
+      needs hundreds of steps);
     - the config's own first ten steps: the lr rises as the config's warm-up makes it rise, to
       what it reaches by step 10 (the learning-rate bound's quantity, so within what trains at its
       width), and holds there instead of climbing through a warm-up of hundreds of steps the run
@@ -141,6 +162,10 @@ def acceptance_overrides(config: str | Path, steps: int) -> list[str]:
         out.append("--data.passkey_loss=all")
     elif cfg.data.kind == "recall":
         raise ValueError(f"{config}: data.kind = recall takes its loss on the answer only, which the rule cannot judge")
+    if cfg.data.kind in ("text", "bin") and cfg.data.heldout > 0:
+        out += ["--train.eval_every=1", f"--data.eval_samples={HELDOUT_SAMPLES}"]
+    else:
+        out.append("--data.eval_samples=0")
     warmup = min(cfg.train.warmup_steps, EARLY_STEPS)
     out += [f"--train.lr={early_lr(cfg.train):.6g}", f"--train.warmup_steps={warmup}"]
     return out

@@ -17,7 +17,7 @@
 #   hf_1b    configs/hf_llama_1b_gpu.toml (transformers Llama, 1.1B, autocast bf16) at cp = W,
 #            32k tokens per GPU (128k on 4 GPUs), the hopper kernels on sm_90.
 #   configs  every configs/gpu*.toml and configs/hf_*gpu*.toml for STEPS steps at cp = W, at most 32k
-#            tokens per GPU (the 7B config's 128k on 4), passkey evaluation off; a config whose
+#            tokens per GPU (the 7B config's 128k on 4), no passkey evaluation; a config whose
 #            predicted peak memory (ringflash.train.memory.predict) exceeds 90% of a GPU is skipped.
 #   parity   (W >= 2) PARITY_CONFIG (configs/gpu1.toml) for PARITY_STEPS (20) steps at cp = 1 on one
 #            GPU, then at cp = W (2 sequences of 8k·W tokens a step, lr PARITY_LR), with the same kernels, config,
@@ -25,10 +25,12 @@
 #            passing the rule below.
 #            Both curves: $LOGDIR/training.jsonl (append it to benchmarks/training.jsonl).
 # Every training step trains on a loss the rule can judge (launch/acceptance.py overrides): the loss
-# on every token, at the lr of the config's own first ten steps (its warm-up's slope), held after them.
-# It passes if it exits 0, its loss falls by more than its step-to-step noise (the first half's
-# mean minus the last half's, against the median |step-to-step change|) and no step returns above
-# the first step's loss (launch/acceptance.py judge). Records: $LOGDIR/acceptance.jsonl, one line per
+# on every token, at the lr of the config's own first ten steps (its warm-up's slope), held after them;
+# text with held-out data is judged on the held-out score after every step (the same 2 sequences each
+# time) rather than on training batches of differing text. It passes if it exits 0, its loss falls by
+# more than its step-to-step noise (the first half's mean minus the last half's, against the median
+# |step-to-step change|) and no step returns above the first step's loss (launch/acceptance.py judge).
+# Records: $LOGDIR/acceptance.jsonl, one line per
 # step (training lines with tok/s, model TFLOP/s, MFU and peak memory per GPU, from the last logged
 # step); with $OUT set (the device tool) the logs and records are copied there after every step.
 set -uo pipefail
@@ -167,7 +169,7 @@ if [ "$W" -ge 2 ] && wanted hybrid; then
     --head-parallel 2 --tokens-per-rank 8192
 fi
 if wanted hf_1b; then
-  train hf_1b configs/hf_llama_1b_gpu.toml --data.seq_len=$((32768 * W)) --data.eval_samples=0 \
+  train hf_1b configs/hf_llama_1b_gpu.toml --data.seq_len=$((32768 * W)) \
     --parallel.kernel_backend="$BACKEND"
 fi
 configs=()
@@ -188,7 +190,7 @@ if [ ${#configs[@]} -gt 0 ]; then
       record "$name" "SKIPPED (memory: $(tail -n 1 "$LOGDIR/$name.fits"))" 0
       continue
     fi
-    extra=(--data.seq_len="$seq" --data.eval_samples=0)
+    extra=(--data.seq_len="$seq")
     # A sequence-length warm-up (gpu2_passkey's) switches to the full length halfway through.
     if "$PY" -c "from ringflash.train.config import load_config; exit(not load_config('$config').data.warmup_seq_len)"; then
       extra+=(--data.warmup_seq_steps=$((STEPS / 2)))

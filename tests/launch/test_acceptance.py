@@ -99,6 +99,22 @@ def test_summary_of_a_log():
     assert crashed == "FAIL (exit 1; loss 6 -> 3 over 4 steps: falls 2, noise 1, never above step 1)"
 
 
+def test_summary_judges_the_heldout_curve_where_every_step_was_scored():
+    line = "step {:6d} | loss {:.4f} | lr 1.00e-05 | grad norm 9.000 | 1,000 tok/s | 10.00 TFLOP/s | peak mem 7.61 GiB"
+    train = [5.17, 4.48, 5.28, 4.35, 4.46, 4.14]  # gpu2_text's: a batch of other text above the first
+    heldout = [7.57, 6.1, 5.2, 4.7, 4.4, 4.2, 4.0]  # step 0, then after each step
+    log = [line.format(s, x) for s, x in enumerate(train, 1)]
+    log += [f"step {s:6d} | held-out {x:.4f} bpb (2 sequences)" for s, x in enumerate(heldout)]
+    log.append("step      6 | held-out 4.0000 bpb (2 sequences)")  # scored again at the end
+    out = acceptance.summary("\n".join(log), 0)
+    assert out["status_line"] == "PASS" and out["losses"] == train and out["held-out"] == heldout
+    assert out["judged"].startswith("held-out loss 7.57 -> 4 over 7 steps: falls ")
+    # The training curve alone fails, as it did on the GPU: the rule has not been loosened.
+    assert acceptance.summary("\n".join(log[: len(train)]), 0)["status_line"].startswith(
+        "FAIL (loss 5.17 -> 4.14 over 6 steps: step 3 (5.28) is above step 1's 5.17"
+    )
+
+
 @pytest.mark.parametrize("path", ACCEPTANCE_CONFIGS, ids=lambda p: p.stem)
 def test_every_acceptance_config_trains_on_a_judgeable_loss(path):
     if "hf" in path.stem:
@@ -107,6 +123,10 @@ def test_every_acceptance_config_trains_on_a_judgeable_loss(path):
     overrides = acceptance.acceptance_overrides(path, steps)
     cfg = load_config(path, overrides)
     assert cfg.data.kind in ("text", "bin") or cfg.data.passkey_loss == "all"  # every token
+    if cfg.data.kind in ("text", "bin") and cfg.data.heldout > 0:  # judged on held-out data, every step
+        assert (cfg.train.eval_every, cfg.data.eval_samples) == (1, acceptance.HELDOUT_SAMPLES)
+    else:
+        assert cfg.data.eval_samples == 0
     # The config's own first ten steps' lr, and no higher after them.
     own = load_config(path)
     cfg.train.steps = steps  # gpu_acceptance.sh's --train.steps, which other settings follow there
