@@ -93,6 +93,7 @@ def _check_ranges(cfg: Config) -> None:
         "checkpoint.keep": (c.keep, "[1, inf)"),
         "logging.log_every": (cfg.logging.log_every, "[1, inf)"),
         "logging.peak_tflops": (cfg.logging.peak_tflops, "[0, inf)"),
+        "logging.profile_step": (cfg.logging.profile_step, "[0, inf)"),
     }
     if p.cp_heads != AUTO:
         ranges["parallel.cp_heads"] = (p.cp_heads, "[1, inf)")

@@ -233,6 +233,7 @@ def test_kernel_backend_auto_checks_what_the_environment_chooses(monkeypatch):
         ("--model.init_std=0", r"model.init_std: must be > 0, got 0.0"),
         ("--parallel.timeout_s=inf", r"parallel.timeout_s: must be finite and > 0, got inf"),
         ("--logging.peak_tflops=-1", r"logging.peak_tflops: must be >= 0, got -1.0"),
+        ("--logging.profile_step=-1", r"logging.profile_step: must be >= 0, got -1"),
     ],
 )
 def test_out_of_range_values_name_the_field_and_range(arg, match):
