@@ -4,17 +4,21 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
+from torch.autograd import DeviceType
 
 from ringflash.train.runs import runs
 from ringflash.train.step_profile import (
     Kernel,
     breakdown,
     category,
+    collect,
     length,
     overlap,
     phase_of,
+    phase_range,
     ringflash_kernels,
     union,
 )
@@ -114,6 +118,34 @@ def test_breakdown_counts_exposed_collectives_busy_and_idle():
     ]  # fmt: skip
 
 
+def _event(name, device, start, end, id_, linked=0, annotation=False):
+    """The fields of a profiler FunctionEvent that `collect` reads."""
+    return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end), id=id_,
+                           linked_correlation_id=linked, is_user_annotation=annotation)  # fmt: skip
+
+
+def test_collect_links_kernels_to_their_launches_and_reads_the_phase_ranges():
+    """A kernel's launch: its runtime call (same correlation id), else the op it is linked to;
+    the device-side copies of user ranges are not kernels."""
+    cpu, cuda = DeviceType.CPU, DeviceType.CUDA
+    events = [
+        _event("ringflash.train.step", cpu, 0.0, 100.0, 1),
+        _event("ringflash.train.forward", cpu, 2.0, 30.0, 2),
+        _event("ringflash.train.forward", cpu, 40.0, 50.0, 3),  # a second micro-batch
+        _event("aten::mm", cpu, 5.0, 9.0, 7),
+        _event("cudaLaunchKernel", cpu, 6.0, 7.0, 1001, linked=7),
+        _event("ringflash::attn_fwd", cpu, 10.0, 20.0, 8),
+        _event("sm90_xmma_gemm", cuda, 50.0, 60.0, 1001, linked=7),
+        _event("_attn_fwd_kernel", cuda, 60.0, 70.0, 1002, linked=8),  # no runtime event recorded
+        _event("ncclDevKernel_AllGather", cuda, 65.0, 90.0, 1003),  # linked to nothing
+        _event("ringflash.train.forward", cuda, 50.0, 70.0, 2, annotation=True),
+    ]
+    kernels, ranges = collect(events)
+    assert kernels == [Kernel("sm90_xmma_gemm", 50.0, 60.0, 6.0), Kernel("_attn_fwd_kernel", 60.0, 70.0, 10.0),
+                       Kernel("ncclDevKernel_AllGather", 65.0, 90.0, None)]  # fmt: skip
+    assert ranges == {"step": [(0.0, 100.0)], "forward": [(2.0, 30.0), (40.0, 50.0)]}
+
+
 def test_breakdown_needs_the_step():
     with pytest.raises(ValueError, match=r"ranges\['step'\] must hold the step's one interval, got None"):
         breakdown([], {"forward": [(0.0, 1.0)]}, OURS)
@@ -141,3 +173,9 @@ def test_a_profiled_step_of_the_readme_run_writes_its_breakdown(tmp_path):
     assert "no device kernels recorded: device time unavailable" in out, out
     assert f"  breakdown of every rank: {run / 'profile_step2.json'}" in out, out
     assert not list(run.glob("profile_step1*")) and not list(run.glob("profile_step3*"))
+
+
+def test_an_unknown_phase_is_refused():
+    with pytest.raises(ValueError, match=r"phase must be one of \('forward', 'backward', 'recompute', 'optimizer', "
+                                         r"'step'\), got 'fwd'"):  # fmt: skip
+        phase_range("fwd")
