@@ -93,6 +93,7 @@ def _check_ranges(cfg: Config) -> None:
         "checkpoint.keep": (c.keep, "[1, inf)"),
         "logging.log_every": (cfg.logging.log_every, "[1, inf)"),
         "logging.peak_tflops": (cfg.logging.peak_tflops, "[0, inf)"),
+        "logging.profile_step": (cfg.logging.profile_step, "[0, inf)"),
     }
     if p.cp_heads != AUTO:
         ranges["parallel.cp_heads"] = (p.cp_heads, "[1, inf)")
@@ -240,6 +241,10 @@ def _check_run(cfg: Config) -> None:
     t = cfg.train
     if not 0 <= t.stop_at <= t.steps:
         raise ConfigError(f"train.stop_at ({t.stop_at}) must be in [0, train.steps = {t.steps}]")
+    if cfg.logging.profile_step > t.steps:  # a step that never runs would leave no profile and no word why
+        raise ConfigError(
+            f"logging.profile_step ({cfg.logging.profile_step}) must be in [0, train.steps = {t.steps}]"
+        )
     run_id = cfg.logging.run_id
     if run_id and (Path(run_id).name != run_id or run_id.startswith(".")):
         raise ConfigError(f"logging.run_id: 'auto', '' or a directory name (no '/', no leading '.'), got {run_id!r}")

@@ -294,6 +294,12 @@ class LoggingConfig:
     peak_tflops: float = opt(
         0.0, "Peak dense bf16 TFLOP/s per device for MFU; 0 guesses from the GPU name (no MFU on CPU)."
     )
+    profile_step: int = opt(
+        0,
+        "Run this step (1-based, as the log numbers it) under torch.profiler and write where its time "
+        "went (device time by kernel category and by phase, exposed collectives, idle) to "
+        "<run dir>/profile_step<N>.json; 0: off.",
+    )
 
 
 @dataclass

@@ -67,6 +67,11 @@ def attended_keys(
     return float(pairs.sum()) / (n_rows * seq_len)
 
 
+def tflops_per_device(flops: float, seconds: float, world: int) -> float:
+    """Model TFLOP/s of one device: `flops` done by `world` devices together in `seconds`."""
+    return flops / seconds / world / 1e12
+
+
 def matmul_params(model: nn.Module) -> int:
     """Parameters used in matmuls: every nn.Linear weight (the embedding lookup is free)."""
     return sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))

@@ -13,6 +13,7 @@ on one rank.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import time
 from collections.abc import Callable
@@ -31,7 +32,14 @@ from ringflash.train.evaluate import accuracy_by_owner, bucket_owners, evaluate_
 from ringflash.train.heldout import HeldOut
 from ringflash.train.hf_model import build_model
 from ringflash.train.memory import live_bytes, memory_line
-from ringflash.train.metrics import Logger, flops_per_token, matmul_params, peak_memory_gib, peak_tflops
+from ringflash.train.metrics import (
+    Logger,
+    flops_per_token,
+    matmul_params,
+    peak_memory_gib,
+    peak_tflops,
+    tflops_per_device,
+)
 from ringflash.train.parallel import (
     ParallelContext,
     attention_mask,
@@ -44,6 +52,7 @@ from ringflash.train.parallel import (
     shard_batch,
 )
 from ringflash.train.runs import Run, resolve_run
+from ringflash.train.step_profile import StepProfile, phase_range, ringflash_kernels, summary_lines
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -130,10 +139,14 @@ def forward_backward(
         last = i == len(micros) - 1
         # Gradients are reduced once, after the last micro-step.
         with no_sync(model, not last):
-            with autocast:
-                logits = model(x, pos, mask=mask)  # (B, L/cp, vocab)
-            local = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE, reduction="sum")
-            (local * scale).backward()
+            with phase_range("forward"):
+                with autocast:
+                    logits = model(x, pos, mask=mask)  # (B, L/cp, vocab)
+                local = F.cross_entropy(
+                    logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE, reduction="sum"
+                )
+            with phase_range("backward"):
+                (local * scale).backward()
         loss_sum += local.detach()
     dist.all_reduce(loss_sum)  # each labelled token lives on exactly one rank
     return loss_sum / n_tokens.clamp(min=1)
@@ -236,7 +249,7 @@ def _loop(cfg: Config, pc: ParallelContext, on_exit: contextlib.ExitStack) -> Tr
         # Empty losses tell the caller that nothing ran.
         return TrainResult(final_step=step, model=parts.raw)
 
-    session = _Session(cfg, pc, parts, ckpt, log, last_saved=step if path is not None else -1)
+    session = _Session(cfg, pc, parts, ckpt, log, last_saved=step if path is not None else -1, run_dir=run.dir)
     session.print_setup()
     heldout = HeldOut.build(cfg, pc, parts.raw, parts.source, parts.autocast, parts.mask_fn, log)
     result = TrainResult(final_step=step)
@@ -286,8 +299,9 @@ class _Session:
     """One launch's training once every check has passed: the steps, their log lines, evaluations and saves."""
 
     def __init__(self, cfg: Config, pc: ParallelContext, parts: _Parts, ckpt: Checkpointer, log: Logger,
-                 last_saved: int):
+                 last_saved: int, run_dir: Path):
         self.cfg, self.pc, self.parts, self.ckpt, self.log = cfg, pc, parts, ckpt, log
+        self.run_dir = run_dir
         self.last_saved = last_saved
         self.name = cfg.data.kind  # passkey or recall: the printed name and the TensorBoard tag prefix
         passkey = parts.passkey
@@ -383,19 +397,21 @@ class _Session:
                 f"Try a lower --train.lr or --train.grad_clip."
             )
         lr = parts.scheduler.get_last_lr()[0]
-        parts.optimizer.step()
-        parts.scheduler.step()
+        with phase_range("optimizer"):
+            parts.optimizer.step()
+            parts.scheduler.step()
         if first:  # the first step of this launch: gradients and AdamW states are live
             fsdp_world = pc.dims.world_size if cfg.parallel.fsdp else None
             self.log.print(memory_line(live_bytes(parts.raw, parts.optimizer), fsdp_world))
-        parts.optimizer.zero_grad(set_to_none=True)
+        with phase_range("optimizer"):
+            parts.optimizer.zero_grad(set_to_none=True)
         return loss_f, norm_f, lr
 
     def log_step(self, step: int, stop: int, s: _StepStats, window: _Throughput) -> None:
         """TensorBoard scalars every step; a printed line every log_every steps and at the last."""
         dev, world = self.pc.device, self.pc.dims.world_size
         loss_f, norm_f, lr = s.loss, s.grad_norm, s.lr
-        tflops = s.flops / s.seconds / world / 1e12  # per device
+        tflops = tflops_per_device(s.flops, s.seconds, world)
         metrics = {
             "loss": loss_f,
             "lr": lr,
@@ -410,7 +426,7 @@ class _Session:
         self.log.advance(loss_f)
         window.add(s.seconds, s.tokens, s.flops)
         if step % self.cfg.logging.log_every == 0 or step == stop:
-            avg_tflops = window.flops / window.seconds / world / 1e12
+            avg_tflops = tflops_per_device(window.flops, window.seconds, world)
             mfu = f" | MFU {100 * avg_tflops / self.peak:.1f}%" if self.peak > 0 else ""
             self.log.print(
                 f"step {step:6d} | loss {loss_f:.4f} | lr {lr:.2e} | grad norm {norm_f:.3f} | "
@@ -418,6 +434,20 @@ class _Session:
                 f"peak mem {metrics['memory/peak_gib']:.2f} GiB"
             )
             window.reset()
+
+    def report_profile(self, step: int, prof: StepProfile, flops: float) -> None:
+        """Every rank's breakdown of the profiled step, gathered to rank 0, which prints its own and
+        writes them all to <run dir>/profile_step<N>.json."""
+        world = self.pc.dims.world_size
+        mine = prof.breakdown(ringflash_kernels(), flops, world, self.peak)
+        per_rank = [None] * world
+        dist.all_gather_object(per_rank, mine)
+        if self.pc.is_main:
+            path = self.run_dir / f"profile_step{step}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"step": step, "world": world, "ranks": per_rank}, indent=1) + "\n")
+            for line in summary_lines(step, per_rank, path):
+                self.log.print(line)
 
     def run_steps(self, step: int, stop: int, heldout: HeldOut | None, result: TrainResult, t_start: float) -> int:
         """Step from `step` to `stop` (or until train.max_minutes); return the step reached."""
@@ -428,9 +458,13 @@ class _Session:
             t0 = time.perf_counter()
             micros = self.parts.loader.next()
             tokens, flops = self.step_cost(step, micros)
-            loss_f, norm_f, lr = self.update(step, micros, first=step == result.final_step)
+            profiling = step + 1 == cfg.logging.profile_step
+            with StepProfile(self.parts.raw, self.pc.device) if profiling else contextlib.nullcontext() as prof:
+                loss_f, norm_f, lr = self.update(step, micros, first=step == result.final_step)
             step += 1
             stats = _StepStats(loss_f, norm_f, lr, time.perf_counter() - t0, tokens, flops)
+            if profiling:  # after the step's clock: reading the profile back takes seconds on a large model
+                self.report_profile(step, prof, flops)
             result.losses[step] = loss_f
             self.log_step(step, stop, stats, window)
             logged = step % cfg.logging.log_every == 0

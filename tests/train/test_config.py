@@ -119,6 +119,8 @@ def test_missing_file():
         (["--data.kind=text"], "data.path: required"),
         (["--train.steps=0"], "train.steps: must be >= 1"),
         (["--train.steps=10", "--train.stop_at=11"], "train.stop_at"),
+        (["--train.steps=10", "--logging.profile_step=11"],
+         r"logging.profile_step \(11\) must be in \[0, train.steps = 10\]"),
         (["--parallel.cp=2", "--data.warmup_seq_len=130", "--data.warmup_seq_steps=1"], r"warmup_seq_len \(130\)"),
         (["--data.warmup_seq_len=1024", "--data.warmup_seq_steps=1"], "shorter than data.seq_len"),
         (["--data.warmup_seq_len=128"], r"data.warmup_seq_steps \(0\) must be in \[1, train.steps"),
@@ -233,6 +235,7 @@ def test_kernel_backend_auto_checks_what_the_environment_chooses(monkeypatch):
         ("--model.init_std=0", r"model.init_std: must be > 0, got 0.0"),
         ("--parallel.timeout_s=inf", r"parallel.timeout_s: must be finite and > 0, got inf"),
         ("--logging.peak_tflops=-1", r"logging.peak_tflops: must be >= 0, got -1.0"),
+        ("--logging.profile_step=-1", r"logging.profile_step: must be >= 0, got -1"),
     ],
 )
 def test_out_of_range_values_name_the_field_and_range(arg, match):
