@@ -52,7 +52,8 @@ WARNING = (
     "warning: train.lr = 0.05 with train.warmup_steps = 1 reaches lr 0.05 by step 10: with fan-ins up to 128 over "
     "2 layers each step moves the model by about 13 (lr·fan-in·layers), above the 8 the recorded runs allow (runs "
     'whose loss fell sat at 0.28-3.7, a ~7B whose loss rose 7 -> 40 at 14: benchmarks/training.jsonl, "The '
-    "learning-rate bound's runs\"), and the loss may rise. Lower train.lr or lengthen train.warmup_steps (Llama 3's "
+    "learning-rate bound's runs\"; a 2.8B rose at 1.4: benchmarks/acceptance.jsonl), and the loss may rise. "
+    "Lower train.lr or lengthen train.warmup_steps (Llama 3's "
     "8B recipe: lr 3e-4 over 2000 warm-up steps); --train.strict_lr=true makes this an error"
 )
 
