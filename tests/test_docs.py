@@ -17,7 +17,8 @@ FIRST_RUN = (
 )
 TESTS = "python -m pytest -q"
 # Pages whose prose is kept free of commit hashes and issue numbers (records keep their own commit).
-PROSE = ["README.md", "docs/guide.md", "docs/api.md", "docs/performance.md", "docs/memory.md"]
+PROSE = ["README.md", "docs/guide.md", "docs/api.md", "docs/performance.md", "docs/memory.md", "docs/training.md",
+         "docs/RELIABILITY.md"]
 HASH = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b")
 
 
