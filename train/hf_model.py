@@ -44,7 +44,10 @@ def hf_config(m: ModelConfig):
         path = Path(m.hf_pretrained)
         if not (path / "config.json").is_file():
             raise ConfigError(f"model.hf_pretrained: {path} is not a local model directory (no config.json)")
-        return transformers.AutoConfig.from_pretrained(path, **extra)
+        try:
+            return transformers.AutoConfig.from_pretrained(path, **extra)
+        except _field_errors() as e:
+            raise ConfigError(f"model.hf: {e}") from None
     if m.hf_config:
         path = Path(m.hf_config)
         path = path / "config.json" if path.is_dir() else path
@@ -56,8 +59,18 @@ def hf_config(m: ModelConfig):
         raise ConfigError('model.hf: needs model_type (e.g. "llama") when neither hf_config nor hf_pretrained is set')
     try:
         return transformers.AutoConfig.for_model(model_type, **extra)
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, *_field_errors()) as e:
         raise ConfigError(f"model.hf: {e}") from None
+
+
+def _field_errors() -> tuple[type[Exception], ...]:
+    """What a transformers config raises for a field of the wrong type besides TypeError: since
+    transformers 5, huggingface_hub's strict dataclasses raise their own error (not a TypeError)."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        return ()
+    return (StrictDataclassError,)
 
 
 def head_dim(config) -> int:

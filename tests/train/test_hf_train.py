@@ -176,3 +176,16 @@ def test_hf_flops_config_carries_the_window_as_a_spec(overrides, window):
     assert shape.attn_spec.window == (None if window is None else (window - 1, 0))  # None when off, never 0
     assert (shape.n_layers, shape.dim) == (2, 32)
     assert flops_per_token(shape, 0, 256) == pytest.approx(12 * 2 * 32 * attended_keys(256, window))
+
+
+def test_a_field_of_the_wrong_type_is_a_config_error():
+    # transformers 5 checks config fields itself, raising huggingface_hub's own error (no TypeError);
+    # TOML has no null, so "null" arrives as a string.
+    from ringflash.train.config import ConfigError, load_config
+    from ringflash.train.hf_model import hf_config
+
+    pytest.importorskip("transformers", reason="model.kind = hf needs transformers (pip install '.[hf]')")
+    null = "--model.hf.final_logit_softcapping=null"
+    cfg = load_config(None, ["--model.kind=hf", "--model.hf.model_type=gemma2", null])
+    with pytest.raises(ConfigError, match=r"^model.hf: .*'final_logit_softcapping'"):
+        hf_config(cfg.model)
