@@ -1,5 +1,6 @@
-"""Loss parity, the test Megatron and TransformerEngine use for context parallelism: the same model,
-data, seed and schedule trained for 20 steps with the ring (cp = 2 and 4, DDP and FSDP2) give the
+"""Loss parity, the test Megatron and TransformerEngine use for context parallelism: the same model
+(ringflash's own, or transformers' Llama, Gemma 2, gpt-oss or DeepSeek-V3), data, seed and schedule
+trained for 20 steps with the ring (cp = 2 and 4, DDP and FSDP2) give the
 loss curve of one process on whole sequences, every step within 1e-5 relative (float32, CPU), and
 the same weights after it, each tensor within 1e-4 of its norm.
 
@@ -27,11 +28,27 @@ WEIGHTS_RTOL = 1e-4  # every weight tensor after the last step, relative to its 
 # Loss on every token: the curve falls from the first step, so parity is of a model that learns.
 PARITY = [f"--train.steps={STEPS}", "--train.warmup_steps=2", "--data.passkey_loss=all", "--checkpoint.enabled=false",
           f"--logging.log_every={STEPS}"]  # fmt: skip
+HF = ["--model.kind=hf", "--model.hf.vocab_size=256", "--model.hf.hidden_size=32",
+      "--model.hf.intermediate_size=64", "--model.hf.num_hidden_layers=2", "--model.hf.num_attention_heads=4",
+      "--model.hf.num_key_value_heads=2"]  # fmt: skip
+# Today's long-context families, each with what its attention adds, windows shorter than a rank's
+# 128-token shard: Gemma 2 (softcap, sliding windows on alternate layers), gpt-oss (learnable
+# sinks, alternate windows, mixture of experts), DeepSeek-V3 (MLA: q·k over 16 + 8, v over 16;
+# experts from layer 2).
 MODELS = {
     "ringflash": [],
-    "llama": ["--model.kind=hf", "--model.hf.model_type=llama", "--model.hf.vocab_size=256",
-              "--model.hf.hidden_size=32", "--model.hf.intermediate_size=64", "--model.hf.num_hidden_layers=2",
-              "--model.hf.num_attention_heads=4", "--model.hf.num_key_value_heads=2"],
+    "llama": [*HF, "--model.hf.model_type=llama"],
+    "gemma2": [*HF, "--model.hf.model_type=gemma2", "--model.hf.head_dim=16", "--model.hf.sliding_window=48",
+               "--model.hf.attn_logit_softcapping=5.0", "--model.hf.final_logit_softcapping=30.0",
+               "--model.hf.query_pre_attn_scalar=16"],
+    "gpt_oss": [*HF, "--model.hf.model_type=gpt_oss", "--model.hf.head_dim=16", "--model.hf.sliding_window=48",
+                "--model.hf.num_local_experts=4", "--model.hf.num_experts_per_tok=2"],
+    "deepseek_v3": [*HF, "--model.hf.model_type=deepseek_v3", "--model.hf.num_key_value_heads=4",
+                    "--model.hf.q_lora_rank=16", "--model.hf.kv_lora_rank=16", "--model.hf.qk_nope_head_dim=16",
+                    "--model.hf.qk_rope_head_dim=8", "--model.hf.v_head_dim=16", "--model.hf.moe_intermediate_size=32",
+                    "--model.hf.n_shared_experts=1", "--model.hf.n_routed_experts=4",
+                    "--model.hf.num_experts_per_tok=2", "--model.hf.first_k_dense_replace=1", "--model.hf.n_group=1",
+                    "--model.hf.topk_group=1"],
 }  # fmt: skip
 
 
@@ -57,7 +74,7 @@ def run(model: str, cp: int, fsdp: bool) -> tuple[dict[int, float], dict[str, np
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_ring_loss_curve_equals_one_process(model, cp, fsdp):
-    if model == "llama":
+    if model != "ringflash":
         pytest.importorskip("transformers", reason="model.kind = hf needs transformers (pip install '.[hf]')")
     (reference, ref_weights), (ring, weights) = run(model, 1, False), run(model, cp, fsdp)
     how = f"cp = {cp} ({'FSDP2' if fsdp else 'DDP'})"
