@@ -142,7 +142,8 @@ class DataConfig:
     )
     warmup_seq_steps: int = opt(0, "Steps of the sequence-length warm-up (see warmup_seq_len).")
     eval_buckets: int = opt(
-        8, "Passkey and recall depth buckets; with cp > 1 a multiple of 2·cp (zigzag) or cp (contiguous), so that "
+        4, "Passkey and recall depth buckets (each must hold a passkey's key and query: 121 tokens by default); "
+        "with cp > 1 a multiple of 2·cp (zigzag) or cp (contiguous), so that "
         "every bucket lies in one rank's shard."
     )
     eval_samples: int = opt(

@@ -60,6 +60,22 @@ class PasskeySample:
     bucket: int  # depth bucket of key_pos: floor(key_pos · buckets / L)
 
 
+def check_passkey_fits(cfg: DataConfig) -> None:
+    """ConfigError unless one depth bucket of `cfg.seq_len` holds the key, its gaps and repetitions
+    and the query, so that the last bucket is reachable (the configuration's checks call it too)."""
+    key = "0" * cfg.passkey_digits
+    key_len, repeat_len = len(KEY.format(key=key)), len(REPEAT.format(key=key))
+    need = key_len + cfg.passkey_repeats * (cfg.passkey_gap + repeat_len) + len(QUERY) + cfg.passkey_digits
+    if need > cfg.seq_len // cfg.eval_buckets:
+        raise ConfigError(
+            f"data.seq_len ({cfg.seq_len}) too short for passkey with {cfg.eval_buckets} buckets: each bucket "
+            f"({cfg.seq_len // cfg.eval_buckets} tokens) must hold the key, its gaps and repetitions and the "
+            f"query ({need} tokens); raise data.seq_len or lower data.eval_buckets, data.passkey_gap "
+            f"({cfg.passkey_gap}), data.passkey_repeats ({cfg.passkey_repeats}) or data.passkey_digits "
+            f"({cfg.passkey_digits})"
+        )
+
+
 class PasskeyTask:
     """Byte-level passkey retrieval sequences of `seq_len + 1` tokens (vocab 256)."""
 
@@ -73,15 +89,7 @@ class PasskeyTask:
         self.prefix_len = KEY.index("#") + 1  # key sentence bytes before the first digit
         self.tail_len = len(QUERY) + self.digits
         self.filler_len = self.L + 1 - self.key_len - self.repeats * self.repeat_len - self.tail_len
-        # The last bucket must be reachable: the key, its repetitions and the query fit in one bucket.
-        need = self.key_len + self.repeats * (self.gap + self.repeat_len) + self.tail_len
-        if need > self.L // self.buckets:
-            raise ConfigError(
-                f"data.seq_len ({self.L}) too short for passkey with {self.buckets} buckets: each bucket "
-                f"({self.L // self.buckets} tokens) must hold the key, its gaps and repetitions and the "
-                f"query ({need} tokens); raise data.seq_len or lower data.eval_buckets, data.passkey_gap "
-                f"({self.gap}), data.passkey_repeats ({self.repeats}) or data.passkey_digits ({self.digits})"
-            )
+        check_passkey_fits(cfg)
         reps = math.ceil((self.filler_len + len(FILLER)) / len(FILLER))
         self.filler = _bytes(FILLER * reps)
 

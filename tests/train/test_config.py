@@ -49,7 +49,7 @@ def test_shipped_configs_exist():
 
 
 def test_precedence_cli_over_file_over_defaults(tmp_path):
-    path = write(tmp_path, "[train]\nlr = 0.5\nsteps = 70\n[data]\nseq_len = 256\n")
+    path = write(tmp_path, "[train]\nlr = 0.5\nsteps = 70\n[data]\nseq_len = 1024\n")
     cfg = load_config(path, ["--train.lr=0.25", "--model.dim", "64"])
     assert cfg.train.lr == 0.25  # CLI beats file
     assert cfg.train.steps == 70  # file beats default
@@ -186,7 +186,7 @@ def test_eval_buckets_rule_only_where_buckets_are_evaluated():
     assert load_config(None, ["--data.eval_buckets=3"]).data.eval_buckets == 3
     load_config(None, ["--parallel.cp=2", "--data.eval_buckets=2", "--data.eval_samples=0"])
     load_config(None, ["--parallel.cp=2", "--data.eval_buckets=2", "--data.kind=text", "--data.path=x"])
-    load_config(None, ["--parallel.cp=2", "--data.eval_buckets=8"])
+    load_config(None, ["--parallel.cp=2", "--data.eval_buckets=8", "--data.seq_len=1024"])
     load_config(None, ["--parallel.cp=2", "--parallel.layout=contiguous", "--data.eval_buckets=2"])
 
 
@@ -483,3 +483,17 @@ def test_cpu_run_refuses_gpu_only_settings(cfg, match):
 
     with pytest.raises(ConfigError, match=match), distributed(cfg, device="cpu"):
         pass
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["--data.eval_buckets=8"], r"^data.seq_len \(512\) too short for passkey with 8 buckets: each bucket \(64 "),
+        (["--data.seq_len=4096", "--data.warmup_seq_len=64", "--data.warmup_seq_steps=1"],
+         r"^data.warmup_seq_len \(64\): data.seq_len \(64\) too short for passkey with 1 buckets"),
+    ],
+)
+def test_a_passkey_too_long_for_its_sequences_is_refused_when_the_config_loads(args, match):
+    # Before, every rank found it while building its data, each printing it; the default config was one.
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, args)
