@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ringflash.kernels import backend_named, mask_kind
+from ringflash.kernels import backend_named, interpreting, mask_kind
 from ringflash.train.config_schema import (
     AUTO,
     STDLIB,
@@ -220,8 +220,12 @@ def _check_kernels(cfg: Config) -> None:
     if why is not None:
         raise ConfigError(f"{source} = {name}: {why} (model.window, data.pack_documents, train.dtype, "
                           "model.dim / model.n_heads)")  # fmt: skip
-    if name == "cudnn" and t.device == "cpu":
+    on_cpu = t.device == "cpu" or (t.device == "auto" and not torch.cuda.is_available())
+    if name == "cudnn" and on_cpu:
         raise ConfigError(f"{source} = cudnn needs train.device = cuda")
+    if name in ("triton", "hopper") and on_cpu and not interpreting():
+        raise ConfigError(f"{source} = {name} on the CPU (train.device = {t.device}) needs the Triton interpreter: "
+                          "set TRITON_INTERPRET=1, or use reference")  # fmt: skip
 
 
 def _check_data(d: DataConfig, m: ModelConfig) -> None:

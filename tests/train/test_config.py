@@ -497,3 +497,15 @@ def test_a_passkey_too_long_for_its_sequences_is_refused_when_the_config_loads(a
     # Before, every rank found it while building its data, each printing it; the default config was one.
     with pytest.raises(ConfigError, match=match):
         load_config(None, args)
+
+
+@pytest.mark.parametrize("backend", ["triton", "hopper"])
+def test_triton_kernels_on_the_cpu_need_the_interpreter(backend, monkeypatch):
+    # Refused when the config loads (one line from rank 0), not by every rank at its first kernel call.
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    args = [f"--parallel.kernel_backend={backend}", "--train.device=cpu"]
+    with pytest.raises(ConfigError, match=rf"^parallel.kernel_backend = {backend} on the CPU \(train.device = cpu\) "
+                                          "needs the Triton interpreter: set TRITON_INTERPRET=1, or use reference$"):
+        load_config(None, args)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert load_config(None, args).parallel.kernel_backend == backend
