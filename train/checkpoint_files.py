@@ -43,15 +43,18 @@ def write_durably(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def agree(error: str | None) -> None:
-    """Raise CheckpointError on every rank if any rank has an `error` (the first in rank order)."""
+def agree(error: str | None, kind: type[Exception] = CheckpointError) -> None:
+    """Raise `kind` on every rank if any rank has an `error`: the first in rank order, prefixed with
+    the ranks that had it unless every rank had that very one (the same files, read alike)."""
     errors = [error]
     if dist.is_initialized() and dist.get_world_size() > 1:
         errors = [None] * dist.get_world_size()
         dist.all_gather_object(errors, error)
     first = next((e for e in errors if e is not None), None)
-    if first is not None:
-        raise agreed(CheckpointError(first))
+    if first is None:
+        return
+    had = [r for r, e in enumerate(errors) if e == first]
+    raise agreed(kind(first if len(had) == len(errors) else f"on rank {', '.join(map(str, had))}: {first}"))
 
 
 def agreed(error: Exception) -> Exception:

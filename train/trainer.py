@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ringflash.train.checkpoint import Checkpointer, complete_checkpoints
+from ringflash.train.checkpoint_files import agree
 from ringflash.train.config import Config, ConfigError, check_early_update, resolve_eod_token, to_dict
 from ringflash.train.data import IGNORE, DataLoader, PasskeyTask, RecallTask, build_sources
 from ringflash.train.evaluate import accuracy_by_owner, bucket_owners, evaluate_passkey, report
@@ -183,7 +184,12 @@ class _Parts:
 
 def _build(cfg: Config, pc: ParallelContext) -> _Parts:
     t = cfg.train
-    source, warmup_source = build_sources(cfg.data, cfg.model.vocab_size)
+    try:  # the data's files may be missing on one node only: every rank hears which
+        source, warmup_source = build_sources(cfg.data, cfg.model.vocab_size)
+        error = None
+    except ConfigError as e:
+        error = str(e)
+    agree(error, ConfigError)
     loader = DataLoader(
         source, cfg.data.batch_size, t.grad_accum, pc.dp_rank, pc.dims.dp, warmup_source, cfg.data.warmup_seq_steps
     )

@@ -282,3 +282,30 @@ def test_packed_text_without_any_eod_is_an_error(tmp_path):
     path = _write(tmp_path / "one.txt", b"no separator here " * 10)
     with pytest.raises(ConfigError, match=r"data.eod_token: text .*one.txt never holds the end-of-document token 0"):
         build_source(DataConfig(kind="text", path=str(path), seq_len=64, pack_documents=True), 256)
+
+
+def _data_error(rank, world, path, only_rank):
+    """The error `train` raises on this rank when the data cannot be read on `only_rank` (None: on every rank)."""
+    import ringflash.train.trainer as trainer
+    from tests.tiny_config import tiny_config
+
+    if only_rank is not None and rank != only_rank:  # this rank reads its own copy of the files
+        real = trainer.build_sources
+        trainer.build_sources = lambda d, v: real(DataConfig(**{**d.__dict__, "path": "@stdlib"}), v)
+    try:
+        trainer.train(tiny_config(None, "--data.kind=text", f"--data.path={path}", "--parallel.cp=2"))
+    except ConfigError as e:
+        return str(e), getattr(e, "agreed", False)
+    return None
+
+
+@pytest.mark.parametrize("only_rank", [None, 1])
+def test_data_missing_on_some_ranks_stops_every_rank_with_one_agreed_error(tmp_path, only_rank):
+    # Every rank raises the same error, marked agreed (launch/train.py prints it once, from rank 0),
+    # naming the ranks that lacked the data unless all did; no rank goes on to train alone.
+    from tests.dist_utils import run_ranks
+
+    missing = tmp_path / "nowhere"
+    said = f"data.path: {missing} does not exist (data.kind = 'text')"
+    expected = (said if only_rank is None else f"on rank 1: {said}", True)
+    assert run_ranks(_data_error, 2, args=(missing, only_rank), timeout_s=120) == [expected, expected]
