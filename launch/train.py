@@ -13,10 +13,10 @@ or TypeError the library raises on bad input), 3 non-finite loss, 4 communicatio
 rank died, hung past `parallel.timeout_s`, or skipped a collective). An error in the configuration
 itself (the file, the overrides, their checks against the world size) is one line, `error: ...`,
 from rank 0 alone: every rank reads the same arguments and finds the same mistake. So is a later
-error the ranks agreed on (a checkpoint they cannot resume, configurations that differ); any other
-is one line per rank, `rank N: error: ...`, since each rank sees its own side of it. The line comes
-before torchrun's report (which torchrun prints whenever a rank exits non-zero). Any other
-exception keeps its traceback.
+error the ranks agreed on (a checkpoint they cannot resume, configurations that differ, data a
+rank cannot read); any other is one line per rank, `rank N: error: ...`, since each rank sees its
+own side of it. The line comes before torchrun's report (which torchrun prints whenever a rank
+exits non-zero). Any other exception keeps its traceback.
 """
 
 from __future__ import annotations
