@@ -24,6 +24,7 @@ from ringflash.train.config_schema import (
     kernel_backend,
     resolve_eod_token,
 )
+from ringflash.train.passkey_format import check_passkey_fits
 
 
 def _check_range(key: str, value: float, interval: str) -> None:
@@ -185,8 +186,6 @@ def _check_lengths(cfg: Config) -> None:
             f"depth bucket lies in one rank's shard; or set data.eval_samples = 0 (no evaluation)"
         )
     if d.kind == "passkey":  # every rank would find it while building its data: say it once, here
-        from ringflash.train.data import check_passkey_fits
-
         check_passkey_fits(d)
         if d.warmup_seq_len:  # the warm-up's sequences: one bucket, as data.build_sources makes them
             try:
@@ -220,10 +219,10 @@ def _check_kernels(cfg: Config) -> None:
     if why is not None:
         raise ConfigError(f"{source} = {name}: {why} (model.window, data.pack_documents, train.dtype, "
                           "model.dim / model.n_heads)")  # fmt: skip
-    on_cpu = t.device == "cpu" or (t.device == "auto" and not torch.cuda.is_available())
-    if name == "cudnn" and on_cpu:
+    # train.device = auto stays unjudged: a config for GPUs is loaded on CPU machines too (the planner).
+    if name == "cudnn" and t.device == "cpu":
         raise ConfigError(f"{source} = cudnn needs train.device = cuda")
-    if name in ("triton", "hopper") and on_cpu and not interpreting():
+    if name in ("triton", "hopper") and t.device == "cpu" and not interpreting():
         raise ConfigError(f"{source} = {name} on the CPU (train.device = {t.device}) needs the Triton interpreter: "
                           "set TRITON_INTERPRET=1, or use reference")  # fmt: skip
 

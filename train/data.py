@@ -37,15 +37,12 @@ import numpy as np
 import torch
 
 from ringflash.train.config import STDLIB, ConfigError, DataConfig, resolve_eod_token
+from ringflash.train.passkey_format import FILLER, KEY, QUERY, REPEAT, check_passkey_fits
 
 IGNORE = -100  # label of positions that take no loss (F.cross_entropy's ignore_index)
 # Under the standard library's directory but not part of it: third-party packages, which differ by machine.
 NOT_STDLIB = ("site-packages", "dist-packages")
 
-FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-KEY = "The pass key is #{key}. Remember it. "
-REPEAT = "#{key} is the pass key. "  # follows KEY after a random stretch of filler
-QUERY = "What is the pass key? The pass key is #"
 
 
 def _bytes(s: str) -> torch.Tensor:
@@ -58,22 +55,6 @@ class PasskeySample:
     key_pos: int  # position of the key's first digit in the sequence
     repeat_pos: tuple[int, ...]  # positions of the first digit of each repetition of the key
     bucket: int  # depth bucket of key_pos: floor(key_pos · buckets / L)
-
-
-def check_passkey_fits(cfg: DataConfig) -> None:
-    """ConfigError unless one depth bucket of `cfg.seq_len` holds the key, its gaps and repetitions
-    and the query, so that the last bucket is reachable (the configuration's checks call it too)."""
-    key = "0" * cfg.passkey_digits
-    key_len, repeat_len = len(KEY.format(key=key)), len(REPEAT.format(key=key))
-    need = key_len + cfg.passkey_repeats * (cfg.passkey_gap + repeat_len) + len(QUERY) + cfg.passkey_digits
-    if need > cfg.seq_len // cfg.eval_buckets:
-        raise ConfigError(
-            f"data.seq_len ({cfg.seq_len}) too short for passkey with {cfg.eval_buckets} buckets: each bucket "
-            f"({cfg.seq_len // cfg.eval_buckets} tokens) must hold the key, its gaps and repetitions and the "
-            f"query ({need} tokens); raise data.seq_len or lower data.eval_buckets, data.passkey_gap "
-            f"({cfg.passkey_gap}), data.passkey_repeats ({cfg.passkey_repeats}) or data.passkey_digits "
-            f"({cfg.passkey_digits})"
-        )
 
 
 class PasskeyTask:
