@@ -6,7 +6,6 @@ cause, so that the first error is the mistake and not one that follows from it. 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from ringflash.train.config_schema import (
     ParallelConfig,
     kernel_backend,
     resolve_eod_token,
+    warmup_data,
 )
 from ringflash.train.passkey_format import check_passkey_fits
 
@@ -185,13 +185,6 @@ def _check_lengths(cfg: Config) -> None:
             f"data.eval_buckets ({d.eval_buckets}) must be a multiple of {chunks} ({which}), so that each "
             f"depth bucket lies in one rank's shard; or set data.eval_samples = 0 (no evaluation)"
         )
-    if d.kind == "passkey":  # every rank would find it while building its data: say it once, here
-        check_passkey_fits(d)
-        if d.warmup_seq_len:  # the warm-up's sequences: one bucket, as data.build_sources makes them
-            try:
-                check_passkey_fits(dataclasses.replace(d, seq_len=d.warmup_seq_len, eval_buckets=1))
-            except ConfigError as e:
-                raise ConfigError(f"data.warmup_seq_len ({d.warmup_seq_len}): {e}") from None
     if d.warmup_seq_len:
         if not 0 < d.warmup_seq_len < d.seq_len or d.warmup_seq_len % chunks:
             raise ConfigError(
@@ -203,6 +196,13 @@ def _check_lengths(cfg: Config) -> None:
                 f"data.warmup_seq_steps ({d.warmup_seq_steps}) must be in [1, train.steps = {t.steps}] "
                 "when data.warmup_seq_len is set"
             )
+    if d.kind == "passkey":  # every rank would find it while building its data: say it once, here
+        check_passkey_fits(d)
+        if d.warmup_seq_len:
+            try:
+                check_passkey_fits(warmup_data(d))
+            except ConfigError as e:
+                raise ConfigError(f"data.warmup_seq_len ({d.warmup_seq_len}): {e}") from None
 
 
 def _check_kernels(cfg: Config) -> None:

@@ -321,6 +321,12 @@ def resolve_eod_token(d: DataConfig) -> int:
     return 50256 if d.kind == "bin" else 0
 
 
+def warmup_data(d: DataConfig) -> DataConfig:
+    """The data of `d`'s sequence-length warm-up: `warmup_seq_len` tokens a sequence, and one depth
+    bucket (buckets are an evaluation matter, and the warm-up is not evaluated)."""
+    return dataclasses.replace(d, seq_len=d.warmup_seq_len, eval_buckets=1)
+
+
 def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 

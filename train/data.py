@@ -30,19 +30,19 @@ import hashlib
 import math
 import random
 import sysconfig
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ringflash.train.config import STDLIB, ConfigError, DataConfig, resolve_eod_token
+from ringflash.train.config_schema import warmup_data
 from ringflash.train.passkey_format import FILLER, KEY, QUERY, REPEAT, check_passkey_fits
 
 IGNORE = -100  # label of positions that take no loss (F.cross_entropy's ignore_index)
 # Under the standard library's directory but not part of it: third-party packages, which differ by machine.
 NOT_STDLIB = ("site-packages", "dist-packages")
-
 
 
 def _bytes(s: str) -> torch.Tensor:
@@ -377,8 +377,8 @@ def build_sources(cfg: DataConfig, vocab_size: int) -> tuple:
     source = build_source(cfg, vocab_size)
     if not cfg.warmup_seq_len:
         return source, None
-    try:  # depth buckets are an evaluation matter: the warm-up source needs only one
-        return source, build_source(replace(cfg, seq_len=cfg.warmup_seq_len, eval_buckets=1), vocab_size)
+    try:
+        return source, build_source(warmup_data(cfg), vocab_size)
     except ConfigError as e:
         raise ConfigError(f"data.warmup_seq_len ({cfg.warmup_seq_len}): {e}") from None
 
