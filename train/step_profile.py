@@ -192,28 +192,32 @@ def breakdown(kernels: list[Kernel], ranges: dict[str, list[tuple[float, float]]
 
 
 def collect(events) -> tuple[list[Kernel], dict[str, list[tuple[float, float]]]]:
-    """Device kernels and phase ranges from `prof.events()` (torch.autograd.profiler FunctionEvents).
+    """Device kernels and phase ranges from the profiler's raw events
+    (`prof.profiler.kineto_results.events()`: `name()`, `device_type()`, `start_ns()`, `end_ns()`,
+    `correlation_id()`, `linked_correlation_id()`, `is_user_annotation()`), times in µs from the first.
 
     A kernel's launch time is its CUDA runtime/driver launch event's start (same correlation id),
-    else the start of the CPU op it is linked to.
+    else the start of the CPU op it is linked to. The raw events, not `prof.events()`: before torch
+    2.13 a FunctionEvent does not carry the link, and every kernel would be unlinked.
     """
     from torch.autograd import DeviceType
 
     kernels, ranges, launches, ops, device = [], {}, {}, {}, []
+    base = min((e.start_ns() for e in events), default=0)
     for e in events:
-        start, end = e.time_range.start, e.time_range.end
-        if e.device_type == DeviceType.CPU:
-            if e.name.startswith(_PREFIX):
-                ranges.setdefault(e.name[len(_PREFIX):], []).append((start, end))
-            elif getattr(e, "linked_correlation_id", 0) > 0:
-                launches[e.id] = start  # a runtime/driver call: its id is the launch's correlation id
+        start, end = (e.start_ns() - base) / 1e3, (e.end_ns() - base) / 1e3
+        if e.device_type() == DeviceType.CPU:
+            if e.name().startswith(_PREFIX):
+                ranges.setdefault(e.name()[len(_PREFIX):], []).append((start, end))
+            elif e.linked_correlation_id() > 0:
+                launches[e.correlation_id()] = start  # a runtime/driver call: the launch's correlation id
             else:
-                ops[e.id] = start
-        elif e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False):
-            device.append(e)  # device-side copies of user ranges (FSDP's and ours) are not work
-    for e in device:
-        launch = launches.get(e.id, ops.get(getattr(e, "linked_correlation_id", 0)))
-        kernels.append(Kernel(e.name, e.time_range.start, e.time_range.end, launch))
+                ops[e.correlation_id()] = start
+        elif e.device_type() == DeviceType.CUDA and not getattr(e, "is_user_annotation", lambda: False)():
+            device.append((e, start, end))  # device-side copies of user ranges (FSDP's and ours) are not work
+    for e, start, end in device:
+        launch = launches.get(e.correlation_id(), ops.get(e.linked_correlation_id()))
+        kernels.append(Kernel(e.name(), start, end, launch))
     return kernels, ranges
 
 
@@ -246,7 +250,7 @@ class StepProfile:
     def breakdown(self, ours: frozenset[str], flops: float, world: int, peak_tflops: float) -> dict:
         """`breakdown` of the profiled step, with the model TFLOP/s per device over its wall time
         (`flops`: the step's model FLOPs, all `world` ranks together) and the MFU (None without a peak)."""
-        out = breakdown(*collect(self.prof.events()), ours)
+        out = breakdown(*collect(self.prof.profiler.kineto_results.events()), ours)
         tflops = tflops_per_device(flops, out["wall_ms"] * 1e-3, world)
         return out | {"tflops_per_device": tflops, "mfu": tflops / peak_tflops if peak_tflops > 0 else None}
 

@@ -119,9 +119,10 @@ def test_breakdown_counts_exposed_collectives_busy_and_idle():
 
 
 def _event(name, device, start, end, id_, linked=0, annotation=False):
-    """The fields of a profiler FunctionEvent that `collect` reads."""
-    return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end), id=id_,
-                           linked_correlation_id=linked, is_user_annotation=annotation)  # fmt: skip
+    """A raw profiler event (torch's KinetoEvent) as `collect` reads it; times in µs."""
+    return SimpleNamespace(name=lambda: name, device_type=lambda: device, start_ns=lambda: int(start * 1e3),
+                           end_ns=lambda: int(end * 1e3), correlation_id=lambda: id_,
+                           linked_correlation_id=lambda: linked, is_user_annotation=lambda: annotation)  # fmt: skip
 
 
 def test_collect_links_kernels_to_their_launches_and_reads_the_phase_ranges():
