@@ -16,8 +16,10 @@
   (float32 partials, merges, running sums).
   What they cannot run, and backwards under `torch.use_deterministic_algorithms(True)`, runs the
   Triton kernels, with one warning per reason naming both; strict (`get_backend(..., strict=True)`
-  or `RINGFLASH_STRICT_BACKEND=1`) raises instead. Never chosen by `auto`.
-`auto` is Triton on CUDA tensors and the reference elsewhere.
+  or `RINGFLASH_STRICT_BACKEND=1`) raises instead.
+`auto` is `hopper` on an H100/H200, `triton` on other GPUs and wherever bit-reproducible gradients
+are asked for (`deterministic=True`, `torch.use_deterministic_algorithms(True)`), and the
+reference on CPU tensors.
 
 The step API (`fwd_step`, `bwd_step`) is for block-wise callers such as the ring: it writes into
 or accumulates into given buffers. The flash_attn-style functions on top
@@ -27,6 +29,7 @@ or accumulates into given buffers. The flash_attn-style functions on top
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import warnings
 from collections.abc import Callable
@@ -37,7 +40,7 @@ from ringflash.kernels.checks import check_grad_out, check_qkv, interpreting
 from ringflash.kernels.reference import ref_attn_bwd, ref_attn_fwd
 from ringflash.kernels.spec import AttnSpec
 
-__all__ = ["BACKENDS", "Backend", "backend_named", "device_guard", "get_backend", "interpreting"]
+__all__ = ["BACKENDS", "Backend", "auto_backend", "backend_named", "device_guard", "get_backend", "interpreting"]
 
 BACKENDS = ("auto", "triton", "reference", "cudnn", "hopper")  # the names `backend=` and the config accept
 ENV = "RINGFLASH_KERNEL_BACKEND"
@@ -125,8 +128,9 @@ class _Hopper(_Triton):
     name = "hopper"
     deterministic = False
 
-    def __init__(self, strict: bool = False):
+    def __init__(self, strict: bool = False, chosen_as: str = "hopper"):
         self.strict = strict
+        self.chosen_as = chosen_as  # the name the caller asked for: "hopper", or "auto" on an H100/H200
         self._warned: set[tuple[str, str]] = set()  # (direction, reason) pairs warned of
 
     def kernels_for(self, dtype, head_dim, head_dim_v=None):
@@ -139,7 +143,8 @@ class _Hopper(_Triton):
         Gluon kernels cannot (`why`): warned once per reason, or raised when strict."""
         if why is None:
             return False
-        text = f"backend='hopper' cannot run this {direction} on its Gluon kernels: it {why}"
+        chosen = "backend='hopper'" if self.chosen_as == "hopper" else "backend='auto' (the Hopper kernels here)"
+        text = f"{chosen} cannot run this {direction} on its Gluon kernels: it {why}"
         if self.strict:
             raise ValueError(f"{text} (strict: get_backend(..., strict=True) or {STRICT_ENV}=1 refuses to hand it on)")
         if (direction, why) not in self._warned:
@@ -258,6 +263,24 @@ class _Cudnn(_Unfused):
 
 _BY_NAME: dict[str, Backend] = {b.name: b for b in (_Triton(), _Reference(), _Cudnn(), _Hopper())}
 _STRICT_HOPPER = _Hopper(strict=True)
+_AUTO_HOPPER = _Hopper(chosen_as="auto")  # its warnings name what the caller chose
+
+
+@torch.compiler.assume_constant_result  # a property of the machine: traced code takes its value
+@functools.cache
+def _is_sm90(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def auto_backend(device: torch.device, deterministic: bool = False) -> str:
+    """The backend `auto` runs for tensors on `device`: `hopper` on an H100/H200 (faster; dQ summed
+    atomically), `triton` on other GPUs and where bit-reproducible gradients are asked for
+    (`deterministic`, or `torch.use_deterministic_algorithms(True)`), `reference` elsewhere."""
+    if device.type != "cuda":
+        return "reference"
+    if deterministic or torch.are_deterministic_algorithms_enabled() or not _is_sm90(device):
+        return "triton"
+    return "hopper"
 
 
 def backend_named(name: str) -> Backend | None:
@@ -278,11 +301,13 @@ def device_guard(t) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-def get_backend(backend: str | Backend | None, device: torch.device, *, strict: bool | None = None) -> Backend:
+def get_backend(backend: str | Backend | None, device: torch.device, *, strict: bool | None = None,
+                deterministic: bool = False) -> Backend:
     """The `Backend` that runs for tensors on `device`: `backend` by name (`BACKENDS`), or a
-    `Backend` as is, or with None the environment's `RINGFLASH_KERNEL_BACKEND` (default `auto`).
-    `strict` (None: `RINGFLASH_STRICT_BACKEND=1`): `hopper` raises where it would hand a call to the
-    Triton kernels. Raises ValueError naming the argument or the variable."""
+    `Backend` as is, or with None the environment's `RINGFLASH_KERNEL_BACKEND` (default `auto`:
+    `auto_backend(device, deterministic)`). `strict` (None: `RINGFLASH_STRICT_BACKEND=1`): `hopper`
+    raises where it would hand a call to the Triton kernels. Raises ValueError naming the argument
+    or the variable."""
     if isinstance(backend, Backend):
         return backend
     if strict is None:
@@ -296,7 +321,9 @@ def get_backend(backend: str | Backend | None, device: torch.device, *, strict: 
     if choice not in BACKENDS:
         raise ValueError(f"{source} must be one of {BACKENDS}, got {choice!r}")
     if choice == "auto":
-        choice = "triton" if device.type == "cuda" else "reference"
+        choice = auto_backend(device, deterministic)
+        if choice == "hopper" and not strict:
+            return _AUTO_HOPPER
     if choice == "cudnn" and device.type != "cuda":
         raise ValueError(f"{source}='cudnn' needs CUDA tensors, got {device.type} ones: use 'auto' or 'reference'")
     if choice in ("triton", "hopper") and device.type != "cuda" and not interpreting():

@@ -139,7 +139,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--backend",
         choices=("auto", "triton", "cudnn", "hopper"),
         default="auto",
-        help="kernel backend (auto: Triton on CUDA, the reference on CPU)",
+        help="kernel backend (auto: hopper on H100/H200, Triton on other GPUs, the reference on CPU)",
     )
     p.add_argument(
         "--head-parallel",

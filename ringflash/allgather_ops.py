@@ -164,7 +164,8 @@ def attend(q, k, v, flash: FlashArgs, softmax_scale, causal, group, options: Cal
                 raise ValueError("the llama3 varlen functions build their mask on the host: call them eagerly")
             q, k, v, spec = prepare(call, comm.rank, world)
             q, k, v = autocast_inputs(q, k, v)  # as ring_flash_attn_func does for its own inputs
-        _, kern = check_local(q, k, v, causal, softmax_scale, options.layout, options.backend, world)
+        _, kern = check_local(q, k, v, causal, softmax_scale, options.layout, options.backend, world,
+                              flash.deterministic)
         ops.check_sink(learnable_sink, q)
         if flash.deterministic and not kern.deterministic:
             raise ValueError(f"deterministic=True: backend {kern.name!r} is not deterministic; use 'triton' or 'auto'")

@@ -223,7 +223,8 @@ def _attend(q, k, v, flash: FlashArgs, softmax_scale, causal, group, options: Ca
         if prepare is not None:
             q, k, v, mask = prepare(spec, 0 if comm is None else comm.rank, world)
             q, k, v = autocast_inputs(q, k, v)
-        scale, kern = check_local(q, k, v, causal, softmax_scale, layout, options.backend, world)
+        scale, kern = check_local(q, k, v, causal, softmax_scale, layout, options.backend, world,
+                                  flash.deterministic)
         ops.check_sink(learnable_sink, q)
         if flash.deterministic and not kern.deterministic:
             raise ValueError(

@@ -85,9 +85,11 @@ def autocast_inputs(q, k, v) -> tuple:
     return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (q, k, v))
 
 
-def check_local(q, k, v, causal, softmax_scale, layout, backend, world) -> tuple[float, kernels.Backend]:
+def check_local(q, k, v, causal, softmax_scale, layout, backend, world, deterministic=False,
+                ) -> tuple[float, kernels.Backend]:
     """This rank's own checks; raises TypeError/ValueError naming the argument. Returns the scale
-    and the kernel backend that will run (resolved here, once per call)."""
+    and the kernel backend that will run (resolved here, once per call; `deterministic`: `auto`
+    picks kernels with bit-reproducible gradients)."""
     check_qkv(q, k, v)
     if k.shape[1] != q.shape[1]:
         raise ValueError(
@@ -101,7 +103,8 @@ def check_local(q, k, v, causal, softmax_scale, layout, backend, world) -> tuple
         check_splittable(q.shape[1] * world, world, layout)
     except ValueError as e:
         raise ValueError(f"q.shape[1] = {q.shape[1]} local tokens on each of {world} ranks: {e}") from None
-    return resolve_scale(softmax_scale, q.shape[-1]), kernels.get_backend(backend, q.device)
+    kern = kernels.get_backend(backend, q.device, deterministic=deterministic)
+    return resolve_scale(softmax_scale, q.shape[-1]), kern
 
 
 def world_size(group) -> int:

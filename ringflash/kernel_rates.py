@@ -24,7 +24,10 @@ BACKEND_IMPLS = {"triton": "ringflash", "hopper": "ringflash-hopper", "cudnn": "
 
 def rates_backend(backend: str) -> str:
     """The backend of `BACKEND_IMPLS` whose rates stand for kernel backend `backend`: `hopper` and
-    `cudnn` their own; `auto`, `triton` and `reference` run the Triton kernels on GPUs."""
+    `cudnn` their own; `auto` the Hopper kernels' (what it runs on the H100/H200s these rates were
+    measured on); `triton` and `reference` the Triton kernels'."""
+    if backend == "auto":
+        return "hopper"
     return backend if backend in BACKEND_IMPLS else "triton"
 
 
@@ -38,8 +41,10 @@ def kernels_that_run(backend, kind: str = "causal", *, dtype_bytes: int = 2, hea
 
     from ringflash.kernels.backends import Backend, backend_named
 
+    if backend == "auto":
+        backend = rates_backend(backend)  # what auto runs on the H100/H200s of these rates
     b = backend if isinstance(backend, Backend) else backend_named(backend)
-    own = rates_backend("auto" if b is None else b.name)
+    own = rates_backend(b.name)
     if own == "triton":
         return own, None
     dtype = {2: torch.bfloat16, 4: torch.float32}.get(dtype_bytes)

@@ -254,7 +254,8 @@ def test_kernels_that_run_are_the_backends_where_it_supports_the_call():
     capped = ("triton", "softcap=30: the cudnn kernels run no softcap")
     assert kernels_that_run("cudnn", "causal", softcap=30.0) == capped
     assert kernels_that_run("cudnn", "intervals")[0] == "triton"  # cuDNN runs full and causal only
-    assert kernels_that_run("auto", "causal") == kernels_that_run("reference", "intervals") == ("triton", None)
+    assert kernels_that_run("auto", "causal") == ("hopper", None)  # what auto runs on the H100/H200s of the rates
+    assert kernels_that_run("reference", "intervals") == ("triton", None)
     refused = ("triton", "runs full or causal attention, not intervals")
     assert kernels_that_run(_RefusesIntervals(), "intervals") == refused
     assert step_kind(None, "ring", 4) == "causal" and step_kind(None, "ring", 4, causal=False) == "full"
@@ -297,11 +298,15 @@ def test_cp_heads_auto_predicts_a_softcapped_hf_model_at_the_rates_of_the_kernel
     run = ["--model.kind=hf", *(f"--model.hf.{kv}" for kv in hf), f"--data.seq_len={4 * 8192}",
            "--data.batch_size=1", "--data.eval_samples=0", "--train.dtype=bfloat16", "--parallel.cp=4",
            "--parallel.cp_scheme=auto"]  # fmt: skip
-    _, _, triton = choose_cp_layout(load_config(None, run), 8, "H100")
+    _, _, triton = choose_cp_layout(load_config(None, [*run, "--parallel.kernel_backend=triton"]), 8, "H100")
     _, _, hopper = choose_cp_layout(load_config(None, [*run, "--parallel.kernel_backend=hopper"]), 8, "H100")
     _, _, cudnn = choose_cp_layout(load_config(None, [*run, "--parallel.kernel_backend=cudnn"]), 8, "H100")
     ms = re.compile(r"is the fastest within 8 GiB of attention buffers \((\d+\.\d+) ms per layer")
     assert ms.search(cudnn)[1] == ms.search(triton)[1] and float(ms.search(hopper)[1]) < float(ms.search(triton)[1])
+    # auto: what it runs there, the Gluon kernels on an H100, the Triton ones on other GPUs
+    _, _, auto = choose_cp_layout(load_config(None, run), 8, "H100")
+    _, _, auto_a100 = choose_cp_layout(load_config(None, run), 8, "A100")
+    assert ms.search(auto)[1] == ms.search(hopper)[1] and ms.search(auto_a100)[1] == ms.search(triton)[1]
     assert "kernels' rates" not in hopper
     assert "; at the triton kernels' rates, which run it (backend='cudnn' runs causal or full attention only" in cudnn
 

@@ -196,7 +196,8 @@ class ParallelConfig:
     )
     kernel_backend: str = opt(
         "auto",
-        "Attention kernels: auto (Triton on CUDA, the PyTorch reference on CPU), triton, reference, cudnn "
+        "Attention kernels: auto (hopper on H100/H200, triton on other GPUs or under "
+        "torch.use_deterministic_algorithms, the PyTorch reference on CPU), triton, reference, cudnn "
         "(cuDNN's, through PyTorch: faster on Hopper; CUDA only, causal attention without model.window or "
         "data.pack_documents), or hopper (triton with Gluon kernels on H100/H200: a faster forward, and a "
         "faster backward whose dQ is summed atomically, so not bit-reproducible). auto defers to "

@@ -23,7 +23,8 @@ def choose_cp_layout(run: Config, gpus_per_node: int, device_name: str) -> tuple
     The planner (`ringflash.plan.choose_layout`) predicts the model's attention (heads, K/V heads,
     head dim, data.batch_size sequences of data.seq_len tokens, causal, dense) on cp GPUs,
     `gpus_per_node` of them a node, over the run's transport and layout, at the rates of the run's
-    kernel backend (`hopper`, `cudnn`; else the Triton kernels') and the links of H100/H200s
+    kernel backend (`hopper`, `cudnn`, and `auto` on an H100/H200: the Hopper kernels'; else the
+    Triton kernels') and the links of H100/H200s
     whatever `device_name` says. A transformers model (`model.kind = hf`) runs its attention over
     all of cp (u = 1): with `cp_scheme = "auto"` the planner chooses the scheme for its HF
     config's shape. A pure function of its arguments, so ranks handed the same ones choose alike.
@@ -48,7 +49,10 @@ def choose_cp_layout(run: Config, gpus_per_node: int, device_name: str) -> tuple
         kind = "intervals" if run.data.pack_documents else "window" if windows else None
         cluster = plan.cluster_of(p.cp, gpus_per_node)
         schemes = SCHEMES if p.cp_scheme == AUTO else (p.cp_scheme,)
-        backend = rates_backend(kernel_backend(p)[0])
+        gpu = "" if any(g in device_name for g in ("H100", "H200")) else f", as H100/H200s (this run: {device_name})"
+        name = kernel_backend(p)[0]
+        # auto runs the Hopper kernels on H100/H200s, the Triton ones on other GPUs
+        backend = rates_backend("triton" if name == "auto" and gpu else name)
         try:
             best, why = plan.choose_layout(shape, run.data.seq_len, cluster, transport=p.transport, layout=p.layout,
                                            schemes=schemes, u=u, backend=backend, kind=kind,
@@ -57,7 +61,6 @@ def choose_cp_layout(run: Config, gpus_per_node: int, device_name: str) -> tuple
             raise ConfigError(f"parallel.cp_heads = {p.cp_heads}, parallel.cp_scheme = {p.cp_scheme}: {e}") from None
         # r = 1 has no scheme (the prediction says ring): a scheme the config gives stays.
         u, scheme = best.u, best.scheme if p.cp_scheme == AUTO else p.cp_scheme
-        gpu = "" if any(g in device_name for g in ("H100", "H200")) else f", as H100/H200s (this run: {device_name})"
         window_key = "the HF config's sliding windows" if m.kind == "hf" else "model.window"
         masks = ((window_key, windows), ("data.pack_documents", run.data.pack_documents))
         unmodelled = " and ".join(key for key, on in masks if on)

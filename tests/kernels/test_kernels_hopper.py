@@ -11,11 +11,13 @@ which cases fall back to the Triton kernels and why, and the refusals. The kerne
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 from ringflash import ring_flash_attn_func
-from ringflash.kernels import AttnSpec, attn_bwd, attn_fwd, get_backend, hopper_bwd
+from ringflash.kernels import AttnSpec, attn_bwd, attn_fwd, backends, get_backend, hopper_bwd
 from ringflash.kernels.hopper_bwd import hopper_attn_bwd, hopper_bwd_unsupported
 from ringflash.kernels.hopper_fwd import hopper_attn_fwd, hopper_fwd_unsupported
 from tests.kernels.steps import bwd_step
@@ -273,6 +275,36 @@ def test_hands_on_with_one_warning_per_reason_or_raises_when_strict(monkeypatch)
     monkeypatch.setenv("RINGFLASH_STRICT_BACKEND", "yes")
     with pytest.raises(ValueError, match="RINGFLASH_STRICT_BACKEND must be 0 or 1, got 'yes'"):
         get_backend("hopper", q.device)
+
+
+@pytest.mark.parametrize("sm90", [True, False])
+def test_auto_runs_the_hopper_kernels_on_an_h100_unless_gradients_must_reproduce(monkeypatch, sm90):
+    """auto: hopper on sm_90, triton on other GPUs and when bit-reproducible gradients are asked
+    for; the reference on CPU. Its hand-on warning names auto, which the caller chose."""
+    monkeypatch.setattr(backends, "_is_sm90", lambda device: sm90)
+    gpu = torch.device("cuda", 0)  # only the device's type and the (faked) capability are read
+    want = "hopper" if sm90 else "triton"
+    assert backends.auto_backend(gpu) == get_backend(None, gpu).name == get_backend("auto", gpu).name == want
+    assert backends.auto_backend(gpu, deterministic=True) == "triton"
+    assert get_backend("auto", gpu, deterministic=True).name == "triton"
+    with torch_deterministic():
+        assert get_backend("auto", gpu).name == "triton"
+    assert get_backend("auto", torch.device("cpu")).name == backends.auto_backend(torch.device("cpu")) == "reference"
+    if sm90:
+        auto = type(get_backend("auto", gpu))(chosen_as="auto")  # a fresh instance: nothing warned yet
+        with pytest.warns(UserWarning, match=r"^backend='auto' \(the Hopper kernels here\) cannot run this forward"):
+            assert auto.handed_on("forward", "needs fp16 or bf16 inputs, got torch.float32")
+        assert get_backend("auto", gpu, strict=True).strict  # strict refuses under auto too
+
+
+@contextlib.contextmanager
+def torch_deterministic():
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
 
 
 def test_planner_names_the_kernels_that_run():
