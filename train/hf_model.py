@@ -46,8 +46,8 @@ def hf_config(m: ModelConfig):
             raise ConfigError(f"model.hf_pretrained: {path} is not a local model directory (no config.json)")
         try:
             return transformers.AutoConfig.from_pretrained(path, **extra)
-        except _field_errors() as e:
-            raise ConfigError(f"model.hf: {e}") from None
+        except (OSError, ValueError, TypeError, *_field_errors()) as e:  # its config.json, or a key of model.hf
+            raise ConfigError(f"model.hf_pretrained = {path} (with model.hf's keys): {e}") from None
     if m.hf_config:
         path = Path(m.hf_config)
         path = path / "config.json" if path.is_dir() else path

@@ -107,6 +107,21 @@ def test_hf_config_errors(overrides, match):
         load_config(None, overrides)
 
 
+def test_hf_pretrained_config_errors_name_the_keys(tmp_path):
+    """A model directory whose config.json is not JSON, or a [model.hf] key of the wrong type over
+    it: one ConfigError naming model.hf_pretrained, no transformers traceback."""
+    from ringflash.train.hf_model import hf_config
+
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": 64')
+    run = ["--model.kind=hf", f"--model.hf_pretrained={tmp_path}"]
+    with pytest.raises(ConfigError, match=r"^model.hf_pretrained = .* \(with model.hf's keys\): .*not a valid JSON"):
+        hf_config(load_config(None, run).model)
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": 64}')
+    with pytest.raises(ConfigError, match=r"^model.hf_pretrained = .* \(with model.hf's keys\): .*hidden_size"):
+        hf_config(load_config(None, [*run, "--model.hf.hidden_size=wide"]).model)
+    assert hf_config(load_config(None, [*run, "--model.hf.num_hidden_layers=2"]).model).num_hidden_layers == 2
+
+
 def test_hf_missing_files_and_vocab(tmp_path):
     from ringflash.train.hf_model import build_hf_model
 
