@@ -348,7 +348,8 @@ def test_auto_chooses_head_parallel_for_llama3_8b_at_8k_per_gpu_on_4_h100s():
 
     u, scheme, line = choose_cp_layout(llama3_8b(4, "--parallel.cp_heads=auto"), 8, "NVIDIA H100 80GB HBM3")
     assert (u, scheme) == (4, "ring")
-    assert line.startswith("parallel.cp_heads = auto: 4 (ringflash.plan for 4 GPUs, hopper kernels: head-parallel u=4 is the fastest")
+    assert line.startswith("parallel.cp_heads = auto: 4 (ringflash.plan for 4 GPUs, hopper kernels: head-parallel u=4 "
+                           "is the fastest")
     u, scheme, line = choose_cp_layout(llama3_8b(4, "--parallel.cp_heads=auto", "--parallel.cp_scheme=auto"), 8, "H200")
     assert (u, scheme) == (4, "ring")
     assert line.startswith("parallel.cp_heads = auto: 4, parallel.cp_scheme = auto: ring (ringflash.plan for 4 GPUs")
@@ -375,12 +376,14 @@ def test_auto_predicts_at_the_run_kernel_backends_rates():
     "overrides, gpus_per_node, chosen, says",
     [
         # 12 heads, 3 K/V heads: neither u = 2 nor u = 4 splits or replicates them.
-        (["--model.dim=1536", "--model.n_heads=12", "--model.n_kv_heads=3"], 8, (1, "ring"), "for 4 GPUs, hopper kernels: ring is"),
+        (["--model.dim=1536", "--model.n_heads=12", "--model.n_kv_heads=3"], 8, (1, "ring"),
+         "for 4 GPUs, hopper kernels: ring is"),
         (["--parallel.cp_heads=2", "--parallel.cp_scheme=auto"], 8, (2, "ring"), "parallel.cp_scheme = auto: ring ("),
         (["--parallel.cp_scheme=allgather"], 8, (4, "allgather"), "for 4 GPUs, hopper kernels: head-parallel u=4"),
         # Two GPUs a node: all-to-alls over the 4 ranks would cross InfiniBand; with u = 2 they stay
         # inside a node and only the ring of two crosses it.
-        (["--parallel.cp_scheme=auto"], 2, (2, "ring"), "for 4 GPUs on 2 nodes, hopper kernels: ring, u=2 × r=2 is the fastest"),
+        (["--parallel.cp_scheme=auto"], 2, (2, "ring"),
+         "for 4 GPUs on 2 nodes, hopper kernels: ring, u=2 × r=2 is the fastest"),
         (["--model.window=4096"], 8, (4, "ring"), "(model.window not modelled)"),
         (["--model.kind=hf", "--model.hf.model_type=llama"], 8, (1, "ring"),
          "(model.kind = hf: no head grid, the scheme cp_scheme gives)"),
