@@ -149,7 +149,8 @@ cfg = load_config(path, [f"--parallel.cp={w}", f"--data.seq_len={seq}"])
 if cfg.model.kind == "hf":
     sys.exit(0)  # predict models ringflash's own model; the 1.1B fits every GPU here
 p = predict(cfg.model, seq, cfg.data.batch_size, dp=1, cp=w, fsdp=cfg.parallel.fsdp,
-            activation_checkpointing=cfg.train.activation_checkpointing)
+            activation_checkpointing=cfg.train.activation_checkpointing,
+            recompute_attention=cfg.train.recompute_attention)
 need, have = p["peak"], torch.cuda.get_device_properties(0).total_memory
 print(f"predicted peak {need / 2**30:.1f} GiB per GPU, {have / 2**30:.1f} GiB each")
 sys.exit(0 if need <= 0.9 * have else 1)

@@ -203,7 +203,8 @@ from ringflash.train.config import load_config
 from ringflash.train.memory import predict
 cfg = load_config(sys.argv[1])
 p = predict(cfg.model, cfg.data.seq_len, cfg.data.batch_size, dp=1, cp=cfg.parallel.cp, fsdp=cfg.parallel.fsdp,
-            activation_checkpointing=cfg.train.activation_checkpointing)
+            activation_checkpointing=cfg.train.activation_checkpointing,
+            recompute_attention=cfg.train.recompute_attention)
 print("predicted per GPU, GiB: " + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in p.items()))
 total = torch.cuda.mem_get_info()[1] if torch.cuda.is_available() else None
 fits = total is not None and p["peak"] < 0.9 * total

@@ -250,7 +250,11 @@ def _attend(q, k, v, flash: FlashArgs, softmax_scale, causal, group, options: Ca
     if error is not None:
         _refuse(error, comm, check_ranks, q, k, causal, layout)
     vis, mask_kwargs = op_args(mask)
-    o, lse, _ = (ops.ring_attn if compiling else ops.ring_attn_eager)(
+    # A dispatch mode (selective activation checkpointing keeping attention's outputs, FlopCounterMode)
+    # sees the ring as one op only through the dispatcher; otherwise the plain autograd.Function
+    # saves its host time.
+    dispatched = compiling or torch._C._len_torch_dispatch_stack() > 0
+    o, lse, _ = (ops.ring_attn if dispatched else ops.ring_attn_eager)(
         q,
         k,
         v,

@@ -244,6 +244,13 @@ class TrainConfig:
         "auto", "Autocast dtype; auto means bfloat16 on CUDA, float32 on CPU.", ("auto", "bfloat16", "float32")
     )
     activation_checkpointing: bool = opt(False, "Recompute each block in the backward pass.")
+    recompute_attention: bool = opt(
+        True,
+        "With activation_checkpointing: recompute attention with the rest of each block, its ring "
+        "transfers included (true), or keep attention's outputs from the forward (false: no second "
+        "attention forward, for its output, LSE and the K/V that came home: about (2·H·D + 4·H_kv·D) "
+        "bytes a token a layer in bf16).",
+    )
     compile: bool = opt(False, "torch.compile the norms and SwiGLU of each block; attention stays eager.")
     seed: int = opt(0, "Seed of the parameter init (identical on every rank).")
     strict_lr: bool = opt(

@@ -111,6 +111,7 @@ def predict(
     activation_checkpointing: bool = False,
     dtype: str = "bfloat16",
     rank: int = 0,
+    recompute_attention: bool = True,
 ) -> dict[str, int]:
     """Predicted bytes on one rank (`rank` of dp·cp; rank 0 holds the largest shards) for our model.
 
@@ -118,6 +119,8 @@ def predict(
     `dtype` the compute dtype (train.dtype's, FSDP's param_dtype: bfloat16 on GPUs). Returns
     weights, gradients, optimizer, working_weights (FSDP's gathered blocks and root, or autocast's
     bf16 weight copies plus DDP's gradient buckets), activations, ring and peak (the sum).
+    `recompute_attention=False` (with activation checkpointing): every layer also keeps its
+    attention's outputs (`kept_attention_bytes_per_token`).
     """
     if dtype not in _BYTES:
         raise ValueError(f"dtype must be one of {', '.join(_BYTES)}, got {dtype!r}")
@@ -145,6 +148,8 @@ def predict(
     if activation_checkpointing:
         # Each block keeps its input; the backward recomputes one block at a time.
         layers = per["residual"] * model_cfg.n_layers + per["block"]
+        if not recompute_attention:
+            layers += kept_attention_bytes_per_token(model_cfg, dtype, cp) * model_cfg.n_layers
     else:
         layers = per["block"] * model_cfg.n_layers
     # The backward of the top block (or the head) holds the gradients of its activations too.
@@ -176,6 +181,15 @@ def _shapes(fields: tuple) -> tuple[tuple[tuple[int, ...], ...], int, int]:
     block = sum(p.numel() for p in model.blocks[0].parameters())
     matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
     return shapes, block, matmul
+
+
+def kept_attention_bytes_per_token(cfg: ModelConfig, dtype: str, cp: int) -> float:
+    """What one layer's attention keeps per local token through activation checkpointing when it is
+    not recomputed (`train.recompute_attention = false`): its output, its float32 LSE and, on a
+    ring (cp > 1), the packed K/V that came home for the backward."""
+    b, hd = _BYTES[dtype], cfg.dim // cfg.n_heads
+    kv_home = 2 * cfg.n_kv_heads * hd * b if cp > 1 else 0
+    return cfg.n_heads * hd * b + 4 * cfg.n_heads + kv_home
 
 
 def ring_bytes_per_token(cfg: ModelConfig, dtype: str, cp: int) -> float:

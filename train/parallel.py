@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import functools
 import inspect
 import os
 import warnings
@@ -305,7 +306,7 @@ def parallelize(model: nn.Module, pc: ParallelContext, cfg: Config) -> nn.Module
         if cfg.train.activation_checkpointing:
             # Non-reentrant checkpointing replays the ring (and its communication) in backward;
             # every rank replays the same blocks in the same order, so the collectives still match.
-            model.blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+            model.blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False, **checkpoint_options(cfg))
     return _replicate_or_shard(model, pc, cfg)
 
 
@@ -404,6 +405,25 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> torch
     return norm
 
 
+def checkpoint_options(cfg: Config) -> dict:
+    """`torch.utils.checkpoint`'s keywords for the run: with `train.recompute_attention = false`, a
+    selective policy that keeps the outputs of ringflash's attention ops (ring, all-gather, one
+    device's kernels) and recomputes everything else."""
+    if cfg.train.recompute_attention:
+        return {}
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return {"context_fn": functools.partial(create_selective_checkpoint_contexts, _keep_attention)}
+
+
+def _keep_attention(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    ops = torch.ops.ringflash
+    keep = op in (ops.ring_attn.default, ops.allgather_attn.default, ops.attn_fwd.default)
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
 def parallelize_hf(model: nn.Module, pc: ParallelContext, cfg: Config) -> nn.Module:
     """`parallelize` for a transformers model (`model.kind = hf`, a `train.hf_model.HFCausalLM`):
     its layers' attention becomes ringflash.hf's over the cp group, by `parallel.cp_scheme`; then
@@ -425,7 +445,8 @@ def parallelize_hf(model: nn.Module, pc: ParallelContext, cfg: Config) -> nn.Mod
                 if hasattr(layer, name):
                     setattr(layer, name, torch.compile(getattr(layer, name)))
     if cfg.train.activation_checkpointing:
-        model.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.hf.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False, **checkpoint_options(cfg)})
     return _replicate_or_shard(model, pc, cfg)
 
 
