@@ -102,7 +102,7 @@ def ring_flash_attn_func(
         window_size: flash_attn's `(left, right)`: with causal `(w - 1, 0)`; without, query i sees
             keys i − left ... i + right by global position (-1: no limit).
         alibi_slopes: must be None (no ALiBi).
-        deterministic: accepted (the Triton and reference backwards are); refused with backends cudnn and hopper.
+        deterministic: the Triton and reference backwards are (what `auto` then runs); refused with cudnn and hopper.
         return_attn_probs: also return `lse (B, H, N_local)` float32, natural log (not
             differentiable): `(o, lse, None)`, as flash_attn does without dropout.
         group: the context-parallel process group; None: the default group, or this process alone.
