@@ -63,8 +63,8 @@ from ringflash.ring import kv_views, ring_backward, ring_forward
 from ringflash.transport import Transport, ring_comm
 
 __all__ = [
-    "add_sink", "announce_rejection", "check_sink", "group_name", "ring_attn", "ring_attn_bwd", "ring_attn_eager",
-    "sink_grad", "sink_slice",
+    "add_sink", "announce_rejection", "check_sink", "group_name", "keep_attention_outputs", "ring_attn",
+    "ring_attn_bwd", "ring_attn_eager", "sink_grad", "sink_slice",
 ]
 
 
@@ -319,3 +319,22 @@ def ring_attn_eager(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """`ring_attn(q, k, v, mask_vis, learnable_sink, **kwargs)` in eager mode, by `_EagerRingAttn`."""
     return _EagerRingAttn.apply(q, k, v, learnable_sink, kwargs, *mask_vis)
+
+
+def keep_attention_outputs():
+    """`context_fn` for `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`: keep the
+    outputs of ringflash's attention (the ring, the all-gather, one device's kernels) through
+    activation checkpointing and recompute the rest, so that the backward does not run attention,
+    and its transfers, again. Costs each call's output, LSE and the K/V that came home.
+    (`ringflash.api` calls the ring through the dispatcher while the policy's mode is active.)"""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_keep_attention)
+
+
+def _keep_attention(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    ours = torch.ops.ringflash
+    keep = op in (ours.ring_attn.default, ours.allgather_attn.default, ours.attn_fwd.default)
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE

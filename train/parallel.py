@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import functools
 import inspect
 import os
 import warnings
@@ -406,22 +405,9 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> torch
 
 
 def checkpoint_options(cfg: Config) -> dict:
-    """`torch.utils.checkpoint`'s keywords for the run: with `train.recompute_attention = false`, a
-    selective policy that keeps the outputs of ringflash's attention ops (ring, all-gather, one
-    device's kernels) and recomputes everything else."""
-    if cfg.train.recompute_attention:
-        return {}
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
-    return {"context_fn": functools.partial(create_selective_checkpoint_contexts, _keep_attention)}
-
-
-def _keep_attention(ctx, op, *args, **kwargs):
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    ops = torch.ops.ringflash
-    keep = op in (ops.ring_attn.default, ops.allgather_attn.default, ops.attn_fwd.default)
-    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+    """`torch.utils.checkpoint`'s keywords for the run: with `train.recompute_attention = false`,
+    keep attention's outputs (`ringflash.ops.keep_attention_outputs`) and recompute the rest."""
+    return {} if cfg.train.recompute_attention else {"context_fn": ringflash.ops.keep_attention_outputs}
 
 
 def parallelize_hf(model: nn.Module, pc: ParallelContext, cfg: Config) -> nn.Module:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import importlib.util
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -294,6 +295,21 @@ class _RecomputeMarks:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+
+
+def gather_and_write(mine: dict, step: int, run_dir: Path, is_main: bool) -> list[str]:
+    """Every rank's breakdown (`mine`, this rank's) gathered to rank 0, which writes them all to
+    <run dir>/profile_step<N>.json and returns the lines to print (the other ranks: none)."""
+    import torch.distributed as dist
+
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, mine)
+    if not is_main:
+        return []
+    path = run_dir / f"profile_step{step}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"step": step, "world": len(per_rank), "ranks": per_rank}, indent=1) + "\n")
+    return summary_lines(step, per_rank, path)
 
 
 def summary_lines(step: int, per_rank: list[dict], path: Path) -> list[str]:

@@ -13,7 +13,6 @@ on one rank.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import time
 from collections.abc import Callable
@@ -53,7 +52,7 @@ from ringflash.train.parallel import (
     shard_batch,
 )
 from ringflash.train.runs import Run, resolve_run
-from ringflash.train.step_profile import StepProfile, phase_range, ringflash_kernels, summary_lines
+from ringflash.train.step_profile import StepProfile, gather_and_write, phase_range, ringflash_kernels
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -442,18 +441,10 @@ class _Session:
             window.reset()
 
     def report_profile(self, step: int, prof: StepProfile, flops: float) -> None:
-        """Every rank's breakdown of the profiled step, gathered to rank 0, which prints its own and
-        writes them all to <run dir>/profile_step<N>.json."""
-        world = self.pc.dims.world_size
-        mine = prof.breakdown(ringflash_kernels(), flops, world, self.peak)
-        per_rank = [None] * world
-        dist.all_gather_object(per_rank, mine)
-        if self.pc.is_main:
-            path = self.run_dir / f"profile_step{step}.json"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({"step": step, "world": world, "ranks": per_rank}, indent=1) + "\n")
-            for line in summary_lines(step, per_rank, path):
-                self.log.print(line)
+        """Every rank's breakdown of the profiled step; rank 0 prints its own and writes them all."""
+        mine = prof.breakdown(ringflash_kernels(), flops, self.pc.dims.world_size, self.peak)
+        for line in gather_and_write(mine, step, self.run_dir, self.pc.is_main):
+            self.log.print(line)
 
     def run_steps(self, step: int, stop: int, heldout: HeldOut | None, result: TrainResult, t_start: float) -> int:
         """Step from `step` to `stop` (or until train.max_minutes); return the step reached."""

@@ -76,3 +76,33 @@ def test_the_memory_prediction_counts_the_kept_outputs():
     assert kept["activations"] - recomputed["activations"] == 2048 * 2 * kept_attention_bytes_per_token(
         cfg, "bfloat16", 2)
     assert predict(cfg, 4096, cp=2, recompute_attention=False) == predict(cfg, 4096, cp=2)  # nothing checkpointed
+
+
+def test_a_users_own_checkpointing_keeps_the_ring_output(monkeypatch):
+    """`context_fn=ringflash.ops.keep_attention_outputs` in a user's own checkpointed block (one
+    process): one ring forward instead of two, and the gradients of plain checkpointing."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    import ringflash
+    from ringflash import ops
+
+    calls, real = [], ops.ring_forward
+    monkeypatch.setattr(ops, "ring_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    torch.manual_seed(0)
+    proj, x = torch.nn.Linear(32, 96), torch.randn(2, 64, 32)
+
+    def block(x):
+        q, k, v = proj(x).view(2, 64, 3, 4, 8).unbind(2)
+        return ringflash.ring_flash_attn_func(q, k, v, causal=True).square().sum()
+
+    grads = []
+    for context_fn in (None, ops.keep_attention_outputs):
+        calls.clear()
+        proj.zero_grad()
+        kwargs = {} if context_fn is None else {"context_fn": context_fn}
+        checkpoint(block, x, use_reentrant=False, **kwargs).backward()
+        grads.append((proj.weight.grad.clone(), len(calls)))
+    (plain, plain_calls), (kept, kept_calls) = grads
+    assert (plain_calls, kept_calls) == (2, 1)
+    torch.testing.assert_close(kept, plain, rtol=1e-6, atol=1e-6)
