@@ -262,8 +262,10 @@ class _Cudnn(_Unfused):
 
 
 _BY_NAME: dict[str, Backend] = {b.name: b for b in (_Triton(), _Reference(), _Cudnn(), _Hopper())}
-_STRICT_HOPPER = _Hopper(strict=True)
-_AUTO_HOPPER = _Hopper(chosen_as="auto")  # its warnings name what the caller chose
+# The hopper backend by (strict, the name the caller chose: "hopper", or "auto" on an H100/H200,
+# which its messages name): one instance each, so that each warns once per reason.
+_HOPPERS = {(strict, chosen): _Hopper(strict, chosen) for strict in (False, True) for chosen in ("hopper", "auto")}
+_HOPPERS[False, "hopper"] = _BY_NAME["hopper"]
 
 
 @torch.compiler.assume_constant_result  # a property of the machine: traced code takes its value
@@ -320,10 +322,9 @@ def get_backend(backend: str | Backend | None, device: torch.device, *, strict: 
         choice, source = os.environ.get(ENV, "auto"), ENV
     if choice not in BACKENDS:
         raise ValueError(f"{source} must be one of {BACKENDS}, got {choice!r}")
+    chosen = choice
     if choice == "auto":
         choice = auto_backend(device, deterministic)
-        if choice == "hopper" and not strict:
-            return _AUTO_HOPPER
     if choice == "cudnn" and device.type != "cuda":
         raise ValueError(f"{source}='cudnn' needs CUDA tensors, got {device.type} ones: use 'auto' or 'reference'")
     if choice in ("triton", "hopper") and device.type != "cuda" and not interpreting():
@@ -331,4 +332,4 @@ def get_backend(backend: str | Backend | None, device: torch.device, *, strict: 
             f"backend={choice!r} on a {device.type} tensor needs the Triton interpreter: "
             "set TRITON_INTERPRET=1 before importing triton, or use backend='reference'"
         )
-    return _STRICT_HOPPER if strict and choice == "hopper" else _BY_NAME[choice]
+    return _HOPPERS[strict, chosen] if choice == "hopper" else _BY_NAME[choice]

@@ -198,8 +198,8 @@ def collect(events) -> tuple[list[Kernel], dict[str, list[tuple[float, float]]]]
     `correlation_id()`, `linked_correlation_id()`, `is_user_annotation()`), times in µs from the first.
 
     A kernel's launch time is its CUDA runtime/driver launch event's start (same correlation id),
-    else the start of the CPU op it is linked to. The raw events, not `prof.events()`: before torch
-    2.13 a FunctionEvent does not carry the link, and every kernel would be unlinked.
+    else the start of the CPU op it is linked to. The raw events, not `prof.events()`: torch 2.11's
+    FunctionEvent does not carry the link (2.13's does), and there every kernel came out unlinked.
     """
     from torch.autograd import DeviceType
 
